@@ -1,0 +1,60 @@
+"""L3 storage tier: versioned page keys, the page codec and async page stores.
+
+``StorageBackend`` is the contract; ``FileStorage`` (local directory, the embedded default)
+and ``ValkeyStorage`` (Valkey/Redis, single node or cluster) implement it.  The optional
+Mooncake backend lives in ``hicache.storage.mooncake`` and is not imported here, so this
+package never needs the ``mooncake`` wheel.
+"""
+
+from __future__ import annotations
+
+from hicache.storage.base import StorageBackend
+from hicache.storage.codec import PageStatus, decode_page_into, encode_page
+from hicache.storage.errors import (
+    InvalidBufferError,
+    InvalidStorageKeyError,
+    StorageClosedError,
+    StorageError,
+    StorageTimeout,
+    StorageUnavailableError,
+)
+from hicache.storage.file import FileStorage
+from hicache.storage.keys import (
+    KEY_FORMAT_VERSION,
+    ROOT_HASH,
+    ExtraKey,
+    PageKey,
+    StorageComponent,
+    extend_page_hashes,
+    format_page_key,
+    page_keys,
+    parse_page_key,
+)
+from hicache.storage.stats import StorageStats
+from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
+
+__all__ = [
+    "KEY_FORMAT_VERSION",
+    "ROOT_HASH",
+    "ExtraKey",
+    "FileStorage",
+    "InvalidBufferError",
+    "InvalidStorageKeyError",
+    "PageKey",
+    "PageStatus",
+    "StorageBackend",
+    "StorageClosedError",
+    "StorageComponent",
+    "StorageError",
+    "StorageStats",
+    "StorageTimeout",
+    "StorageUnavailableError",
+    "ValkeyConfig",
+    "ValkeyStorage",
+    "decode_page_into",
+    "encode_page",
+    "extend_page_hashes",
+    "format_page_key",
+    "page_keys",
+    "parse_page_key",
+]

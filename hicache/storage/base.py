@@ -1,0 +1,180 @@
+"""``StorageBackend``: the async contract every L3 store implements.
+
+Public methods validate their arguments (raising typed errors for caller mistakes), then call
+the backend's ``_exists``/``_get``/``_put``/``_delete`` under one deadline.  Transport trouble
+never escapes: a backend raises ``StorageUnavailableError`` or ``StorageTimeout`` (or the
+deadline fires) and the caller sees a miss (``0``), with the failure counted in ``stats()``.
+This keeps the cache service simple: the L3 tier can only make it faster, never fail it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import TypeVar
+
+import anyio
+import torch
+
+from hicache.storage.codec import check_buffer
+from hicache.storage.errors import (
+    InvalidBufferError,
+    StorageClosedError,
+    StorageUnavailableError,
+)
+from hicache.storage.keys import PageKey, validate_keys
+from hicache.storage.stats import StatsCounter, StorageStats
+
+__all__ = ["StorageBackend"]
+
+_log = logging.getLogger(__name__)
+_B = TypeVar("_B", bound="StorageBackend")
+
+
+class StorageBackend(abc.ABC):
+    """An async page store keyed by versioned page keys (see ``hicache.storage.keys``).
+
+    Pages of one batch are ordered: results count *leading* pages, because a prefix cache can
+    only use pages up to the first gap.  Each public call is bounded by ``op_timeout_s``
+    (``None`` = no deadline).  Use it as an async context manager, or call ``close()``.
+    """
+
+    def __init__(self, *, op_timeout_s: float | None) -> None:
+        if op_timeout_s is not None and op_timeout_s <= 0:
+            raise ValueError(f"op_timeout_s must be positive or None, not {op_timeout_s!r}")
+        self._op_timeout_s = op_timeout_s
+        self._counters = StatsCounter()
+        self._closed = False
+
+    # -- public contract ------------------------------------------------------------------
+
+    def stats(self) -> StorageStats:
+        """Return a snapshot of this backend's counters."""
+        return self._counters.snapshot()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        """Return how many leading ``keys`` are stored (stopping at the first miss).
+
+        Raises ``InvalidStorageKeyError`` for a malformed key and ``StorageClosedError`` after
+        ``close()``; a store failure or timeout returns 0.
+        """
+        parsed = self._prepare(keys)
+        if not parsed:
+            return 0
+        return await self._guarded("exists", lambda: self._exists(parsed))
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
+        """Read pages ``keys[i]`` into ``buffers[i]`` in order; return how many leading pages
+        were read.
+
+        Mutates ``buffers[:n]`` (``n`` = the result); a buffer past ``n`` may be filled or
+        untouched but is never partially written.  A page that is missing, fails its checksum
+        or differs in size from its buffer is a miss and stops the read.  Raises
+        ``InvalidStorageKeyError``/``InvalidBufferError`` for bad arguments (buffers must be
+        contiguous CPU tensors, one per key) and ``StorageClosedError`` after ``close()``.
+        """
+        parsed = self._prepare(keys)
+        self._check_buffers(parsed, buffers)
+        if not parsed:
+            return 0
+        return await self._guarded("get", lambda: self._get(parsed, buffers))
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
+        """Store ``buffers[i]`` under ``keys[i]``; return how many leading pages were stored.
+
+        Buffers are read, not mutated.  A full store, a failure or a timeout stores fewer
+        (possibly 0).  Storing an existing key keeps one copy (keys name content, so the
+        bytes are the same).  Raises like ``get`` for bad arguments.
+        """
+        parsed = self._prepare(keys)
+        self._check_buffers(parsed, buffers)
+        if not parsed:
+            return 0
+        return await self._guarded("put", lambda: self._put(parsed, buffers))
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove ``keys`` if present (missing keys are fine); failures are only counted."""
+        parsed = self._prepare(keys)
+        if parsed:
+            await self._guarded("delete", lambda: self._delete_counted(parsed))
+
+    async def close(self) -> None:
+        """Release connections and files; later calls raise ``StorageClosedError``.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await self._close()
+
+    async def __aenter__(self: _B) -> _B:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- what a backend implements --------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _exists(self, keys: Sequence[PageKey]) -> int:
+        """Return the number of leading stored keys (``keys`` is non-empty and valid)."""
+
+    @abc.abstractmethod
+    async def _get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        """Fill leading buffers; count reads, corrupt pages and bytes in ``self._counters``."""
+
+    @abc.abstractmethod
+    async def _put(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        """Store leading pages; count writes and bytes in ``self._counters``."""
+
+    @abc.abstractmethod
+    async def _delete(self, keys: Sequence[PageKey]) -> None:
+        """Remove the keys that are present."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Release resources; called once."""
+
+    # -- shared plumbing ------------------------------------------------------------------
+
+    def _prepare(self, keys: Sequence[str]) -> list[PageKey]:
+        if self._closed:
+            raise StorageClosedError(f"{type(self).__name__} is closed")
+        return validate_keys(keys)
+
+    @staticmethod
+    def _check_buffers(keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> None:
+        if len(buffers) != len(keys):
+            raise InvalidBufferError(f"{len(keys)} keys but {len(buffers)} buffers")
+        for buffer in buffers:
+            check_buffer(buffer)
+
+    async def _delete_counted(self, keys: Sequence[PageKey]) -> int:
+        await self._delete(keys)
+        return 0
+
+    async def _guarded(self, op: str, call: Callable[[], Awaitable[int]]) -> int:
+        """Run ``call`` under the deadline; turn timeouts and store failures into 0."""
+        try:
+            with anyio.fail_after(self._op_timeout_s):
+                return await call()
+        except TimeoutError:  # anyio's deadline, or a backend's StorageTimeout
+            self._counters.timeouts += 1
+            _log.warning("%s %s timed out", type(self).__name__, op)
+        except StorageUnavailableError as exc:
+            self._counters.errors += 1
+            _log.warning("%s %s failed: %s", type(self).__name__, op, exc)
+        return 0

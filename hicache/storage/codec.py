@@ -1,0 +1,101 @@
+"""The on-store format of one page: a fixed header followed by the tensor's raw bytes.
+
+Header (little-endian, ``HEADER_SIZE`` bytes)::
+
+    magic b"URCP" | format version u16 | reserved u16 | payload length u64 | crc32 u32
+
+Every backend stores exactly ``encode_page(buffer)`` and checks reads with
+``decode_page_into``, so a torn write, a truncated file or a value from another program is
+detected before a single byte reaches the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from enum import Enum
+
+import numpy as np
+import torch
+
+from hicache.storage.errors import InvalidBufferError
+
+__all__ = [
+    "HEADER_SIZE",
+    "PAGE_FORMAT_VERSION",
+    "PAGE_MAGIC",
+    "PageStatus",
+    "buffer_bytes",
+    "check_buffer",
+    "decode_page_into",
+    "encode_page",
+]
+
+PAGE_MAGIC = b"URCP"
+PAGE_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQI")
+HEADER_SIZE = _HEADER.size
+
+
+class PageStatus(Enum):
+    """Outcome of decoding one stored page into a buffer."""
+
+    OK = "ok"
+    """The payload was verified and copied into the buffer."""
+    CORRUPT = "corrupt"
+    """Bad magic, version, length or checksum: the stored value is damaged (delete it)."""
+    SIZE_MISMATCH = "size_mismatch"
+    """A sound page whose size differs from the buffer's: a miss, the value is kept."""
+
+
+def check_buffer(buffer: torch.Tensor) -> None:
+    """Raise ``InvalidBufferError`` unless ``buffer`` is a contiguous CPU tensor."""
+    if not isinstance(buffer, torch.Tensor):
+        raise InvalidBufferError(f"a page buffer must be a torch.Tensor, not {type(buffer)!r}")
+    if buffer.device.type != "cpu":
+        raise InvalidBufferError(f"a page buffer must be on the CPU, not {buffer.device}")
+    if not buffer.is_contiguous():
+        raise InvalidBufferError("a page buffer must be contiguous")
+
+
+def buffer_bytes(buffer: torch.Tensor) -> np.ndarray:
+    """Return a writable uint8 numpy view of ``buffer``'s memory (no copy).
+
+    ``buffer`` must pass ``check_buffer``.  Flattening first lets ``view(torch.uint8)``
+    reinterpret any element size; ``detach`` keeps autograd out of it.
+    """
+    array: np.ndarray = buffer.detach().reshape(-1).view(torch.uint8).numpy()
+    return array
+
+
+def encode_page(buffer: torch.Tensor) -> bytes:
+    """Return header + raw bytes of ``buffer`` (one copy); ``buffer`` is not mutated."""
+    check_buffer(buffer)
+    payload = buffer_bytes(buffer)
+    header = _HEADER.pack(
+        PAGE_MAGIC, PAGE_FORMAT_VERSION, 0, payload.nbytes, zlib.crc32(payload.data)
+    )
+    return header + payload.tobytes()
+
+
+def decode_page_into(data: bytes | bytearray | memoryview, buffer: torch.Tensor) -> PageStatus:
+    """Verify one stored page and, only if it is sound and fits, copy it into ``buffer``.
+
+    Returns ``PageStatus.OK`` after filling ``buffer`` completely; any other status leaves
+    ``buffer`` untouched (never a partial write).  ``buffer`` must pass ``check_buffer``.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER_SIZE:
+        return PageStatus.CORRUPT
+    magic, version, _reserved, length, crc = _HEADER.unpack_from(view)
+    if magic != PAGE_MAGIC or version != PAGE_FORMAT_VERSION or length != len(view) - HEADER_SIZE:
+        return PageStatus.CORRUPT
+    payload = view[HEADER_SIZE:]
+    if zlib.crc32(payload) != crc:
+        return PageStatus.CORRUPT
+    target = buffer_bytes(buffer)
+    if target.nbytes != length:
+        return PageStatus.SIZE_MISMATCH
+    # numpy copies from a read-only source without the warning torch.frombuffer would raise.
+    target[:] = np.frombuffer(payload, dtype=np.uint8)
+    return PageStatus.OK

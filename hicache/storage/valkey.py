@@ -1,0 +1,217 @@
+"""``ValkeyStorage``: a shared L3 tier on Valkey or Redis (one node or a cluster).
+
+Each page is one string value ``<key_prefix><page key>`` holding ``encode_page(buffer)``.
+Every batch is one pipeline (``transaction=False``): a single round trip to a single node;
+on a cluster, redis-py's ``ClusterPipeline`` maps each key to its hash slot's node and sends
+one batch per node, so a batch costs one round trip per node, never one per key.  Keys carry
+no hash tag on purpose: pages spread over all slots and so over all nodes.
+
+Capacity is the server's job: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
+(the test fixtures do), so old pages are evicted instead of writes failing; ``ttl_s`` adds an
+expiry per page on top.  A failed write (e.g. ``OOM`` under ``noeviction``) stores fewer pages.
+
+Faults degrade: a refused connection, a reset or a socket timeout counts an error or a
+timeout and reads as a miss.  The client reconnects on the next call, so a restarted server is
+used again without rebuilding the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from hicache.storage.base import StorageBackend
+from hicache.storage.codec import PageStatus, decode_page_into, encode_page
+from hicache.storage.errors import StorageTimeout, StorageUnavailableError
+from hicache.storage.keys import PageKey
+from urc.errors import ConfigError
+
+__all__ = ["ValkeyConfig", "ValkeyStorage"]
+
+_log = logging.getLogger(__name__)
+# Braces would form a hash tag and pin every page to one slot; spaces and the like have no use.
+_PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
+
+
+@dataclass(frozen=True)
+class ValkeyConfig:
+    """Where and how to reach the store.
+
+    ``addresses``: ``(host, port)`` pairs; one for a single node, any number of seed nodes
+    for a cluster (``cluster=True``).  ``socket_timeout_s`` bounds each network read/write,
+    ``op_timeout_s`` a whole batch (retries included).  ``retries``: reconnect attempts per
+    call after a connection error (1 = transparently replace a dead pooled connection).
+    """
+
+    addresses: tuple[tuple[str, int], ...] = (("127.0.0.1", 6379),)
+    cluster: bool = False
+    connect_timeout_s: float = 1.0
+    socket_timeout_s: float = 2.0
+    op_timeout_s: float = 5.0
+    key_prefix: str = ""
+    ttl_s: int | None = None
+    retries: int = 1
+    username: str | None = None
+    password: str | None = None
+    max_connections: int = 32
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ConfigError("ValkeyConfig needs at least one address")
+        if not self.cluster and len(self.addresses) != 1:
+            raise ConfigError("a single-node ValkeyConfig takes exactly one address")
+        if not _PREFIX.fullmatch(self.key_prefix):
+            raise ConfigError(f"key_prefix may use [A-Za-z0-9_.:-] only: {self.key_prefix!r}")
+        if self.ttl_s is not None and self.ttl_s < 1:
+            raise ConfigError(f"ttl_s must be >= 1 or None, not {self.ttl_s!r}")
+        if min(self.connect_timeout_s, self.socket_timeout_s, self.op_timeout_s) <= 0:
+            raise ConfigError("timeouts must be positive")
+        if self.retries < 0 or self.max_connections < 1:
+            raise ConfigError("retries must be >= 0 and max_connections >= 1")
+
+
+def _encode_all(buffers: Sequence[torch.Tensor]) -> list[bytes]:
+    return [encode_page(buffer) for buffer in buffers]
+
+
+def _decode_leading(values: Sequence[Any], buffers: Sequence[torch.Tensor]) -> list[PageStatus]:
+    """Decode values into buffers in order, stopping after the first non-OK page."""
+    statuses: list[PageStatus] = []
+    for value, buffer in zip(values, buffers, strict=False):
+        status = decode_page_into(value, buffer)
+        statuses.append(status)
+        if status is not PageStatus.OK:
+            break
+    return statuses
+
+
+class ValkeyStorage(StorageBackend):
+    """Pages in Valkey/Redis over ``redis.asyncio``; see the module docstring for the design.
+
+    Creating it does not connect; the first call does.  ``close()`` closes the client.
+    """
+
+    def __init__(self, config: ValkeyConfig) -> None:
+        super().__init__(op_timeout_s=config.op_timeout_s)
+        self._config = config
+        common: dict[str, Any] = {
+            "socket_timeout": config.socket_timeout_s,
+            "socket_connect_timeout": config.connect_timeout_s,
+            "retry": Retry(NoBackoff(), config.retries),
+            "username": config.username,
+            "password": config.password,
+            "max_connections": config.max_connections,
+        }
+        self._client: Redis | RedisCluster
+        if config.cluster:
+            nodes = [ClusterNode(host, port) for host, port in config.addresses]
+            self._client = RedisCluster(startup_nodes=nodes, **common)
+        else:
+            host, port = config.addresses[0]
+            self._client = Redis(host=host, port=port, **common)
+
+    @property
+    def config(self) -> ValkeyConfig:
+        """The configuration this backend was built with."""
+        return self._config
+
+    def _name(self, key: PageKey) -> str:
+        return f"{self._config.key_prefix}{key}"
+
+    async def _batch(self, queue: Callable[[Any], None]) -> list[Any]:
+        """Run one non-transactional pipeline filled by ``queue``; map transport errors.
+
+        Per-command errors come back in the result list (``raise_on_error=False``) so one
+        failing key does not hide the results before it.
+        """
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                queue(pipe)
+                results: list[Any] = await pipe.execute(raise_on_error=False)
+                return results
+        except RedisTimeoutError as exc:
+            raise StorageTimeout(str(exc)) from exc
+        except (RedisError, OSError) as exc:
+            raise StorageUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _leading(self, results: Sequence[Any], ok: Callable[[Any], bool]) -> int:
+        count = 0
+        for result in results:
+            if isinstance(result, Exception):
+                self._counters.errors += 1
+                _log.warning("valkey command failed: %s", result)
+                break
+            if not ok(result):
+                break
+            count += 1
+        return count
+
+    async def _exists(self, keys: Sequence[PageKey]) -> int:
+        def queue(pipe: Any) -> None:
+            for key in keys:
+                pipe.exists(self._name(key))
+
+        return self._leading(await self._batch(queue), lambda found: bool(found))
+
+    async def _get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        def queue(pipe: Any) -> None:
+            for key in keys:
+                pipe.get(self._name(key))
+
+        values = await self._batch(queue)
+        present = values[: self._leading(values, lambda value: value is not None)]
+        # Checksumming megabytes would stall the event loop; zlib releases the GIL.
+        statuses = await anyio.to_thread.run_sync(_decode_leading, present, buffers)
+        read = 0
+        for key, buffer, status in zip(keys, buffers, statuses, strict=False):
+            if status is PageStatus.CORRUPT:
+                self._counters.corrupt += 1
+                await self._unlink_quietly(key)
+            if status is not PageStatus.OK:
+                break
+            self._counters.record_read(buffer.nbytes)
+            read += 1
+        return read
+
+    async def _put(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        values = await anyio.to_thread.run_sync(_encode_all, buffers)
+
+        def queue(pipe: Any) -> None:
+            for key, value in zip(keys, values, strict=True):
+                pipe.set(self._name(key), value, ex=self._config.ttl_s)
+
+        stored = self._leading(await self._batch(queue), lambda reply: bool(reply))
+        for buffer in buffers[:stored]:
+            self._counters.record_write(buffer.nbytes)
+        return stored
+
+    async def _unlink_quietly(self, key: PageKey) -> None:
+        """Drop a damaged value (it is never useful); a failure here is only counted."""
+        try:
+            await self._client.unlink(self._name(key))
+        except (RedisError, OSError) as exc:
+            self._counters.errors += 1
+            _log.warning("could not drop corrupt %s: %s", key, exc)
+
+    async def _delete(self, keys: Sequence[PageKey]) -> None:
+        def queue(pipe: Any) -> None:
+            for key in keys:
+                # Not ``pipe.unlink``: the cluster pipeline's multi-key helper is a coroutine.
+                pipe.execute_command("UNLINK", self._name(key))
+
+        self._leading(await self._batch(queue), lambda _reply: True)
+
+    async def _close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,891 @@
+"""``UnifiedRadixCache``: one radix tree over token ids for every kind of cached model state.
+
+The synchronous core, with SGLang's ``UnifiedRadixCache`` surface (method names, parameter and
+result dataclasses, semantics).  The tree is logical: it matches keys, splits nodes, keeps the
+clock and the node structure, and calls component hooks (``urc.components``) for everything
+physical.  FULL is the anchor component: a node lives while its Full data lives on some tier.
+
+Costs (K = key length, D = nodes on the path): match and insert are O(K) token comparisons
+(one C-level slice comparison per node) plus O(D) interpreter work and O(1) torch calls;
+lock/unlock are O(D); evict is O(k log n) for k evicted leaves.
+
+Not thread-safe: one owner mutates it (the async service's actor task, or a scheduler loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from urc.components import component_class
+from urc.components.base import MatchValidator, TreeComponent
+from urc.components.full import FullComponent
+from urc.config import CacheConfig, CachePools
+from urc.errors import (
+    InvalidIndicesError,
+    InvalidInputError,
+    InvalidLockError,
+    KeyValueMismatchError,
+)
+from urc.key import RadixKey
+from urc.params import (
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from urc.req import Req
+from urc.stats import CacheCounters, CacheStats, ComponentStats
+from urc.tree import NUM_COMPONENT_TYPES, ComponentData, ComponentType, Tier, TreeNode
+
+__all__ = ["UnifiedRadixCache"]
+
+_FULL = 0
+# Child keys of the root's namespaced children are (_NS, namespace, first page): the sentinel
+# keeps them from ever colliding with a plain (or bigram) token key.
+_NS = object()
+# Compare this many tokens per C-level slice comparison when locating a mismatch.
+_SCAN_STEP = 64
+
+
+def _overrides(component: TreeComponent, hook: str) -> bool:
+    return getattr(type(component), hook) is not getattr(TreeComponent, hook)
+
+
+class UnifiedRadixCache:
+    """The radix tree and its components (see the module docstring)."""
+
+    def __init__(self, config: CacheConfig, pools: CachePools) -> None:
+        self.config = config
+        self.pools = pools
+        self.page_size = config.page_size
+        self.device = torch.device(config.device)
+        self.is_eagle = config.is_eagle
+        self.req_to_token_pool = pools.req_to_token_pool
+        self.token_to_kv_pool_allocator = pools.token_allocator
+        self._free_full = pools.token_allocator.free
+        self.num_nodes = 0
+        self._clock = 0
+        self.counters = CacheCounters()
+        self.components: list[TreeComponent] = [
+            component_class(ct)(self) for ct in config.components
+        ]
+        full = self.components[0]
+        assert isinstance(full, FullComponent)
+        self.full: FullComponent = full
+        self._by_type: dict[ComponentType, TreeComponent] = {
+            c.component_type: c for c in self.components
+        }
+        comps = self.components
+
+        def hooked(name: str) -> list[TreeComponent]:
+            return [c for c in comps if _overrides(c, name)]
+
+        self._validating = hooked("create_match_validator")
+        self._match_end_hooks = hooked("on_match_end")
+        self._finalize_hooks = hooked("finalize_match_result")
+        self._overlap_hooks = hooked("update_component_on_insert_overlap")
+        self._commit_hooks = hooked("commit_insert_component_data")
+        self._insert_end_hooks = hooked("on_insert_end")
+        self._evict_drivers = hooked("drive_eviction")
+        self._release_checks = hooked("check_release")
+        self._prepare_hooks = hooked("prepare_for_caching_req")
+        self._cleanup_hooks = hooked("cleanup_after_caching_req")
+        self._validate_hooks = hooked("validate_insert")
+        self._recover_hooks = hooked("recover_after_unevict")
+        self.root = self._new_root()
+
+    # ================================================================== structure helpers
+    def _new_data(self) -> list[ComponentData | None]:
+        data: list[ComponentData | None] = [None] * NUM_COMPONENT_TYPES
+        for c in self.components:
+            data[c.component_type] = c.new_data()
+        return data
+
+    def _new_root(self) -> TreeNode:
+        root = TreeNode([], None, self._new_data(), None, 0)
+        for cd in root.data:
+            if cd is not None:
+                cd.lock_ref = 1
+        full = root.data[_FULL]
+        assert full is not None
+        full.value = torch.empty(0, dtype=torch.int64, device=self.device)
+        return root
+
+    def component(self, ct: ComponentType) -> TreeComponent:
+        """The component of type ``ct`` (``KeyError`` if the cache was built without it)."""
+        return self._by_type[ct]
+
+    def has_component(self, ct: ComponentType) -> bool:
+        return ct in self._by_type
+
+    def _first_key(self, tokens: list[Any], pos: int) -> Any:
+        ps = self.page_size
+        return tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
+
+    def _child_key_of(self, node: TreeNode) -> Any:
+        k = self._first_key(node.key, 0)
+        parent = node.parent
+        if parent is not None and parent.parent is None and node.namespace is not None:
+            return (_NS, node.namespace, k)
+        return k
+
+    def _prepare_tokens(self, key: RadixKey) -> list[Any]:
+        """The tree view of ``key``: bigrams in EAGLE mode, truncated to whole pages."""
+        if self.is_eagle and not key.is_bigram:
+            key = key.bigram()
+        tokens = key.token_ids
+        n = len(tokens)
+        return tokens if n % self.page_size == 0 else tokens[: n - n % self.page_size]
+
+    def _match_len(self, edge: list[Any], tokens: list[Any], pos: int) -> int:
+        """Page-aligned length of the common prefix of ``edge`` and ``tokens[pos:]``."""
+        n = min(len(edge), len(tokens) - pos)
+        i = 0
+        while (
+            i + _SCAN_STEP <= n
+            and edge[i : i + _SCAN_STEP] == tokens[pos + i : pos + i + _SCAN_STEP]
+        ):
+            i += _SCAN_STEP
+        while i < n and edge[i] == tokens[pos + i]:
+            i += 1
+        return i - i % self.page_size
+
+    def split_node(self, child: TreeNode, k: int) -> TreeNode:
+        """Split ``child`` after ``k`` tokens; returns the new upper node (``child`` keeps the
+        rest).  Components move their data; no size changes."""
+        assert 0 < k < child.key_len and k % self.page_size == 0, (
+            f"split of node {child.id} (len {child.key_len}) at {k}"
+        )
+        parent = child.parent
+        assert parent is not None
+        upper = TreeNode(child.key[:k], parent, self._new_data(), child.namespace, 0)
+        upper.last_access_time = child.last_access_time
+        upper.creation_time = child.creation_time
+        upper.hit_count = child.hit_count
+        upper.priority = child.priority
+        parent.children[self._child_key_of(child)] = upper
+        child.key = child.key[k:]
+        child.key_len -= k
+        child.parent = upper
+        upper.children[self._first_key(child.key, 0)] = child
+        if child.hash_value is not None:
+            pages = k // self.page_size
+            upper.hash_value = child.hash_value[:pages]
+            child.hash_value = child.hash_value[pages:]
+        for c in self.components:
+            c.redistribute_on_node_split(upper, child)
+        self.num_nodes += 1
+        return upper
+
+    def _add_leaf(
+        self, parent: TreeNode, key: list[Any], value: torch.Tensor, ns: Any, priority: int
+    ) -> TreeNode:
+        self._clock += 1
+        leaf = TreeNode(key, parent, self._new_data(), ns, self._clock)
+        leaf.priority = priority
+        full = leaf.data[_FULL]
+        assert full is not None
+        full.value = value
+        self.full.evictable_size += leaf.key_len
+        parent.children[self._child_key_of(leaf)] = leaf
+        self.num_nodes += 1
+        self.full.note_leaf(leaf)
+        return leaf
+
+    def delete_leaf(self, node: TreeNode) -> None:
+        """Unlink a childless node that no component holds data for any more."""
+        assert not node.children, f"deleting node {node.id} with {len(node.children)} children"
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key_of(node)]
+        node.deleted = True
+        self.num_nodes -= 1
+
+    def free_full(self, value: torch.Tensor) -> None:
+        """Return Full (token) slots to the allocator."""
+        self._free_full(value)
+
+    # ================================================================== match
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Longest cached prefix of ``params.key``.
+
+        Mutates: may split the node where the match ends; refreshes access times (parent <
+        child along the path) and component LRUs; Mamba may copy state into ``params.req``.
+        Returns the device hit (concatenated indices) and the nodes that end it.
+        """
+        tokens = self._prepare_tokens(params.key)
+        n = len(tokens)
+        root = self.root
+        if n == 0:
+            return self._result_at_root()
+        validators: list[MatchValidator] = []
+        for c in self._validating:
+            v = c.create_match_validator(True)
+            if v is not None:
+                validators.append(v)
+        path: list[TreeNode] = []
+        node = root
+        pos = 0
+        best = 0
+        clock = self._clock
+        ns = params.key.extra_key
+        ck = self._first_key(tokens, 0)
+        if ns is not None:
+            ck = (_NS, ns, ck)
+        while True:
+            child = node.children.get(ck)
+            if child is None:
+                break
+            klen = child.key_len
+            if tokens[pos : pos + klen] == child.key:
+                m = klen
+            else:
+                m = self._match_len(child.key, tokens, pos)
+                if m == 0:
+                    break
+                child = self.split_node(child, m)
+            if child.data[_FULL].value is None:  # type: ignore[union-attr]
+                break
+            clock += 1
+            child.last_access_time = clock
+            child.hit_count += 1
+            path.append(child)
+            pos += m
+            ok = True
+            for validate in validators:
+                if not validate(child):
+                    ok = False
+            if ok:
+                best = len(path)
+            if m < klen or pos >= n:
+                break
+            node = child
+            ck = tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
+        self._clock = clock
+        counters = self.counters
+        counters.match_requests += 1
+        counters.query_tokens += n
+        if best == 0:
+            result = self._result_at_root()
+        else:
+            last = path[best - 1]
+            values = [p.data[_FULL].value for p in path[:best]]  # type: ignore[union-attr]
+            result = MatchResult(torch.cat(values), last, last, last)  # type: ignore[arg-type]
+        for c in self._match_end_hooks:
+            c.on_match_end(path, best)
+        for c in self._finalize_hooks:
+            result = c.finalize_match_result(result, params, path, best, pos)
+        hits = counters.hit_tokens
+        hits["device"] += result.device_indices.shape[0]
+        hits["host"] += result.host_hit_length
+        return result
+
+    def _result_at_root(self) -> MatchResult:
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        return MatchResult(empty, self.root, self.root, self.root)
+
+    # ================================================================== insert
+    def _check_value(self, n_key: int, value: torch.Tensor | None) -> torch.Tensor:
+        if value is None:
+            raise InvalidInputError("insert needs a value tensor of device indices")
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
+            raise InvalidIndicesError(f"value must be a 1-D int64 tensor, got {value!r:.80}")
+        if value.device != self.device:
+            raise InvalidIndicesError(f"value is on {value.device}, the cache on {self.device}")
+        if value.shape[0] != n_key:
+            raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
+        if n_key:
+            lo, hi = torch.aminmax(value)
+            size = self.token_to_kv_pool_allocator.size
+            if int(lo) < 0 or int(hi) >= size:
+                raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
+        return value
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Insert ``params.key`` -> ``params.value`` (Full device indices).
+
+        The tree takes ownership of the value's slots: slots of new nodes are kept, slots that
+        duplicate cached tokens at positions ``>= prev_prefix_len`` are freed, slots below
+        ``prev_prefix_len`` are assumed to be the tree's own (the caller got them from a
+        match).  Unaligned tail tokens are ignored (not freed: the caller owns them).
+        Raises a subclass of :class:`~urc.errors.InvalidInputError` on bad input, before any
+        change.  Returns ``prefix_len`` (tokens that were already cached) and the target node.
+        """
+        key = params.key
+        if self.is_eagle and not key.is_bigram:
+            key = key.bigram()
+        n_key = len(key)
+        value = self._check_value(n_key, params.value)
+        if not params.prev_prefix_len >= 0:
+            raise InvalidInputError(f"prev_prefix_len must be >= 0, got {params.prev_prefix_len}")
+        for c in self._validate_hooks:
+            c.validate_insert(params, n_key)
+        tokens = self._prepare_tokens(key)
+        n = len(tokens)
+        if n == 0:
+            return InsertResult(prefix_len=0, mamba_exist=True)
+        ps = self.page_size
+        prev = params.prev_prefix_len
+        priority = params.priority
+        overlap_hooks = self._overlap_hooks
+        path: list[TreeNode] = []
+        free_ranges: list[tuple[int, int]] = []
+        node = self.root
+        pos = 0
+        clock = self._clock
+        ns = key.extra_key
+        ck = self._first_key(tokens, 0)
+        if ns is not None:
+            ck = (_NS, ns, ck)
+        while pos < n:
+            child = node.children.get(ck)
+            if child is None:
+                break
+            klen = child.key_len
+            if tokens[pos : pos + klen] == child.key:
+                m = klen
+            else:
+                m = self._match_len(child.key, tokens, pos)
+                if m == 0:
+                    break
+                child = self.split_node(child, m)
+            clock += 1
+            child.last_access_time = clock
+            if priority > child.priority:
+                child.priority = priority
+            if not params.chunked:
+                child.hit_count += 1
+            fcd = child.data[_FULL]
+            assert fcd is not None
+            if fcd.value is None:
+                # Host-only node: it adopts the incoming slots as its device value.
+                self._adopt_device_value(child, value[pos : pos + m].clone(), pos, params)
+            else:
+                consumed = m
+                for c in overlap_hooks:
+                    consumed = min(
+                        consumed,
+                        c.update_component_on_insert_overlap(
+                            child, m, pos, value[pos : pos + m], params
+                        ),
+                    )
+                start = pos + max(0, prev - pos)
+                end = pos + consumed
+                if start < end:
+                    if free_ranges and free_ranges[-1][1] == start:
+                        free_ranges[-1] = (free_ranges[-1][0], end)
+                    else:
+                        free_ranges.append((start, end))
+            path.append(child)
+            pos += m
+            node = child
+            if pos < n:
+                ck = tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
+        self._clock = clock
+        for a, b in free_ranges:
+            self._free_full(value[a:b])
+        prefix_len = pos
+        if pos < n:
+            self.counters.inserted_tokens += n - pos
+            target = self._add_leaf(node, tokens[pos:], value[pos:n].clone(), ns, priority)
+            path.append(target)
+            is_new_leaf = True
+        else:
+            target = node
+            is_new_leaf = False
+        result = InsertResult(prefix_len=prefix_len, total_len=n, last_device_node=target)
+        for c in self._commit_hooks:
+            target = c.commit_insert_component_data(target, is_new_leaf, params, result)
+        result.last_device_node = target
+        for c in self._insert_end_hooks:
+            c.on_insert_end(path)
+        return result
+
+    def _adopt_device_value(
+        self, node: TreeNode, value: torch.Tensor, pos: int, params: InsertParams
+    ) -> None:
+        """Give a host-only node fresh device slots (HiCache: re-insert over an evicted node)."""
+        full = node.data[_FULL]
+        assert full is not None and full.lock_ref == 0
+        full.value = value
+        self.full.evictable_size += node.key_len
+        for c in self._recover_hooks:
+            c.recover_after_unevict(node, pos, params)
+        if not node.in_heap and self.full.is_device_leaf(node):
+            self.full.note_leaf(node)
+
+    # ================================================================== evict
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least the requested amounts where possible (whole nodes, so maybe more).
+
+        Never frees locked data.  Returns what was freed per component.
+        """
+        if min(params.num_tokens, params.swa_num_tokens, params.mamba_num) < 0:
+            raise InvalidInputError(f"evict amounts must not be negative: {params}")
+        tracker = [0] * NUM_COMPONENT_TYPES
+        for c in self._evict_drivers:
+            if c.evict_request(params) > 0:
+                c.drive_eviction(params, tracker)
+        evicted = self.counters.evicted
+        for c in self.components:
+            n = tracker[c.component_type]
+            if n:
+                k = (c.component_type, Tier.DEVICE)
+                evicted[k] = evicted.get(k, 0) + n
+        return EvictResult(tracker[0], tracker[1], tracker[2])
+
+    def evict_device_leaf(self, node: TreeNode, tracker: list[int]) -> None:
+        """Evict every component's device data of the leaf ``node`` and delete it (and any
+        ancestors left with no data).  Caller checked that nothing on it is locked."""
+        for c in reversed(self.components):
+            if c.node_has_component_data(node):
+                tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
+        self._drop_if_empty(node, tracker)
+
+    def cascade_evict(self, node: TreeNode, trigger: TreeComponent, tracker: list[int]) -> None:
+        """Evict ``trigger``'s device data on ``node`` and, by priority, the data of every
+        component with priority <= the trigger's (on a leaf all priorities are 0, so the
+        node goes).  Higher-priority data that is locked on a leaf is kept; locked
+        lower-priority data is a bug (assertion)."""
+        is_leaf = not node.children
+        if is_leaf and not node.data[_FULL].lock_ref:  # type: ignore[union-attr]
+            self.evict_device_leaf(node, tracker)
+            return
+        trigger_prio = trigger.eviction_priority(False)
+        p = trigger.eviction_priority(is_leaf)
+        for c in reversed(self.components):
+            if c.eviction_priority(is_leaf) > p or not c.node_has_component_data(node):
+                continue
+            cd = node.data[c.component_type]
+            assert cd is not None
+            if cd.lock_ref:
+                assert c.eviction_priority(False) > trigger_prio, (
+                    f"cascade from {trigger.component_type.name} hit locked "
+                    f"{c.component_type.name} on node {node.id} (lock {cd.lock_ref})"
+                )
+                continue
+            tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
+        self._drop_if_empty(node, tracker)
+
+    def _drop_if_empty(self, node: TreeNode, tracker: list[int]) -> None:
+        """Delete ``node`` and then each ancestor that is left childless with no data on any
+        tier; a childless ancestor that still has Full on device becomes an evictable leaf."""
+        full = self.full
+        while node.parent is not None and not node.children:
+            cd = node.data[_FULL]
+            assert cd is not None
+            if cd.value is not None:
+                if not node.in_heap and full.is_device_leaf(node):
+                    full.note_leaf(node)
+                return
+            if cd.host_value is not None:
+                return
+            assert cd.lock_ref == 0, f"node {node.id} without data is locked ({cd.lock_ref})"
+            for c in reversed(self.components):
+                if c.node_has_component_data(node):
+                    tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
+            parent = node.parent
+            self.delete_leaf(node)
+            node = parent
+        if node.parent is not None and not node.in_heap and full.is_device_leaf(node):
+            full.note_leaf(node)
+
+    # ================================================================== locks
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        """Protect ``node``'s data from eviction (Full: the whole path to the root).
+
+        Returns the receipt; pass ``receipt.to_dec_params()`` to :meth:`dec_lock_ref`.
+        """
+        result = IncLockRefResult(node_id=node.id)
+        if node.parent is None:
+            result.delta = 0
+            return result
+        if node.deleted:
+            raise InvalidLockError(f"inc_lock_ref on node {node.id}, which was evicted")
+        for c in self.components:
+            c.acquire_component_lock(node, result)
+        return result
+
+    def dec_lock_ref(
+        self, node: TreeNode, params: DecLockRefParams | None = None
+    ) -> DecLockRefResult:
+        """Release a lock taken by :meth:`inc_lock_ref` (``params``: its receipt).
+
+        Raises :class:`~urc.errors.InvalidLockError` (nothing released) when the node is not
+        locked or the receipt does not fit.  Returns the Full tokens made evictable.
+        """
+        if node.parent is None:
+            return DecLockRefResult(0)
+        if node.deleted:
+            raise InvalidLockError(f"dec_lock_ref on node {node.id}, which was evicted")
+        if params is not None and params.node_id is not None and params.node_id != node.id:
+            raise InvalidLockError(
+                f"receipt for node {params.node_id} used to release node {node.id}"
+            )
+        for c in self._release_checks:
+            c.check_release(node, params)
+        before = self.full.protected_size
+        for c in reversed(self.components):
+            c.release_component_lock(node, params)
+        return DecLockRefResult(before - self.full.protected_size)
+
+    # ================================================================== request caching
+    def _token_key(self, req: Req, token_ids: list[int]) -> tuple[RadixKey, int]:
+        """The tree key for ``token_ids`` and its length (bigram view in EAGLE mode)."""
+        key = RadixKey(token_ids, req.extra_key)
+        if self.is_eagle:
+            key = key.bigram()
+        return key, len(key)
+
+    def _prepare_caching(
+        self, req: Req, is_finished: bool, chunked: bool
+    ) -> tuple[InsertParams, list[int], int]:
+        token_ids = req.fill_ids[: req.kv_committed_len]
+        params = InsertParams(
+            key=RadixKey(token_ids, req.extra_key),
+            prev_prefix_len=req.cache_protected_len,
+            chunked=chunked,
+        )
+        eff = len(token_ids)
+        for c in self._prepare_hooks:
+            limit = c.prepare_for_caching_req(req, params, len(token_ids), is_finished)
+            if limit is not None and limit < eff:
+                eff = max(limit, 0)
+        return params, token_ids, eff
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        """Hand a finished request's KV to the tree and release everything it held.
+
+        KV ranges (token positions of ``req``; ``a`` = inserted length, page-aligned)::
+
+            [0, cache_protected_len)           tree-owned; unlocked here
+            [cache_protected_len, a)           inserted; duplicates of cached tokens freed
+            [max(a, protected), allocated)     unaligned tail, truncated or uncomputed: freed
+
+        Frees the request's ``req_to_token`` row.  With ``is_insert=False`` nothing is
+        inserted and ``[cache_protected_len, allocated)`` is freed.
+        """
+        row = req.req_pool_idx
+        if row is None:
+            raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
+        allocated = max(req.kv_allocated_len, req.kv_committed_len)
+        protected = req.cache_protected_len
+        kv = self.req_to_token_pool.read(row, 0, allocated)
+        params: InsertParams | None = None
+        result: InsertResult | None = None
+        keep = protected
+        if is_insert:
+            params, token_ids, eff = self._prepare_caching(req, True, False)
+            key, n_key = self._token_key(req, token_ids[:eff])
+            aligned = n_key - n_key % self.page_size
+            if aligned > 0:
+                params.key = key[:aligned]
+                params.value = kv[:aligned]
+                result = self.insert(params)
+            keep = max(aligned, protected)
+        if keep < allocated:
+            self._free_full(kv[keep:allocated].clone())
+        self._release_req_lock(req)
+        for c in self._cleanup_hooks:
+            c.cleanup_after_caching_req(req, True, result, params)
+        self.req_to_token_pool.free(row)
+        req.req_pool_idx = None
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Cache the KV computed so far (chunked prefill) and keep the request going.
+
+        Inserts ``[0, a)`` (``a``: committed length, page-aligned), rewrites the request's
+        ``req_to_token`` row with the tree's indices for that range (duplicates were freed),
+        moves the request's lock to the node ending at ``a`` and sets ``prefix_indices``,
+        ``cache_protected_len == len(prefix_indices) == a`` and ``last_node``.
+        The unaligned tail stays request-owned.
+        """
+        row = req.req_pool_idx
+        if row is None:
+            raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
+        params, token_ids, eff = self._prepare_caching(req, False, chunked)
+        key, n_key = self._token_key(req, token_ids[:eff])
+        aligned = n_key - n_key % self.page_size
+        result: InsertResult | None = None
+        if aligned > 0 and aligned >= req.cache_protected_len:
+            params.key = key[:aligned]
+            params.value = self.req_to_token_pool.read(row, 0, aligned)
+            result = self.insert(params)
+            last = result.last_device_node
+            assert last is not None
+            indices = self._path_indices(last)
+            assert indices.shape[0] == aligned, f"path holds {indices.shape[0]} != {aligned}"
+            protected = req.cache_protected_len
+            if aligned > protected:
+                self.req_to_token_pool.write(row, protected, indices[protected:])
+            receipt = self.inc_lock_ref(last)
+            self._release_req_lock(req)
+            req.prefix_indices = indices
+            req.cache_protected_len = aligned
+            req.last_node = last
+            req.lock_receipt = receipt
+        for c in self._cleanup_hooks:
+            c.cleanup_after_caching_req(req, False, result, params)
+
+    def _path_indices(self, node: TreeNode) -> torch.Tensor:
+        """Full device indices from the root down to ``node`` (all must be on device)."""
+        values = []
+        while node.parent is not None:
+            v = node.data[_FULL].value  # type: ignore[union-attr]
+            assert v is not None, f"node {node.id} on the path has no device value"
+            values.append(v)
+            node = node.parent
+        if not values:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        values.reverse()
+        return torch.cat(values)
+
+    def _release_req_lock(self, req: Req) -> None:
+        node = req.last_node
+        if node is not None and node.parent is not None:
+            receipt = req.lock_receipt
+            params = receipt.to_dec_params() if receipt is not None else None
+            if params is not None and req.swa_lock_released:
+                params.skip_swa = True
+            self.dec_lock_ref(node, params)
+        req.last_node = None
+        req.lock_receipt = None
+        req.swa_lock_released = False
+
+    # ================================================================== sizes
+    def _sizes(self, ct: ComponentType) -> TreeComponent | None:
+        return self._by_type.get(ct)
+
+    def evictable_size(self) -> int:
+        """Full device tokens on unlocked nodes."""
+        return self.full.evictable_size
+
+    def protected_size(self) -> int:
+        """Full device tokens on locked nodes."""
+        return self.full.protected_size
+
+    def full_evictable_size(self) -> int:
+        return self.full.evictable_size
+
+    def full_protected_size(self) -> int:
+        return self.full.protected_size
+
+    def component_evictable_size(self, ct: ComponentType) -> int:
+        """Evictable device size of component ``ct`` in its unit (0 when absent)."""
+        c = self._by_type.get(ct)
+        return 0 if c is None else c.evictable_size
+
+    def component_protected_size(self, ct: ComponentType) -> int:
+        """Protected device size of component ``ct`` in its unit (0 when absent)."""
+        c = self._by_type.get(ct)
+        return 0 if c is None else c.protected_size
+
+    def swa_evictable_size(self) -> int:
+        return self.component_evictable_size(ComponentType.SWA)
+
+    def swa_protected_size(self) -> int:
+        return self.component_protected_size(ComponentType.SWA)
+
+    def mamba_evictable_size(self) -> int:
+        return self.component_evictable_size(ComponentType.MAMBA)
+
+    def mamba_protected_size(self) -> int:
+        return self.component_protected_size(ComponentType.MAMBA)
+
+    def total_size(self) -> int:
+        """Full device tokens held by the tree."""
+        return self.full.evictable_size + self.full.protected_size
+
+    def supports_swa(self) -> bool:
+        return ComponentType.SWA in self._by_type
+
+    def supports_mamba(self) -> bool:
+        return ComponentType.MAMBA in self._by_type
+
+    def is_tree_cache(self) -> bool:
+        return True
+
+    def is_chunk_cache(self) -> bool:
+        return False
+
+    def stats(self) -> CacheStats:
+        """A snapshot of sizes (per component, device tier) and cumulative counters; O(1)."""
+        comps = tuple(
+            ComponentStats(
+                component=c.component_type,
+                tier=Tier.DEVICE,
+                unit=c.unit,
+                evictable=c.evictable_size,
+                protected=c.protected_size,
+                capacity=c.pool_capacity(),
+                available=c.pool_available(),
+            )
+            for c in self.components
+        )
+        k = self.counters
+        return CacheStats(
+            components=comps,
+            num_nodes=self.num_nodes,
+            match_requests=k.match_requests,
+            query_tokens=k.query_tokens,
+            hit_tokens=dict(k.hit_tokens),
+            inserted_tokens=k.inserted_tokens,
+            evicted=dict(k.evicted),
+            backed_up_tokens=k.backed_up_tokens,
+            loaded_back_tokens=k.loaded_back_tokens,
+        )
+
+    # ================================================================== whole-tree operations
+    def _nodes(self) -> list[TreeNode]:
+        """Every node but the root, parents before children."""
+        out: list[TreeNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every Full device index held by the tree."""
+        values = [
+            cd.value
+            for n in self._nodes()
+            if (cd := n.data[_FULL]) is not None and cd.value is not None
+        ]
+        if not values:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(values)
+
+    def reset(self) -> None:
+        """Free everything the tree holds and start empty.
+
+        Raises :class:`~urc.errors.InvalidLockError` (nothing changed) while any node is
+        locked: its slots are in use by a request.
+        """
+        nodes = self._nodes()
+        for node in nodes:
+            for cd in node.data:
+                if cd is not None and (cd.lock_ref or cd.host_lock_ref):
+                    raise InvalidLockError(f"reset while node {node.id} is locked")
+        tracker = [0] * NUM_COMPONENT_TYPES
+        for node in reversed(nodes):
+            for c in reversed(self.components):
+                if c.node_has_component_data(node):
+                    c.evict_component(node, Tier.DEVICE)
+            node.deleted = True
+        for c in self.components:
+            c.reset()
+        self.num_nodes = 0
+        self.root = self._new_root()
+        del tracker
+
+    def sanity_check(self) -> None:
+        """Recompute every invariant from scratch; ``AssertionError`` names the first broken one.
+
+        Checks parent/child links and child keys, each component's per-node rules, lock
+        ordering, eviction structures, size counters, node count and allocator state.
+        """
+        nodes = self._nodes()
+        assert len(nodes) == self.num_nodes, f"{len(nodes)} nodes, counter {self.num_nodes}"
+        evictable = [0] * NUM_COMPONENT_TYPES
+        protected = [0] * NUM_COMPONENT_TYPES
+        for node in nodes:
+            parent = node.parent
+            assert parent is not None and not node.deleted, f"node {node.id} detached"
+            assert parent.children.get(self._child_key_of(node)) is node, (
+                f"node {node.id} is not its parent's child under its own key"
+            )
+            assert node.key_len == len(node.key) > 0, f"node {node.id} key_len {node.key_len}"
+            assert node.key_len % self.page_size == 0, f"node {node.id} len {node.key_len}"
+            full = node.data[_FULL]
+            assert full is not None
+            assert full.value is not None or full.host_value is not None or node.children, (
+                f"node {node.id} holds no Full data on any tier and has no children"
+            )
+            prev_lock = None
+            for c in self.components:
+                cd = node.data[c.component_type]
+                assert cd is not None
+                assert cd.lock_ref >= 0 and cd.host_lock_ref >= 0, f"node {node.id}: {cd}"
+                if prev_lock is not None:
+                    assert prev_lock >= cd.lock_ref, (
+                        f"node {node.id}: {c.component_type.name} lock {cd.lock_ref} exceeds "
+                        f"the lock {prev_lock} of a higher component"
+                    )
+                prev_lock = cd.lock_ref
+                if c is not self.full and cd.value is not None:
+                    assert full.value is not None, (
+                        f"node {node.id}: {c.component_type.name} on device without Full"
+                    )
+                c.check_node(node)
+                n = c.value_len(cd)
+                if cd.lock_ref:
+                    protected[c.component_type] += n
+                else:
+                    evictable[c.component_type] += n
+        for c in self.components:
+            ct = c.component_type
+            assert (c.evictable_size, c.protected_size) == (evictable[ct], protected[ct]), (
+                f"{ct.name} sizes: counters evictable={c.evictable_size} "
+                f"protected={c.protected_size}, recomputed {evictable[ct]}/{protected[ct]}"
+            )
+            c.check_structures(nodes)
+        check = getattr(self.token_to_kv_pool_allocator, "check_consistency", None)
+        if check is not None:
+            check()
+
+    def check_pools(self, held: Mapping[ComponentType, int] | None = None) -> None:
+        """Assert ``free + evictable + protected + held == capacity`` for every component's
+        pool (``held``: units owned by live requests, in each component's unit)."""
+        held = held or {}
+        for c in self.components:
+            ct = c.component_type
+            total = c.pool_available() + c.evictable_size + c.protected_size + held.get(ct, 0)
+            assert total == c.pool_capacity(), (
+                f"{ct.name} pool: free {c.pool_available()} + evictable {c.evictable_size} + "
+                f"protected {c.protected_size} + held {held.get(ct, 0)} = {total} "
+                f"!= capacity {c.pool_capacity()}"
+            )
+
+    def pretty_print(self) -> str:
+        """An indented dump of the tree (also printed)."""
+        lines: list[str] = []
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in node.children.values():
+                parts = []
+                for c in self.components:
+                    cd = child.data[c.component_type]
+                    assert cd is not None
+                    on = "D" if cd.value is not None else "-"
+                    on += "H" if cd.host_value is not None else "-"
+                    parts.append(f"{c.component_type.name.lower()}={on}/{cd.lock_ref}")
+                head = child.key[:4]
+                more = "..." if child.key_len > 4 else ""
+                lines.append(
+                    f"{'  ' * depth}[{child.id}] {head}{more} len={child.key_len} "
+                    f"{' '.join(parts)} t={child.last_access_time}"
+                )
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        lines.append(
+            f"#nodes={self.num_nodes} evictable={self.evictable_size()} "
+            f"protected={self.protected_size()}"
+        )
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+    def iter_nodes(self) -> Sequence[TreeNode]:
+        """Every node but the root (parents before children)."""
+        return self._nodes()

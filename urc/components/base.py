@@ -1,0 +1,223 @@
+"""``TreeComponent``: the hooks through which one kind of model state lives in the tree.
+
+The tree (``urc.cache``) walks keys, splits nodes and keeps the node structure; every
+physical action -- allocating, freeing, copying, translating indices, locking, choosing what
+to evict -- happens in a component hook.  A cache holds one component per
+:class:`~urc.tree.ComponentType`; FULL is always present and is the anchor: a node exists
+while its Full data exists on some tier.
+
+Hooks are called in component order (FULL, SWA, MAMBA) unless stated otherwise.  A hook the
+subclass does not override is never called on the hot path (the cache builds per-hook lists
+of the components that override it), so defaults cost nothing.
+
+Units: each component counts its sizes in its own unit (tokens for FULL and SWA, state slots
+for MAMBA) and says which in :attr:`TreeComponent.unit`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+
+if TYPE_CHECKING:
+    import torch
+
+    from urc.cache import UnifiedRadixCache
+    from urc.params import (
+        DecLockRefParams,
+        EvictParams,
+        IncLockRefResult,
+        InsertParams,
+        InsertResult,
+        MatchPrefixParams,
+        MatchResult,
+    )
+    from urc.req import Req
+
+__all__ = ["EvictTracker", "MatchValidator", "TreeComponent"]
+
+MatchValidator = Callable[[TreeNode], bool]
+# Units freed so far by one ``evict`` call, indexed by ComponentType.
+EvictTracker = list[int]
+
+
+class TreeComponent(ABC):
+    """One kind of cached model state (see the module docstring for the calling rules)."""
+
+    component_type: ClassVar[ComponentType]
+    unit: ClassVar[str] = "tokens"
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        self.cache = cache
+        # Device sizes in this component's unit: data on unlocked / locked nodes.
+        self.evictable_size = 0
+        self.protected_size = 0
+
+    # ------------------------------------------------------------------ node data
+    def new_data(self) -> ComponentData:
+        """Fresh, empty data for a new node (a tombstone with no locks)."""
+        return ComponentData()
+
+    @abstractmethod
+    def value_len(self, data: ComponentData) -> int:
+        """Size of ``data``'s device value in this component's unit (0 for a tombstone)."""
+
+    def node_has_component_data(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> bool:
+        """Whether ``node`` holds this component's data on ``tier``."""
+        cd = node.data[self.component_type]
+        assert cd is not None
+        return (cd.value if tier is Tier.DEVICE else cd.host_value) is not None
+
+    # ------------------------------------------------------------------ match
+    def create_match_validator(self, match_device_only: bool) -> MatchValidator | None:
+        """A fresh stateful predicate for one match walk, or ``None`` (accepts every node).
+
+        The walk calls it on every node it enters, top-down; a node is a valid match
+        boundary only when every component's validator returns True for it.
+        """
+        return None
+
+    def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
+        """Refresh eviction order after a match; ``path[:best_len]`` is the accepted part."""
+
+    def finalize_match_result(
+        self,
+        result: MatchResult,
+        params: MatchPrefixParams,
+        path: Sequence[TreeNode],
+        best_len: int,
+        visited_tokens: int,
+    ) -> MatchResult:
+        """Adjust the result (e.g. Mamba copy-on-write); returns the (new) result."""
+        return result
+
+    # ------------------------------------------------------------------ insert
+    def validate_insert(self, params: InsertParams, key_len: int) -> None:
+        """Raise :class:`~urc.errors.InvalidInputError` if ``params`` are invalid for this
+        component (``key_len``: the key's length in tree tokens).  Called before any change."""
+
+    def recover_after_unevict(
+        self, node: TreeNode, total_prefix_len: int, params: InsertParams
+    ) -> None:
+        """``node`` was host-only and just got fresh Full device slots from an insert at key
+        position ``total_prefix_len``; rebuild this component's device data if it can."""
+
+    def update_component_on_insert_overlap(
+        self,
+        node: TreeNode,
+        prefix_len: int,
+        total_prefix_len: int,
+        value_slice: torch.Tensor,
+        params: InsertParams,
+    ) -> int:
+        """Called for every existing node an insert walks through.
+
+        ``value_slice`` is the incoming Full value for the node's span (``prefix_len``
+        tokens, starting at key position ``total_prefix_len``).  Returns ``consumed_from``:
+        the component took ownership of ``value_slice[consumed_from:]``; the tree frees the
+        duplicates ``value_slice[dup_start:min(consumed_from)]``.  Default: nothing consumed.
+        """
+        return prefix_len
+
+    def commit_insert_component_data(
+        self,
+        node: TreeNode,
+        is_new_leaf: bool,
+        params: InsertParams,
+        result: InsertResult,
+    ) -> TreeNode:
+        """Attach this component's data to the insert's target ``node``.
+
+        May split ``node`` (via ``cache.split_node``); returns the node later components
+        should treat as the target (the lower part after a split).
+        """
+        return node
+
+    def on_insert_end(self, path: Sequence[TreeNode]) -> None:
+        """Refresh eviction order after an insert; ``path`` ends at the target node."""
+
+    # ------------------------------------------------------------------ split
+    @abstractmethod
+    def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
+        """``child`` was split: ``new_parent`` takes the first ``new_parent.key_len`` tokens.
+
+        Move this component's data so both parts are consistent; sizes must not change.
+        """
+
+    # ------------------------------------------------------------------ eviction
+    def eviction_priority(self, is_leaf: bool) -> int:
+        """Cascade priority: evicting a trigger also evicts components of priority <= its."""
+        return 0
+
+    def evict_request(self, params: EvictParams) -> int:
+        """How much of this component ``params`` asks to free (in this component's unit)."""
+        return 0
+
+    def drive_eviction(self, params: EvictParams, tracker: EvictTracker) -> None:
+        """Free this component's data until ``tracker[ct] >= evict_request(params)``."""
+
+    @abstractmethod
+    def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
+        """Free this component's data on ``tier`` of ``node`` (making it a tombstone there).
+
+        The data must not be locked.  Returns the amount freed in this component's unit.
+        """
+
+    # ------------------------------------------------------------------ locks
+    @abstractmethod
+    def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
+        """Protect ``node``'s data (and whatever else this component pins) from eviction."""
+
+    def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        """Raise :class:`~urc.errors.InvalidLockError` if releasing would be invalid.
+
+        Called for every component before any lock is released, so a refused release leaves
+        every lock count unchanged.
+        """
+
+    @abstractmethod
+    def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        """Undo exactly what ``acquire_component_lock`` did for this receipt."""
+
+    # ------------------------------------------------------------------ request caching
+    def prepare_for_caching_req(
+        self, req: Req, params: InsertParams, token_len: int, is_finished: bool
+    ) -> int | None:
+        """Fill this component's insert params from ``req``.
+
+        Returns the effective cache length (the key is truncated to it), or ``None`` for no
+        truncation.
+        """
+        return None
+
+    def cleanup_after_caching_req(
+        self,
+        req: Req,
+        is_finished: bool,
+        insert_result: InsertResult | None,
+        params: InsertParams | None,
+    ) -> None:
+        """Release request-owned resources the tree did not take (after the insert)."""
+
+    # ------------------------------------------------------------------ pools and checks
+    def pool_capacity(self) -> int:
+        """Capacity of this component's device pool, in its unit."""
+        return 0
+
+    def pool_available(self) -> int:
+        """Free units of this component's device pool."""
+        return 0
+
+    def check_node(self, node: TreeNode) -> None:
+        """Assert this component's per-node invariants (called by ``sanity_check``)."""
+
+    def check_structures(self, nodes: Sequence[TreeNode]) -> None:
+        """Assert this component's eviction structures match ``nodes`` (every live node)."""
+
+    def reset(self) -> None:
+        """Forget all eviction structures (the tree is being cleared)."""
+        self.evictable_size = 0
+        self.protected_size = 0

@@ -1,0 +1,236 @@
+"""FULL: full-attention KV, the anchor component every node carries.
+
+Eviction takes device leaves in eviction-policy order from a persistent heap.  Keys only grow
+(access times, hit counts and priorities never decrease), so an entry whose node was touched
+since it was pushed is simply re-pushed with the new key when it surfaces: an ``evict`` call
+costs O(k log n) for k freed leaves instead of rebuilding a heap of every leaf.
+
+Heap entry rules: ``node.in_heap`` is True while the heap holds an entry for the node.  A node
+that stops being an evictable leaf (locked, got a child, was deleted) keeps its entry; the
+entry is dropped when it surfaces.  A node that becomes an evictable leaf is pushed unless it
+already has an entry (whose key is then stale and gets re-keyed on pop).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from urc.components.base import EvictTracker, TreeComponent
+from urc.config import EvictionPolicy
+from urc.errors import InvalidLockError
+from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+    from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
+
+__all__ = ["FullComponent"]
+
+_FULL = 0
+
+
+def _policy_key(policy: EvictionPolicy) -> Callable[[TreeNode], Any]:
+    if policy is EvictionPolicy.LRU:
+        return lambda n: n.last_access_time
+    if policy is EvictionPolicy.LFU:
+        return lambda n: (n.hit_count, n.last_access_time)
+    if policy is EvictionPolicy.FIFO:
+        return lambda n: n.creation_time
+    return lambda n: (n.priority, n.last_access_time)
+
+
+class FullComponent(TreeComponent):
+    """Full-attention KV: a path lock to the root; evicted leaf by leaf."""
+
+    component_type = ComponentType.FULL
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        super().__init__(cache)
+        self.allocator = cache.pools.token_allocator
+        self._key = _policy_key(cache.config.eviction_policy)
+        self._heap: list[tuple[Any, int, TreeNode]] = []
+
+    def value_len(self, data: ComponentData) -> int:
+        v = data.value
+        return 0 if v is None else v.shape[0]
+
+    # ------------------------------------------------------------------ eviction
+    def eviction_priority(self, is_leaf: bool) -> int:
+        return 0 if is_leaf else 2
+
+    def evict_request(self, params: EvictParams) -> int:
+        return params.num_tokens
+
+    def note_leaf(self, node: TreeNode) -> None:
+        """Make sure ``node`` (which may have become an evictable leaf) has a heap entry."""
+        if not node.in_heap:
+            node.in_heap = True
+            heapq.heappush(self._heap, (self._key(node), node.id, node))
+            if len(self._heap) > 2 * self.cache.num_nodes + 64:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop entries of nodes that are gone or no longer leaves (keeps the heap O(nodes))."""
+        keep = []
+        for entry in self._heap:
+            node = entry[2]
+            if self.is_device_leaf(node):
+                keep.append(entry)
+            else:
+                node.in_heap = False
+        heapq.heapify(keep)
+        self._heap = keep
+
+    def is_device_leaf(self, node: TreeNode) -> bool:
+        """An unlocked node with Full data on device and no child with Full data on device."""
+        if node.deleted or node.parent is None:
+            return False
+        cd = node.data[_FULL]
+        assert cd is not None
+        if cd.value is None or cd.lock_ref:
+            return False
+        for child in node.children.values():
+            ccd = child.data[_FULL]
+            assert ccd is not None
+            if ccd.value is not None:
+                return False
+        return True
+
+    def drive_eviction(self, params: EvictParams, tracker: EvictTracker) -> None:
+        target = params.num_tokens
+        heap = self._heap
+        key = self._key
+        cache = self.cache
+        while tracker[_FULL] < target and heap:
+            k, nid, node = heapq.heappop(heap)
+            node.in_heap = False
+            if not self.is_device_leaf(node):
+                continue
+            nk = key(node)
+            if nk != k:
+                node.in_heap = True
+                heapq.heappush(heap, (nk, nid, node))
+                continue
+            cache.evict_device_leaf(node, tracker)
+
+    def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
+        assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
+        cd = node.data[_FULL]
+        assert cd is not None
+        value = cd.value
+        assert value is not None and cd.lock_ref == 0, (
+            f"evicting Full of node {node.id}: value={value is not None} lock={cd.lock_ref}"
+        )
+        cd.value = None
+        self.cache.free_full(value)
+        n = int(value.shape[0])
+        self.evictable_size -= n
+        return n
+
+    def evict_device_leaves_in_order(self) -> list[TreeNode]:
+        """Current evictable leaves, next victim first (for tests; O(n log n))."""
+        live = [e for e in self._heap if self.is_device_leaf(e[2])]
+        return [e[2] for e in sorted(live, key=lambda e: (self._key(e[2]), e[1]))]
+
+    # ------------------------------------------------------------------ locks
+    def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
+        # Host-only nodes at the bottom of the path hold no device data: skip (and record)
+        # them so release skips exactly the same nodes even if they are loaded back later.
+        skipped: set[int] | None = None
+        while node.parent is not None and node.data[_FULL].value is None:  # type: ignore[union-attr]
+            if skipped is None:
+                skipped = result.skip_lock_node_ids.setdefault(ComponentType.FULL, set())
+            skipped.add(node.id)
+            node = node.parent
+        delta = 0
+        while node.parent is not None:
+            cd = node.data[_FULL]
+            if cd.lock_ref == 0:  # type: ignore[union-attr]
+                delta += node.key_len
+            cd.lock_ref += 1  # type: ignore[union-attr]
+            node = node.parent
+        self.evictable_size -= delta
+        self.protected_size += delta
+        result.delta = delta
+
+    def _first_locked(self, node: TreeNode, params: DecLockRefParams | None) -> TreeNode:
+        skip = params.skip_lock_node_ids.get(ComponentType.FULL) if params is not None else None
+        if skip:
+            while node.parent is not None and node.id in skip:
+                node = node.parent
+        return node
+
+    def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        node = self._first_locked(node, params)
+        cd = node.data[_FULL]
+        assert cd is not None
+        if node.parent is not None and cd.lock_ref <= 0:
+            raise InvalidLockError(f"dec_lock_ref on node {node.id}, which is not locked")
+
+    def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        node = self._first_locked(node, params)
+        delta = 0
+        while node.parent is not None:
+            cd = node.data[_FULL]
+            assert cd is not None and cd.lock_ref > 0, f"node {node.id} lock_ref {cd}"
+            cd.lock_ref -= 1
+            if cd.lock_ref == 0:
+                delta += node.key_len
+                if not node.in_heap and self.is_device_leaf(node):
+                    self.note_leaf(node)
+            node = node.parent
+        self.evictable_size += delta
+        self.protected_size -= delta
+
+    # ------------------------------------------------------------------ split
+    def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
+        c = child.data[_FULL]
+        p = new_parent.data[_FULL]
+        assert c is not None and p is not None
+        k = new_parent.key_len
+        if c.value is not None:
+            p.value = c.value[:k]
+            c.value = c.value[k:]
+        if c.host_value is not None:
+            p.host_value = c.host_value[:k]
+            c.host_value = c.host_value[k:]
+        p.lock_ref = c.lock_ref
+        p.host_lock_ref = c.host_lock_ref
+
+    # ------------------------------------------------------------------ pools and checks
+    def pool_capacity(self) -> int:
+        return self.allocator.size
+
+    def pool_available(self) -> int:
+        return self.allocator.available_size()
+
+    def check_node(self, node: TreeNode) -> None:
+        cd = node.data[_FULL]
+        assert cd is not None
+        if cd.value is not None:
+            assert cd.value.shape[0] == node.key_len, (
+                f"node {node.id}: Full value len {cd.value.shape[0]} != key len {node.key_len}"
+            )
+            parent = node.parent
+            assert parent is not None
+            if parent.parent is not None:
+                pcd = parent.data[_FULL]
+                assert pcd is not None and pcd.value is not None, (
+                    f"node {node.id} has Full on device but its parent {parent.id} does not"
+                )
+                assert pcd.lock_ref >= cd.lock_ref, (
+                    f"parent {parent.id} lock {pcd.lock_ref} < child {node.id} lock {cd.lock_ref}"
+                )
+        else:
+            assert cd.lock_ref == 0, f"node {node.id}: Full tombstone with lock {cd.lock_ref}"
+
+    def check_structures(self, nodes: Sequence[TreeNode]) -> None:
+        for node in nodes:
+            if self.is_device_leaf(node):
+                assert node.in_heap, f"evictable leaf {node.id} is not in the eviction heap"
+
+    def reset(self) -> None:
+        super().reset()
+        self._heap = []

@@ -1,0 +1,126 @@
+"""Configuration of a cache, and the factory that builds pools and a cache from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from urc.errors import ConfigError
+from urc.pools.allocator import TokenSlotAllocator, check_page_size
+from urc.pools.kv_pool import KVPool, KVShape
+from urc.pools.req_to_token import ReqToTokenPool
+from urc.tree import ComponentType
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+
+__all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_cache", "build_pools"]
+
+
+class EvictionPolicy(Enum):
+    """Order in which Full device leaves are evicted (first = evicted first)."""
+
+    LRU = "lru"  # least recently used
+    LFU = "lfu"  # fewest hits, then least recently used
+    FIFO = "fifo"  # oldest inserted
+    PRIORITY = "priority"  # lowest insert priority, then least recently used
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Everything needed to build pools and a cache.
+
+    Sizes are in tokens (``kv_size``, ``swa_kv_size``) or state slots (``mamba_size``).
+    ``sliding_window_size`` is required with SWA; ``mamba_chunk_size`` is the granularity at
+    which Mamba state checkpoints are taken (``mamba_branching_seqlen`` is aligned to it).
+    """
+
+    components: tuple[ComponentType, ...] = (ComponentType.FULL,)
+    page_size: int = 1
+    kv_size: int = 1 << 16
+    swa_kv_size: int | None = None
+    sliding_window_size: int | None = None
+    mamba_size: int = 0
+    mamba_chunk_size: int = 64
+    mamba_conv_shape: tuple[int, ...] = (4, 8)
+    mamba_ssm_shape: tuple[int, ...] = (2, 8, 8)
+    max_num_reqs: int = 256
+    max_context_len: int = 1 << 16
+    kv_shape: KVShape = field(default_factory=KVShape)
+    device: str = "cpu"
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    is_eagle: bool = False
+
+    def __post_init__(self) -> None:
+        check_page_size(self.page_size)
+        if not self.components or self.components[0] is not ComponentType.FULL:
+            raise ConfigError(f"components must start with FULL, got {self.components}")
+        if len(set(self.components)) != len(self.components):
+            raise ConfigError(f"duplicate components in {self.components}")
+        if list(self.components) != sorted(self.components):
+            raise ConfigError(f"components must be in FULL, SWA, MAMBA order: {self.components}")
+        for name in ("kv_size", "max_num_reqs", "max_context_len", "mamba_chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_size % self.page_size:
+            raise ConfigError(f"kv_size {self.kv_size} is not a multiple of {self.page_size}")
+        if ComponentType.SWA in self.components:
+            if self.sliding_window_size is None or self.sliding_window_size <= 0:
+                raise ConfigError(f"SWA needs sliding_window_size > 0: {self.sliding_window_size}")
+            if self.swa_kv_size is not None and self.swa_kv_size <= 0:
+                raise ConfigError(f"swa_kv_size must be positive, got {self.swa_kv_size}")
+        if ComponentType.MAMBA in self.components and self.mamba_size <= 0:
+            raise ConfigError(f"MAMBA needs mamba_size > 0, got {self.mamba_size}")
+        if self.mamba_size < 0:
+            raise ConfigError(f"mamba_size must not be negative, got {self.mamba_size}")
+
+
+@dataclass(slots=True)
+class CachePools:
+    """The device pools a cache frees into and copies from.
+
+    ``token_allocator`` hands out Full KV slots (for hybrid SWA models it is the paired
+    allocator that also takes an SWA slot per token).  ``swa`` and ``mamba`` hold the
+    auxiliary pools of those components (``None`` when absent).
+    """
+
+    token_allocator: TokenSlotAllocator
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool | None = None
+    swa: Any = None
+    mamba: Any = None
+
+
+def build_pools(config: CacheConfig) -> CachePools:
+    """Allocate the pools ``config`` describes (real tensors, on ``config.device``)."""
+    device = torch.device(config.device)
+    allocator: TokenSlotAllocator
+    swa: Any = None
+    mamba: Any = None
+    if ComponentType.SWA in config.components:
+        from urc.pools.swa import build_swa_allocator
+
+        allocator, swa = build_swa_allocator(config)
+    else:
+        allocator = TokenSlotAllocator(config.kv_size, config.page_size, device)
+    if ComponentType.MAMBA in config.components:
+        from urc.pools.mamba import build_mamba_pool
+
+        mamba = build_mamba_pool(config)
+    return CachePools(
+        token_allocator=allocator,
+        req_to_token_pool=ReqToTokenPool(config.max_num_reqs, config.max_context_len, device),
+        kv_pool=KVPool(config.kv_size, config.kv_shape, device),
+        swa=swa,
+        mamba=mamba,
+    )
+
+
+def build_cache(config: CacheConfig, pools: CachePools | None = None) -> UnifiedRadixCache:
+    """A cache for ``config``, on ``pools`` (built from ``config`` when not given)."""
+    from urc.cache import UnifiedRadixCache
+
+    return UnifiedRadixCache(config, pools if pools is not None else build_pools(config))

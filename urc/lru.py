@@ -1,0 +1,62 @@
+"""Per-component LRU list (one per auxiliary component and tier).
+
+An ``OrderedDict`` keyed by node id gives O(1) insert, remove and promote (``move_to_end`` is
+~0.03 µs, cheaper than relinking an intrusive list in Python) and iteration from the LRU end.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from urc.tree import TreeNode
+
+__all__ = ["LRUList"]
+
+
+class LRUList:
+    """Nodes in least- to most-recently-used order."""
+
+    __slots__ = ("_od",)
+
+    def __init__(self) -> None:
+        self._od: OrderedDict[int, TreeNode] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._od)
+
+    def __contains__(self, node: TreeNode) -> bool:
+        return node.id in self._od
+
+    def insert_mru(self, node: TreeNode) -> None:
+        """Add ``node`` (or move it) to the most-recently-used end."""
+        od = self._od
+        od[node.id] = node
+        od.move_to_end(node.id)
+
+    def promote(self, node: TreeNode) -> None:
+        """Move ``node`` to the MRU end if it is in the list."""
+        if node.id in self._od:
+            self._od.move_to_end(node.id)
+
+    def remove(self, node: TreeNode) -> None:
+        """Remove ``node``; a node not in the list is ignored."""
+        self._od.pop(node.id, None)
+
+    def clear(self) -> None:
+        self._od.clear()
+
+    def lru_first(self) -> Iterator[TreeNode]:
+        """Iterate from the least-recently-used end (do not mutate while iterating)."""
+        return iter(list(self._od.values()))
+
+    def first_where(self, accept: Callable[[TreeNode], bool]) -> TreeNode | None:
+        """The least-recently-used node for which ``accept`` is true (skips locked nodes)."""
+        for node in self._od.values():
+            if accept(node):
+                return node
+        return None
+
+    def ids(self) -> list[int]:
+        """Node ids from LRU to MRU (for tests and sanity checks)."""
+        return list(self._od)

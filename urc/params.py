@@ -1,0 +1,144 @@
+"""Parameter and result types of the synchronous API (field names follow SGLang 0.5.16)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from urc.key import RadixKey
+from urc.tree import ComponentType, TreeNode
+
+if TYPE_CHECKING:
+    from urc.req import Req
+
+__all__ = [
+    "DecLockRefParams",
+    "DecLockRefResult",
+    "EvictParams",
+    "EvictResult",
+    "IncLockRefResult",
+    "InsertParams",
+    "InsertResult",
+    "MatchPrefixParams",
+    "MatchResult",
+]
+
+
+@dataclass(slots=True)
+class MatchPrefixParams:
+    """What to match.  ``cow_mamba`` with a ``req`` copies the matched Mamba state into the
+    request's own slot (copy-on-write)."""
+
+    key: RadixKey
+    cow_mamba: bool = False
+    req: Req | None = None
+
+
+class MatchResult(NamedTuple):
+    """Outcome of ``match_prefix``.
+
+    ``device_indices`` concatenates the Full device indices of the matched prefix (length ==
+    device hit).  ``last_device_node`` ends the device hit; ``best_match_node`` is the deepest
+    node every validator accepts, on device or host (the load-back anchor); without HiCache
+    ``last_host_node`` equals ``last_device_node``.  ``host_hit_length`` counts the tokens past
+    the device hit that are on host.
+    """
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    best_match_node: TreeNode
+    host_hit_length: int = 0
+    swa_host_hit_length: int = 0
+    mamba_host_hit_length: int = 0
+    mamba_branching_seqlen: int | None = None
+    cache_protected_len: int | None = None
+
+
+@dataclass(slots=True)
+class InsertParams:
+    """What to insert.  Indices ``value[:prev_prefix_len]`` already belong to the tree (the
+    caller got them from a match); duplicates past it are freed by ``insert``."""
+
+    key: RadixKey
+    value: torch.Tensor | None = None
+    mamba_value: torch.Tensor | None = None
+    prev_prefix_len: int = 0
+    swa_evicted_seqlen: int = 0
+    chunked: bool = False
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class InsertResult:
+    """``prefix_len``: how many leading tokens were already cached.  ``mamba_exist``: the
+    target node already had Mamba state, so the caller still owns (and must free) its slot."""
+
+    prefix_len: int
+    total_len: int = 0
+    last_device_node: TreeNode | None = None
+    mamba_exist: bool = False
+    inserted_host_node: TreeNode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EvictParams:
+    """How much to free: Full tokens, SWA tokens, Mamba states."""
+
+    num_tokens: int = 0
+    swa_num_tokens: int = 0
+    mamba_num: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    """How much was freed (may exceed the request: whole nodes are evicted)."""
+
+    num_tokens_evicted: int = 0
+    swa_num_tokens_evicted: int = 0
+    mamba_num_evicted: int = 0
+
+
+@dataclass(slots=True)
+class IncLockRefResult:
+    """Receipt of ``inc_lock_ref``: hand it back (``to_dec_params()``) to release.
+
+    ``delta`` is the number of Full tokens moved from evictable to protected.
+    ``swa_uuid_for_lock`` names the SWA window boundary; ``skip_lock_node_ids`` the nodes a
+    component skipped at acquire time (tombstones), so release skips exactly those.
+    """
+
+    delta: int | None = None
+    swa_uuid_for_lock: int | None = None
+    swa_uuid_for_host_lock: int | None = None
+    skip_lock_node_ids: dict[ComponentType, set[int]] = field(default_factory=dict)
+    node_id: int | None = None
+
+    def to_dec_params(self) -> DecLockRefParams:
+        return DecLockRefParams(
+            swa_uuid_for_lock=self.swa_uuid_for_lock,
+            swa_uuid_for_host_lock=self.swa_uuid_for_host_lock,
+            skip_lock_node_ids=self.skip_lock_node_ids,
+            node_id=self.node_id,
+        )
+
+
+@dataclass(slots=True)
+class DecLockRefParams:
+    """Release parameters (the acquire receipt).  ``skip_swa`` is set after an early SWA
+    window release so the final release does not release SWA twice."""
+
+    swa_uuid_for_lock: int | None = None
+    swa_uuid_for_host_lock: int | None = None
+    skip_lock_node_ids: dict[ComponentType, set[int]] = field(default_factory=dict)
+    node_id: int | None = None
+    skip_swa: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DecLockRefResult:
+    """``delta``: Full tokens moved from protected back to evictable."""
+
+    delta: int | None = None

@@ -1,0 +1,171 @@
+"""Token-slot allocator: hands out KV slots in whole pages and takes them back.
+
+Slots are token indices ``[0, size)``; page ``p`` owns tokens ``[p * page_size, (p + 1) *
+page_size)``.  ``alloc(n)`` takes ``ceil(n / page_size)`` pages and returns the first ``n``
+token indices of them, so an unaligned request still owns whole pages.
+
+Freeing is O(1) amortised torch calls: freed pages are appended to a list and merged into the
+free tensor only when an allocation runs short (SGLang's allocator concatenates the whole free
+list on every free, which dominated its insert and evict phases).  A per-page state counter
+makes double frees and frees of never-allocated slots an error instead of silent corruption.
+The state lives in host memory (numpy) because per-call torch dispatch costs more than the
+check itself; a slot repeated inside one ``free`` call is caught by :meth:`check_consistency`
+(run by ``sanity_check``) rather than on every free, to keep ``free`` at a few microseconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError
+
+__all__ = ["TokenSlotAllocator", "check_page_size"]
+
+
+def check_page_size(page_size: int) -> None:
+    """Raise :class:`ConfigError` unless ``page_size`` is a positive power of two."""
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ConfigError(f"page_size must be a positive power of two, got {page_size}")
+
+
+class TokenSlotAllocator:
+    """Allocator of KV token slots in pages of ``page_size`` tokens.
+
+    ``free(indices)`` accepts any concatenation of page-prefix runs, each starting on a page
+    boundary (what a request or a tree node owns): the page of every run's first token is
+    freed.  Sizes (``size``, ``available_size()``) are in tokens.
+    """
+
+    __slots__ = (
+        "_arange",
+        "_free",
+        "_free_pos",
+        "_num_free_pages",
+        "_released",
+        "_state",
+        "device",
+        "num_pages",
+        "page_size",
+        "size",
+    )
+
+    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+        check_page_size(page_size)
+        if size <= 0 or size % page_size:
+            raise ConfigError(f"size must be a positive multiple of page_size, got {size}")
+        self.size = size
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.num_pages = size // page_size
+        self._arange = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        # Per page: 1 = allocated, 0 = free.
+        self._state = np.zeros(self.num_pages, dtype=np.int8)
+        self.clear()
+
+    def clear(self) -> None:
+        """Mark every slot free (drops all outstanding allocations)."""
+        self._free = torch.arange(self.num_pages, dtype=torch.int64, device=self.device)
+        self._free_pos = 0
+        self._released: list[torch.Tensor] = []
+        self._num_free_pages = self.num_pages
+        self._state[:] = 0
+
+    def available_size(self) -> int:
+        """Number of free token slots."""
+        return self._num_free_pages * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate ``num_tokens`` slots (whole pages); ``None`` when not enough are free."""
+        if num_tokens < 0:
+            raise InvalidIndicesError(f"cannot allocate a negative number of slots: {num_tokens}")
+        ps = self.page_size
+        need = -(-num_tokens // ps)
+        if need > self._num_free_pages:
+            return None
+        if need == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self._free.shape[0] - self._free_pos < need:
+            self._free = torch.cat([self._free[self._free_pos :], *self._released])
+            self._free_pos = 0
+            self._released.clear()
+        pages = self._free[self._free_pos : self._free_pos + need]
+        self._free_pos += need
+        self._num_free_pages -= need
+        self._state[_host(pages)] = 1
+        if ps == 1:
+            return pages.clone()
+        return (pages.unsqueeze(1) * ps + self._arange).reshape(-1)[:num_tokens]
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Free the pages owned by ``indices``.
+
+        Raises :class:`InvalidIndicesError` for a non-int64 tensor, another device, or an index
+        outside ``[0, size)``, and :class:`DoubleFreeError` when a page is not allocated; in
+        both cases nothing is freed.
+        """
+        n = indices.shape[0]
+        if n == 0:
+            return
+        if indices.dtype != torch.int64 or indices.device != self.device:
+            raise InvalidIndicesError(
+                f"indices must be int64 on {self.device}, got {indices.dtype} on {indices.device}"
+            )
+        ps = self.page_size
+        pages = indices if ps == 1 else torch.div(indices[::ps], ps, rounding_mode="floor")
+        host = _host(pages)
+        state = self._state
+        try:
+            if host.min() < 0:
+                raise IndexError
+            if state[host].min() != 1:
+                raise DoubleFreeError("freeing a slot that is not allocated")
+        except IndexError:
+            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
+        state[host] = 0
+        self._released.append(pages)
+        self._num_free_pages += pages.shape[0]
+
+    def is_allocated(self, indices: torch.Tensor) -> bool:
+        """True when every page owned by ``indices`` is currently allocated."""
+        if indices.shape[0] == 0:
+            return True
+        ps = self.page_size
+        pages = indices if ps == 1 else torch.div(indices[::ps], ps, rounding_mode="floor")
+        return bool((self._state[_host(pages)] == 1).all())
+
+    def check_owned(self, indices: torch.Tensor) -> None:
+        """Raise :class:`InvalidIndicesError` unless ``indices`` is a valid allocated span.
+
+        Checks dtype, device, range and allocation state without changing anything.
+        """
+        if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
+            raise InvalidIndicesError(
+                f"value must be a 1-D int64 tensor on {self.device}, "
+                f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
+            )
+        if indices.shape[0] == 0:
+            return
+        lo, hi = torch.aminmax(indices)
+        if int(lo) < 0 or int(hi) >= self.size:
+            raise InvalidIndicesError(f"indices outside [0, {self.size}): min {lo}, max {hi}")
+        if not self.is_allocated(indices):
+            raise InvalidIndicesError("value holds slots that are not allocated")
+
+    def check_consistency(self) -> None:
+        """Assert that the free list and the page states agree (O(size); for sanity checks)."""
+        free = torch.cat([self._free[self._free_pos :], *self._released])
+        n_free = int(free.shape[0])
+        assert n_free == self._num_free_pages, (
+            f"free list holds {n_free} pages, counter says {self._num_free_pages}"
+        )
+        n_state_free = int((self._state == 0).sum())
+        assert n_state_free == n_free, f"{n_state_free} pages marked free, {n_free} listed"
+        host = _host(free)
+        assert (self._state[host] == 0).all(), "a listed free page is marked allocated"
+        assert np.unique(host).shape[0] == n_free, "a page is listed free twice"
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of an index tensor (a copy only when it lives on an accelerator)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()

@@ -1,0 +1,71 @@
+"""Plain snapshots of a cache's sizes and cumulative counters (no Prometheus here).
+
+``UnifiedRadixCache.stats()`` builds a :class:`CacheStats` from integer counters the core keeps
+incrementally, so taking one costs O(components), never a tree walk.  Exporters (``metrics/``)
+turn snapshots into gauges and counter deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from urc.tree import ComponentType, Tier
+
+__all__ = ["CacheCounters", "CacheStats", "ComponentStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentStats:
+    """One component's sizes on one tier, in ``unit`` ("tokens" or "states")."""
+
+    component: ComponentType
+    tier: Tier
+    unit: str
+    evictable: int
+    protected: int
+    capacity: int
+    available: int
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self.available
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """Cumulative event counters the core increments (monotonic; never reset by reads).
+
+    ``hit_tokens`` is indexed by tier name ("device", "host", "storage"); ``evicted`` by
+    (component, tier) in that component's unit.
+    """
+
+    match_requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host": 0, "storage": 0}
+    )
+    inserted_tokens: int = 0
+    evicted: dict[tuple[ComponentType, Tier], int] = field(default_factory=dict)
+    backed_up_tokens: int = 0
+    loaded_back_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A consistent snapshot: per-(component, tier) sizes, node count and counters."""
+
+    components: tuple[ComponentStats, ...]
+    num_nodes: int
+    match_requests: int
+    query_tokens: int
+    hit_tokens: dict[str, int]
+    inserted_tokens: int
+    evicted: dict[tuple[ComponentType, Tier], int]
+    backed_up_tokens: int
+    loaded_back_tokens: int
+
+    def component(self, ct: ComponentType, tier: Tier = Tier.DEVICE) -> ComponentStats | None:
+        for s in self.components:
+            if s.component is ct and s.tier is tier:
+                return s
+        return None
