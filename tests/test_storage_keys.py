@@ -136,7 +136,7 @@ GOOD_HEX = "a" * 64
         "urc1:full:" + GOOD_HEX + "\n",
         "../../etc/passwd",
         "urc1:full:../" + "a" * 61,
-        "urc١:full:" + GOOD_HEX,  # a non-ASCII digit
+        "urc\u0661:full:" + GOOD_HEX,  # a non-ASCII digit (ARABIC-INDIC ONE)
     ],
 )
 def test_bad_keys_are_rejected(bad: str) -> None:

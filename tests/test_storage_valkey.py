@@ -36,7 +36,7 @@ pytestmark = [
 
 def server_binary() -> Path:
     assert BINARY is not None
-    return BINARY
+    return Path(BINARY)
 
 
 @pytest.fixture(scope="module")

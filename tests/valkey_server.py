@@ -200,9 +200,7 @@ class ValkeyCluster:
     """Three masters splitting the 16384 slots evenly (no replicas)."""
 
     def __init__(self, binary: Path, workdir: Path, size: int = 3) -> None:
-        self.nodes = [
-            ValkeyNode(binary, workdir / f"node{i}", cluster=True) for i in range(size)
-        ]
+        self.nodes = [ValkeyNode(binary, workdir / f"node{i}", cluster=True) for i in range(size)]
 
     @property
     def addresses(self) -> tuple[tuple[str, int], ...]:

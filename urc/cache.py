@@ -80,6 +80,7 @@ class UnifiedRadixCache:
         full = self.components[0]
         assert isinstance(full, FullComponent)
         self.full: FullComponent = full
+        self._components_rev = self.components[::-1]
         self._by_type: dict[ComponentType, TreeComponent] = {
             c.component_type: c for c in self.components
         }
@@ -445,7 +446,7 @@ class UnifiedRadixCache:
     def evict_device_leaf(self, node: TreeNode, tracker: list[int]) -> None:
         """Evict every component's device data of the leaf ``node`` and delete it (and any
         ancestors left with no data).  Caller checked that nothing on it is locked."""
-        for c in reversed(self.components):
+        for c in self._components_rev:
             if c.node_has_component_data(node):
                 tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
         self._drop_if_empty(node, tracker)
@@ -533,7 +534,7 @@ class UnifiedRadixCache:
         for c in self._release_checks:
             c.check_release(node, params)
         before = self.full.protected_size
-        for c in reversed(self.components):
+        for c in self._components_rev:
             c.release_component_lock(node, params)
         return DecLockRefResult(before - self.full.protected_size)
 

@@ -92,8 +92,7 @@ class EvictParams:
     mamba_num: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EvictResult:
+class EvictResult(NamedTuple):
     """How much was freed (may exceed the request: whole nodes are evicted)."""
 
     num_tokens_evicted: int = 0
@@ -101,20 +100,46 @@ class EvictResult:
     mamba_num_evicted: int = 0
 
 
-@dataclass(slots=True)
 class IncLockRefResult:
     """Receipt of ``inc_lock_ref``: hand it back (``to_dec_params()``) to release.
 
     ``delta`` is the number of Full tokens moved from evictable to protected.
     ``swa_uuid_for_lock`` names the SWA window boundary; ``skip_lock_node_ids`` the nodes a
     component skipped at acquire time (tombstones), so release skips exactly those.
+    ``node_id`` is the locked node: releasing another node with this receipt is refused.
+    (A plain slotted class: it is built on every lock, and a dataclass with a dict
+    default factory costs more than the lock walk itself.)
     """
 
-    delta: int | None = None
-    swa_uuid_for_lock: int | None = None
-    swa_uuid_for_host_lock: int | None = None
-    skip_lock_node_ids: dict[ComponentType, set[int]] = field(default_factory=dict)
-    node_id: int | None = None
+    __slots__ = (
+        "delta",
+        "node_id",
+        "skip_lock_node_ids",
+        "swa_uuid_for_host_lock",
+        "swa_uuid_for_lock",
+    )
+
+    def __init__(
+        self,
+        delta: int | None = None,
+        swa_uuid_for_lock: int | None = None,
+        swa_uuid_for_host_lock: int | None = None,
+        skip_lock_node_ids: dict[ComponentType, set[int]] | None = None,
+        node_id: int | None = None,
+    ) -> None:
+        self.delta = delta
+        self.swa_uuid_for_lock = swa_uuid_for_lock
+        self.swa_uuid_for_host_lock = swa_uuid_for_host_lock
+        self.skip_lock_node_ids: dict[ComponentType, set[int]] = (
+            {} if skip_lock_node_ids is None else skip_lock_node_ids
+        )
+        self.node_id = node_id
+
+    def __repr__(self) -> str:
+        return (
+            f"IncLockRefResult(delta={self.delta}, node_id={self.node_id}, "
+            f"swa_uuid_for_lock={self.swa_uuid_for_lock}, skip={self.skip_lock_node_ids})"
+        )
 
     def to_dec_params(self) -> DecLockRefParams:
         return DecLockRefParams(
@@ -137,8 +162,7 @@ class DecLockRefParams:
     skip_swa: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class DecLockRefResult:
+class DecLockRefResult(NamedTuple):
     """``delta``: Full tokens moved from protected back to evictable."""
 
     delta: int | None = None

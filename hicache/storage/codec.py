@@ -15,6 +15,7 @@ import struct
 import zlib
 from enum import Enum
 
+import anyio
 import numpy as np
 import torch
 
@@ -28,13 +29,18 @@ __all__ = [
     "buffer_bytes",
     "check_buffer",
     "decode_page_into",
+    "decode_page_into_async",
     "encode_page",
+    "encode_page_async",
 ]
 
 PAGE_MAGIC = b"URCP"
 PAGE_FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHHQI")
 HEADER_SIZE = _HEADER.size
+# Checksumming runs at a few GB/s: below this size it costs less than a hop to a worker
+# thread, above it it would stall the event loop for longer than a hop costs.
+_OFFLOAD_BYTES = 512 * 1024
 
 
 class PageStatus(Enum):
@@ -75,7 +81,7 @@ def encode_page(buffer: torch.Tensor) -> bytes:
     header = _HEADER.pack(
         PAGE_MAGIC, PAGE_FORMAT_VERSION, 0, payload.nbytes, zlib.crc32(payload.data)
     )
-    return header + payload.tobytes()
+    return b"".join((header, payload.data))  # one copy of the payload
 
 
 def decode_page_into(data: bytes | bytearray | memoryview, buffer: torch.Tensor) -> PageStatus:
@@ -99,3 +105,19 @@ def decode_page_into(data: bytes | bytearray | memoryview, buffer: torch.Tensor)
     # numpy copies from a read-only source without the warning torch.frombuffer would raise.
     target[:] = np.frombuffer(payload, dtype=np.uint8)
     return PageStatus.OK
+
+
+async def encode_page_async(buffer: torch.Tensor) -> bytes:
+    """``encode_page``, in a worker thread for large pages (zlib releases the GIL)."""
+    if buffer.nbytes < _OFFLOAD_BYTES:
+        return encode_page(buffer)
+    return await anyio.to_thread.run_sync(encode_page, buffer)
+
+
+async def decode_page_into_async(
+    data: bytes | bytearray | memoryview, buffer: torch.Tensor
+) -> PageStatus:
+    """``decode_page_into``, in a worker thread for large pages (zlib releases the GIL)."""
+    if len(data) < _OFFLOAD_BYTES:
+        return decode_page_into(data, buffer)
+    return await anyio.to_thread.run_sync(decode_page_into, data, buffer)

@@ -33,7 +33,7 @@ import anyio
 import torch
 
 from hicache.storage.base import StorageBackend
-from hicache.storage.codec import PageStatus, decode_page_into, encode_page
+from hicache.storage.codec import PageStatus, decode_page_into_async, encode_page_async
 from hicache.storage.keys import KEY_FORMAT_VERSION, PageKey, StorageComponent
 
 __all__ = ["FileStorage"]
@@ -74,6 +74,7 @@ class FileStorage(StorageBackend):
         self._capacity = capacity_bytes
         self._index: OrderedDict[PageKey, int] = OrderedDict()
         self._used = 0
+        self._dirs: set[Path] = set()  # fan-out directories known to exist
         self._root.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
 
@@ -206,8 +207,7 @@ class FileStorage(StorageBackend):
                 self._counters.errors += 1
                 _log.warning("could not read %s: %s", key, exc)
                 break
-            # Checksumming megabytes would stall the event loop; zlib releases the GIL.
-            status = await anyio.to_thread.run_sync(decode_page_into, data, buffer)
+            status = await decode_page_into_async(data, buffer)
             if status is PageStatus.CORRUPT:
                 self._counters.corrupt += 1
                 self._forget(key)
@@ -231,7 +231,7 @@ class FileStorage(StorageBackend):
                 self._index.move_to_end(key)  # same key, same content: refresh, don't rewrite
                 stored += 1
                 continue
-            data = await anyio.to_thread.run_sync(encode_page, buffer)
+            data = await encode_page_async(buffer)
             victims = self._take_victims(len(data), batch)
             if victims is None:
                 break
@@ -255,12 +255,16 @@ class FileStorage(StorageBackend):
         return stored
 
     async def _write_atomic(self, path: Path, data: bytes) -> None:
-        await aiofiles.os.makedirs(path.parent, exist_ok=True)
+        if path.parent not in self._dirs:  # one makedirs per fan-out dir, not per page
+            await aiofiles.os.makedirs(path.parent, exist_ok=True)
+            self._dirs.add(path.parent)
         temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{_TEMP_SUFFIX}")
         try:
             await _write_bytes(temp, data)
             await aiofiles.os.replace(temp, path)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, FileNotFoundError):
+                self._dirs.discard(path.parent)  # removed behind our back: recreate next time
             # Synchronous on purpose: it must run even when the task is being cancelled.
             with contextlib.suppress(OSError):
                 os.unlink(temp)

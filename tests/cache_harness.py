@@ -1,0 +1,81 @@
+"""Test helpers: a cache plus bookkeeping of what live requests hold, checked after every step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from urc import (
+    CacheConfig,
+    ComponentType,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+    RadixKey,
+    UnifiedRadixCache,
+    build_cache,
+)
+
+
+class Harness:
+    """A cache whose every mutation is followed by ``check()``.
+
+    ``held`` counts Full slots owned by the test (allocated and not handed to the tree), so
+    ``free + evictable + protected + held == capacity`` can be asserted at any time.
+    """
+
+    def __init__(self, page_size: int = 1, kv_size: int = 4096, **kw: object) -> None:
+        self.cache: UnifiedRadixCache = build_cache(
+            CacheConfig(page_size=page_size, kv_size=kv_size, **kw)  # type: ignore[arg-type]
+        )
+        self.page_size = page_size
+        self.alloc = self.cache.token_to_kv_pool_allocator
+        self.held = 0
+
+    def check(self) -> None:
+        self.cache.sanity_check()
+        self.cache.check_pools({ComponentType.FULL: self.held})
+
+    def new_value(self, n: int) -> torch.Tensor:
+        v = self.alloc.alloc(n)
+        assert v is not None, f"test pool exhausted allocating {n}"
+        self.held += -(-n // self.page_size) * self.page_size
+        return v
+
+    def insert(
+        self, tokens: Sequence[int], prev_prefix_len: int = 0, extra_key: object = None
+    ) -> InsertResult:
+        """Insert ``tokens`` with fresh slots; ownership passes to the tree."""
+        value = self.new_value(len(tokens))
+        result = self.cache.insert(
+            InsertParams(
+                key=RadixKey(list(tokens), extra_key),  # type: ignore[arg-type]
+                value=value,
+                prev_prefix_len=prev_prefix_len,
+            )
+        )
+        aligned = len(tokens) - len(tokens) % self.page_size
+        self.held -= aligned
+        # The unaligned tail stays with the caller: give it back.
+        if aligned < len(tokens):
+            self.alloc.free(value[aligned:])
+            self.held -= self.page_size
+        self.check()
+        return result
+
+    def match(self, tokens: Sequence[int], extra_key: object = None) -> MatchResult:
+        result = self.cache.match_prefix(
+            MatchPrefixParams(key=RadixKey(list(tokens), extra_key))  # type: ignore[arg-type]
+        )
+        self.check()
+        return result
+
+    def match_len(self, tokens: Sequence[int], extra_key: object = None) -> int:
+        return int(self.match(tokens, extra_key).device_indices.shape[0])
+
+
+def seq(start: int, num_pages: int, page_size: int) -> list[int]:
+    """``num_pages`` pages of consecutive token ids starting at ``start``."""
+    return list(range(start, start + num_pages * page_size))

@@ -1,0 +1,480 @@
+"""UnifiedRadixCache with the FULL component: match, insert, evict, locks, request caching.
+
+Every test runs for page sizes 1, 4, 16 and 64; the harness runs ``sanity_check()`` and the
+pool conservation check after every mutating step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_harness import Harness, seq
+
+from urc import (
+    CacheConfig,
+    ComponentType,
+    ConfigError,
+    DecLockRefParams,
+    EvictParams,
+    InsertParams,
+    InvalidIndicesError,
+    InvalidInputError,
+    InvalidLockError,
+    KeyValueMismatchError,
+    MatchPrefixParams,
+    RadixKey,
+    Req,
+    build_cache,
+)
+
+PAGE_SIZES = [1, 4, 16, 64]
+
+
+@pytest.fixture(params=PAGE_SIZES, ids=lambda p: f"page{p}")
+def h(request: pytest.FixtureRequest) -> Harness:
+    return Harness(page_size=request.param, kv_size=64 * 64)
+
+
+def test_insert_then_match_full_partial_foreign_and_unrelated(h: Harness) -> None:
+    ps = h.page_size
+    a = seq(0, 2, ps)
+    assert h.insert(a).prefix_len == 0
+    longer = a + seq(1000, 1, ps)
+    assert h.insert(longer).prefix_len == len(a)
+    assert h.match_len(longer) == len(longer)
+    assert h.match_len(a) == len(a)
+    assert h.match_len(a + seq(5000, 1, ps)) == len(a)
+    assert h.match_len(seq(9000, 2, ps)) == 0
+
+
+def test_match_returns_the_inserted_indices_in_order(h: Harness) -> None:
+    ps = h.page_size
+    a = seq(0, 3, ps)
+    value = h.new_value(len(a))
+    h.cache.insert(InsertParams(key=RadixKey(a), value=value.clone()))
+    h.held -= len(a)
+    h.check()
+    m = h.match(a)
+    assert torch.equal(m.device_indices, value)
+    assert m.last_device_node is m.best_match_node is m.last_host_node
+
+
+def test_two_branches_off_a_shared_prefix(h: Harness) -> None:
+    ps = h.page_size
+    base = seq(0, 2, ps)
+    h.insert(base)
+    x = base + seq(100 * ps, 2, ps)
+    y = base + seq(200 * ps, 2, ps)
+    assert h.insert(x).prefix_len == len(base)
+    assert h.insert(y).prefix_len == len(base)
+    assert h.match_len(x) == len(x)
+    assert h.match_len(y) == len(y)
+    assert h.match_len(base + seq(300 * ps, 1, ps)) == len(base)
+
+
+def test_match_splits_mid_node_and_insert_forks_share_the_split(h: Harness) -> None:
+    ps = h.page_size
+    base = seq(0, 3, ps)
+    h.insert(base + seq(500 * ps, 2, ps))
+    m = h.match(base)
+    assert m.device_indices.shape[0] == len(base)
+    assert m.last_device_node.key_len == len(base)
+    assert h.insert(base + seq(600 * ps, 1, ps)).prefix_len == len(base)
+    assert h.insert(base + seq(700 * ps, 1, ps)).prefix_len == len(base)
+
+
+def test_access_times_increase_down_the_matched_path(h: Harness) -> None:
+    ps = h.page_size
+    a = seq(0, 1, ps)
+    b = a + seq(100 * ps, 1, ps)
+    c = b + seq(200 * ps, 1, ps)
+    for s in (a, b, c):
+        h.insert(s)
+    node = h.match(c).last_device_node
+    times = []
+    while node.parent is not None:
+        times.append(node.last_access_time)
+        node = node.parent
+    assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+
+
+def test_evict_frees_at_least_what_was_asked_and_never_a_locked_path(h: Harness) -> None:
+    ps = h.page_size
+    a = seq(0, 2, ps)
+    b = seq(1000 * ps, 2, ps)
+    h.insert(a)
+    h.insert(b)
+    assert h.cache.evictable_size() == len(a) + len(b)
+    node = h.match(a).last_device_node
+    receipt = h.cache.inc_lock_ref(node)
+    assert receipt.delta == len(a)
+    h.check()
+    result = h.cache.evict(EvictParams(num_tokens=4 * ps))
+    h.check()
+    assert result.num_tokens_evicted == len(b)
+    assert h.match_len(a) == len(a)
+    assert h.match_len(b) == 0
+    h.cache.dec_lock_ref(node, receipt.to_dec_params())
+    h.check()
+    assert h.cache.evict(EvictParams(num_tokens=2 * ps)).num_tokens_evicted >= 2 * ps
+    h.check()
+
+
+def test_evict_takes_least_recently_used_leaf_first(h: Harness) -> None:
+    ps = h.page_size
+    a, b, c = (seq(k * 1000 * ps, 1, ps) for k in (1, 2, 3))
+    for s in (a, b, c):
+        h.insert(s)
+    h.match(a)
+    h.cache.evict(EvictParams(num_tokens=1))
+    h.check()
+    assert h.match_len(b) == 0
+    assert h.match_len(a) == len(a) and h.match_len(c) == len(c)
+
+
+def test_evict_empty_tree_returns_zeros(h: Harness) -> None:
+    r = h.cache.evict(EvictParams(num_tokens=10, swa_num_tokens=3, mamba_num=5))
+    assert tuple(r) == (0, 0, 0)
+    h.check()
+
+
+def test_evict_until_empty_leaves_nothing_matchable_and_all_slots_free(h: Harness) -> None:
+    ps = h.page_size
+    seqs = [seq(k * 100 * ps, 2, ps) for k in range(5)]
+    seqs.append(seqs[0] + seq(9000 * ps, 1, ps))
+    for s in seqs:
+        h.insert(s)
+    total = sum(len(s) for s in seqs)
+    h.cache.evict(EvictParams(num_tokens=2 * total))
+    h.check()
+    assert h.cache.evictable_size() == 0 and h.cache.num_nodes == 0
+    assert all(h.match_len(s) == 0 for s in seqs)
+    assert h.alloc.available_size() == h.alloc.size
+
+
+def test_prev_prefix_len_decides_which_duplicate_indices_are_freed(h: Harness) -> None:
+    ps = h.page_size
+    start = h.alloc.available_size()
+    h.insert(seq(0, 1, ps))
+    assert h.alloc.available_size() == start - ps
+    # prev 0: the one duplicate page is freed, one new page kept.
+    h.insert(seq(0, 2, ps), prev_prefix_len=0)
+    assert h.alloc.available_size() == start - 2 * ps
+    # prev == 2 pages: the first two pages are the tree's own (matched): nothing is freed.
+    tree_part = h.match(seq(0, 2, ps)).device_indices
+    own = h.new_value(ps)
+    value = torch.cat([tree_part, own])
+    r = h.cache.insert(
+        InsertParams(key=RadixKey(seq(0, 3, ps)), value=value, prev_prefix_len=2 * ps)
+    )
+    h.held -= ps
+    h.check()
+    assert r.prefix_len == 2 * ps
+    assert h.alloc.available_size() == start - 3 * ps
+
+
+def test_prev_prefix_len_keeps_tree_owned_slots() -> None:
+    h = Harness(page_size=1, kv_size=256)
+    start = h.alloc.available_size()
+    h.insert([1, 2, 3])
+    assert h.alloc.available_size() == start - 3
+    # [1..7] with prev 0: [1,2,3] duplicates are freed -> net -4.
+    h.insert([1, 2, 3, 4, 5, 6, 7], prev_prefix_len=0)
+    assert h.alloc.available_size() == start - 7
+    # A request that matched [1..7] owns only the slots past it: pass the tree's slots first.
+    tree = h.match([1, 2, 3, 4, 5, 6, 7]).device_indices
+    own = h.new_value(2)
+    value = torch.cat([tree, own])
+    h.cache.insert(InsertParams(key=RadixKey(list(range(1, 10))), value=value, prev_prefix_len=7))
+    h.held -= 2
+    h.check()
+    assert h.alloc.available_size() == start - 9
+    assert h.match_len(list(range(1, 10))) == 9
+
+
+def test_unaligned_keys_are_truncated_to_whole_pages(h: Harness) -> None:
+    ps = h.page_size
+    if ps == 1:
+        pytest.skip("every key is aligned at page size 1")
+    s = seq(0, 2, ps)
+    h.insert(s + [99] * (ps - 1))
+    assert h.match_len(s + [99] * (ps - 1)) == len(s)
+    assert h.match_len(s[: ps - 1]) == 0
+    assert h.cache.evictable_size() == len(s)
+
+
+def test_a_mismatch_inside_a_page_matches_only_the_pages_before_it(h: Harness) -> None:
+    ps = h.page_size
+    if ps == 1:
+        pytest.skip("needs pages of several tokens")
+    s = seq(0, 3, ps)
+    h.insert(s)
+    in_page_two = [*s[: ps + ps // 2], -1, *s[ps + ps // 2 + 1 :]]
+    assert h.match_len(in_page_two) == ps
+    in_page_one = [-1, *s[1:]]
+    assert h.match_len(in_page_one) == 0
+    # The partial match split the node on a page boundary; inserting the fork shares it.
+    assert h.insert(in_page_two).prefix_len == ps
+
+
+def test_child_keys_are_pages(h: Harness) -> None:
+    ps = h.page_size
+    h.insert(seq(0, 2, ps))
+    (key,) = h.cache.root.children
+    assert key == (0 if ps == 1 else tuple(range(ps)))
+
+
+def test_extra_key_namespaces_never_match_each_other(h: Harness) -> None:
+    ps = h.page_size
+    s = seq(0, 2, ps)
+    h.insert(s, extra_key=("tenant", 1))
+    h.insert(s, extra_key=("tenant", 2))
+    h.insert(s)
+    assert h.match_len(s, ("tenant", 1)) == len(s)
+    assert h.match_len(s, ("tenant", 3)) == 0
+    m1 = h.match(s, ("tenant", 1)).device_indices
+    m2 = h.match(s, ("tenant", 2)).device_indices
+    m0 = h.match(s).device_indices
+    assert not set(m1.tolist()) & set(m2.tolist())
+    assert not set(m0.tolist()) & set(m1.tolist())
+    # A string namespace is the 1-tuple of that string.
+    assert RadixKey(s, "lora").extra_key == ("lora",)
+
+
+def test_lock_moves_sizes_between_evictable_and_protected(h: Harness) -> None:
+    ps = h.page_size
+    base = seq(0, 2, ps)
+    x = base + seq(100 * ps, 1, ps)
+    y = base + seq(200 * ps, 1, ps)
+    h.insert(x)
+    h.insert(y)
+    nx = h.match(x).last_device_node
+    ny = h.match(y).last_device_node
+    rx = h.cache.inc_lock_ref(nx)
+    assert (h.cache.protected_size(), rx.delta) == (len(x), len(x))
+    ry = h.cache.inc_lock_ref(ny)
+    assert ry.delta == ps  # the shared base was already protected
+    h.check()
+    assert h.cache.dec_lock_ref(nx, rx.to_dec_params()).delta == ps
+    assert h.cache.dec_lock_ref(ny, ry.to_dec_params()).delta == len(y)
+    assert h.cache.protected_size() == 0
+    h.check()
+
+
+def test_dec_lock_ref_on_an_unlocked_node_is_a_typed_error_and_changes_nothing(
+    h: Harness,
+) -> None:
+    ps = h.page_size
+    h.insert(seq(0, 2, ps))
+    node = h.match(seq(0, 2, ps)).last_device_node
+    with pytest.raises(InvalidLockError):
+        h.cache.dec_lock_ref(node)
+    h.check()
+    receipt = h.cache.inc_lock_ref(node)
+    other = h.cache.root
+    h.cache.dec_lock_ref(other)  # the root is never locked: a no-op
+    wrong = DecLockRefParams(node_id=node.id + 10_000)
+    with pytest.raises(InvalidLockError):
+        h.cache.dec_lock_ref(node, wrong)
+    h.cache.dec_lock_ref(node, receipt.to_dec_params())
+    with pytest.raises(InvalidLockError):
+        h.cache.dec_lock_ref(node, receipt.to_dec_params())
+    h.check()
+
+
+def _request(h: Harness, input_ids: list[int], output_ids: list[int]) -> Req:
+    """A request that prefilled and decoded into fresh slots (after matching its prefix)."""
+    cache = h.cache
+    req = Req(rid="r", origin_input_ids=input_ids, output_ids=output_ids)
+    row = cache.req_to_token_pool.alloc()
+    assert row is not None
+    req.req_pool_idx = row
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(input_ids)))
+    prefix = m.device_indices
+    req.prefix_indices = prefix
+    req.last_node = m.last_device_node
+    req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
+    req.cache_protected_len = prefix.shape[0]
+    total = len(input_ids) + len(output_ids)
+    own = h.new_value(total - prefix.shape[0])
+    cache.req_to_token_pool.write(row, 0, torch.cat([prefix, own]))
+    req.kv_committed_len = req.kv_allocated_len = total
+    h.check()
+    return req
+
+
+def test_cache_finished_req_inserts_and_frees_the_unaligned_tail(h: Harness) -> None:
+    ps = h.page_size
+    inp = seq(0, 3, ps)
+    out = seq(10_000, 1, ps)[: max(1, ps // 2)]
+    req = _request(h, inp, out)
+    held_by_req = h.held
+    h.cache.cache_finished_req(req)
+    h.held = 0
+    h.check()
+    aligned = (len(inp) + len(out)) // ps * ps
+    assert h.match_len(inp + out) == aligned
+    assert h.cache.evictable_size() == aligned
+    assert h.alloc.available_size() == h.alloc.size - aligned
+    assert held_by_req >= aligned
+    assert req.req_pool_idx is None and req.last_node is None
+
+
+def test_cache_finished_req_reuses_a_cached_prefix(h: Harness) -> None:
+    ps = h.page_size
+    inp = seq(0, 3, ps)
+    h.insert(inp)
+    req = _request(h, inp + seq(7000, 1, ps), seq(10_000, 1, ps))
+    assert req.cache_protected_len == len(inp)
+    assert h.cache.protected_size() == len(inp)
+    h.cache.cache_finished_req(req)
+    h.held = 0
+    h.check()
+    assert h.cache.protected_size() == 0
+    assert h.cache.evictable_size() == len(inp) + 2 * ps
+
+
+def test_cache_finished_req_without_insert_frees_everything_it_owned(h: Harness) -> None:
+    ps = h.page_size
+    inp = seq(0, 3, ps)
+    req = _request(h, inp, seq(10_000, 1, ps))
+    h.cache.cache_finished_req(req, is_insert=False)
+    h.held = 0
+    h.check()
+    assert h.match_len(inp) == 0
+    assert h.alloc.available_size() == h.alloc.size
+
+
+def test_cache_unfinished_req_locks_the_new_last_node(h: Harness) -> None:
+    ps = h.page_size
+    inp = seq(0, 4, ps) + [7] * (ps // 2)
+    req = _request(h, inp, [])
+    req.kv_committed_len = len(inp)
+    h.cache.cache_unfinished_req(req)
+    aligned = len(inp) // ps * ps
+    assert req.prefix_indices.shape[0] == aligned > 0
+    assert req.cache_protected_len == req.prefix_indices.shape[0]
+    assert req.last_node is not None and req.last_node.lock_ref > 0
+    assert h.cache.protected_size() == aligned
+    row = req.req_pool_idx
+    assert row is not None
+    assert torch.equal(h.cache.req_to_token_pool.read(row, 0, aligned), req.prefix_indices)
+    h.held = (len(inp) - aligned and ps) if ps > 1 else 0
+    h.check()
+    # A second chunk: the lock moves down, the old one is released.
+    more = seq(20_000, 1, ps)
+    req.origin_input_ids = inp + more
+    extra = h.new_value(len(more))
+    full_row = torch.cat([h.cache.req_to_token_pool.read(row, 0, len(inp)), extra])
+    h.cache.req_to_token_pool.write(row, 0, full_row[: len(inp) + len(more)])
+    req.kv_committed_len = req.kv_allocated_len = len(inp) + len(more)
+    h.cache.cache_unfinished_req(req)
+    assert h.cache.protected_size() == req.cache_protected_len
+    h.cache.cache_finished_req(req)
+    h.held = 0
+    h.check()
+    assert h.cache.protected_size() == 0
+
+
+def test_eagle_bigram_keys() -> None:
+    cache = build_cache(CacheConfig(kv_size=256, is_eagle=True))
+    alloc = cache.token_to_kv_pool_allocator
+
+    def insert(ids: list[int]) -> int:
+        v = alloc.alloc(len(ids) - 1)
+        assert v is not None
+        r = cache.insert(InsertParams(key=RadixKey(ids), value=v))
+        cache.sanity_check()
+        return r.prefix_len
+
+    assert [insert(s) for s in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12])] == [0, 2, 0]
+    assert insert([1, 2, 3, 4, 5, 60, 70]) == 4
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 60, 70])))
+    assert m.device_indices.shape[0] == 6
+    assert m.last_device_node.key == [(5, 60), (60, 70)]
+    cache.check_pools()
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (torch.arange(3, dtype=torch.int64), KeyValueMismatchError),
+        (torch.arange(4, dtype=torch.int32), InvalidIndicesError),
+        (torch.arange(4, dtype=torch.float32), InvalidIndicesError),
+        (torch.tensor([0, 1, 2, 1 << 20]), InvalidIndicesError),
+        (torch.tensor([-1, 1, 2, 3]), InvalidIndicesError),
+        (torch.arange(8).view(2, 4), InvalidIndicesError),
+        (None, InvalidInputError),
+    ],
+)
+def test_bad_insert_values_are_typed_errors_and_change_nothing(
+    value: torch.Tensor | None, error: type[Exception]
+) -> None:
+    h = Harness(page_size=1, kv_size=64)
+    h.insert([1, 2])
+    before = (h.cache.num_nodes, h.cache.evictable_size(), h.alloc.available_size())
+    with pytest.raises(error):
+        h.cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=value))
+    assert (h.cache.num_nodes, h.cache.evictable_size(), h.alloc.available_size()) == before
+    h.check()
+
+
+def test_value_on_another_device_is_rejected() -> None:
+    h = Harness(page_size=1, kv_size=64)
+    v = torch.arange(2, dtype=torch.int64, device="meta")
+    with pytest.raises(InvalidIndicesError):
+        h.cache.insert(InsertParams(key=RadixKey([1, 2]), value=v))
+    h.check()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"page_size": 3},
+        {"page_size": 0},
+        {"kv_size": -4},
+        {"kv_size": 10, "page_size": 4},
+        {"max_num_reqs": 0},
+        {"components": (ComponentType.SWA,)},
+        {"components": (ComponentType.FULL, ComponentType.FULL)},
+        {"components": (ComponentType.FULL, ComponentType.SWA), "sliding_window_size": 0},
+        {"components": (ComponentType.FULL, ComponentType.MAMBA), "mamba_size": 0},
+    ],
+)
+def test_bad_configs_are_config_errors(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        CacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_negative_evict_amounts_are_rejected() -> None:
+    h = Harness(page_size=1, kv_size=64)
+    with pytest.raises(InvalidInputError):
+        h.cache.evict(EvictParams(num_tokens=-1))
+
+
+def test_reset_frees_everything_but_refuses_while_locked(h: Harness) -> None:
+    ps = h.page_size
+    h.insert(seq(0, 2, ps))
+    h.insert(seq(100 * ps, 2, ps))
+    node = h.match(seq(0, 2, ps)).last_device_node
+    receipt = h.cache.inc_lock_ref(node)
+    with pytest.raises(InvalidLockError):
+        h.cache.reset()
+    h.check()
+    h.cache.dec_lock_ref(node, receipt.to_dec_params())
+    h.cache.reset()
+    h.check()
+    assert h.cache.num_nodes == 0 and h.alloc.available_size() == h.alloc.size
+
+
+def test_pretty_print_and_stats(h: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    ps = h.page_size
+    h.insert(seq(0, 2, ps))
+    h.match(seq(0, 2, ps))
+    text = h.cache.pretty_print()
+    assert "#nodes=1" in capsys.readouterr().out and "full=D-/0" in text
+    stats = h.cache.stats()
+    assert stats.match_requests == 1 and stats.hit_tokens["device"] == 2 * ps
+    assert stats.inserted_tokens == 2 * ps
+    full = stats.component(ComponentType.FULL)
+    assert full is not None and full.evictable == 2 * ps

@@ -1,0 +1,322 @@
+"""Benchmark of the synchronous core on the reference workload; prints JSON.
+
+Usage::
+
+    python -m urc.bench                       # every component set, page sizes 1 and 16
+    python -m urc.bench --components full --page-sizes 1 --num-seqs 2000 --scaling
+
+Reference workload (seeded): a root of ``chunk_len // 4`` random tokens; the first sequence is
+root + ``chunk_len`` fresh tokens; then repeatedly, with probability 1/2, a random earlier
+sequence + ``chunk_len`` fresh tokens, otherwise 2-10 children of a random earlier sequence,
+each + ``chunk_len`` fresh tokens.  Phases: insert every sequence (freshly allocated values),
+match every sequence, lock and unlock every matched node, evict until empty (one call per
+sequence's worth of tokens).  ``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6
+cached tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from urc.cache import UnifiedRadixCache
+from urc.config import CacheConfig, build_cache
+from urc.key import RadixKey
+from urc.params import EvictParams, InsertParams, MatchPrefixParams
+from urc.tree import ComponentType
+
+__all__ = ["COMPONENT_SETS", "generate_sequences", "main", "run_phases"]
+
+COMPONENT_SETS: dict[str, tuple[ComponentType, ...]] = {
+    "full": (ComponentType.FULL,),
+    "full+swa": (ComponentType.FULL, ComponentType.SWA),
+    "full+mamba": (ComponentType.FULL, ComponentType.MAMBA),
+}
+_VOCAB = 1 << 30
+
+
+def generate_sequences(num_seqs: int, chunk_len: int, seed: int = 42) -> list[list[int]]:
+    """The reference workload's token sequences (see the module docstring)."""
+    rng = random.Random(seed)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(_VOCAB) for _ in range(n)]
+
+    root = fresh(chunk_len // 4)
+    seqs = [root + fresh(chunk_len)]
+    while len(seqs) < num_seqs:
+        if rng.random() < 0.5:
+            seqs.append(rng.choice(seqs) + fresh(chunk_len))
+        else:
+            parent = rng.choice(seqs)
+            for _ in range(min(rng.randint(2, 10), num_seqs - len(seqs))):
+                seqs.append(parent + fresh(chunk_len))
+    return seqs
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseStats:
+    """Timing of one phase: ``ops`` calls, ``tokens`` tokens, per-call latencies."""
+
+    ops: int
+    tokens: int
+    seconds: float
+    p50_us: float
+    p99_us: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "ops": self.ops,
+            "ops_per_s": round(self.ops / self.seconds, 1) if self.seconds else 0.0,
+            "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0,
+            "p50_us": round(self.p50_us, 2),
+            "p99_us": round(self.p99_us, 2),
+        }
+
+
+def _phase(lat: list[float], tokens: int) -> PhaseStats:
+    lat_sorted = sorted(lat)
+    n = len(lat_sorted)
+    return PhaseStats(
+        ops=n,
+        tokens=tokens,
+        seconds=sum(lat_sorted),
+        p50_us=statistics.median(lat_sorted) * 1e6 if n else 0.0,
+        p99_us=lat_sorted[min(n - 1, int(n * 0.99))] * 1e6 if n else 0.0,
+    )
+
+
+class _Driver:
+    """Supplies the per-component parts of an insert (Mamba state slots)."""
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        self.cache = cache
+        self.mamba = cache.pools.mamba if cache.has_component(ComponentType.MAMBA) else None
+
+    def insert(self, seq: list[int]) -> tuple[InsertParams, Callable[[Any], None]]:
+        value = self.cache.token_to_kv_pool_allocator.alloc(len(seq))
+        assert value is not None, "bench pool too small"
+        params = InsertParams(key=RadixKey(seq), value=value)
+        if self.mamba is None:
+            return params, _noop
+        slot = self.mamba.alloc(1)
+        assert slot is not None, "bench Mamba pool too small"
+        params.mamba_value = slot
+        mamba = self.mamba
+
+        def after(result: Any) -> None:
+            if result.mamba_exist:
+                mamba.free(slot)
+
+        return params, after
+
+
+def _noop(_: Any) -> None:
+    return None
+
+
+def make_config(components: tuple[ComponentType, ...], page_size: int, kv_size: int) -> CacheConfig:
+    kv_size = -(-kv_size // page_size) * page_size
+    return CacheConfig(
+        components=components,
+        page_size=page_size,
+        kv_size=kv_size,
+        sliding_window_size=128 if ComponentType.SWA in components else None,
+        mamba_size=kv_size // 64 + 16 if ComponentType.MAMBA in components else 0,
+        max_num_reqs=4,
+        max_context_len=8,
+    )
+
+
+def run_phases(
+    components: tuple[ComponentType, ...], page_size: int, seqs: list[list[int]]
+) -> dict[str, Any]:
+    """Run the four phases on a fresh cache; returns per-phase figures."""
+    total = sum(len(s) for s in seqs)
+    cache = build_cache(make_config(components, page_size, total + 1024))
+    driver = _Driver(cache)
+    clock = time.perf_counter
+    lat: list[float] = []
+    for seq in seqs:
+        params, after = driver.insert(seq)
+        t0 = clock()
+        result = cache.insert(params)
+        lat.append(clock() - t0)
+        after(result)
+    insert = _phase(lat, total)
+    cached = cache.total_size()
+
+    lat = []
+    nodes = []
+    hit = 0
+    for seq in seqs:
+        mp = MatchPrefixParams(key=RadixKey(seq))
+        t0 = clock()
+        m = cache.match_prefix(mp)
+        lat.append(clock() - t0)
+        nodes.append(m.last_device_node)
+        hit += m.device_indices.shape[0]
+    match = _phase(lat, total)
+
+    lat = []
+    receipts = []
+    for node in nodes:
+        t0 = clock()
+        r = cache.inc_lock_ref(node)
+        lat.append(clock() - t0)
+        receipts.append(r)
+    lock = _phase(lat, 0)
+    lat = []
+    for node, r in zip(nodes, receipts, strict=True):
+        dp = r.to_dec_params()
+        t0 = clock()
+        cache.dec_lock_ref(node, dp)
+        lat.append(clock() - t0)
+    unlock = _phase(lat, 0)
+
+    per_call = -(-cached // len(seqs))
+    lat = []
+    freed = 0
+    ep = EvictParams(num_tokens=per_call)
+    while cache.total_size() > 0:
+        t0 = clock()
+        r = cache.evict(ep)
+        lat.append(clock() - t0)
+        freed += r.num_tokens_evicted
+        if r.num_tokens_evicted == 0:
+            break
+    evict = _phase(lat, freed)
+    cache.sanity_check()
+    cache.check_pools()
+    return {
+        "cached_tokens": cached,
+        "match_hit_tokens": hit,
+        "insert": insert.as_dict(),
+        "match_prefix": match.as_dict(),
+        "lock": lock.as_dict(),
+        "unlock": unlock.as_dict(),
+        "evict": evict.as_dict(),
+    }
+
+
+def _grow(seed: int, chunk_len: int) -> Iterator[list[int]]:
+    """An endless stream of reference-workload sequences (for the scaling runs)."""
+    rng = random.Random(seed)
+    root = [rng.randrange(_VOCAB) for _ in range(chunk_len // 4)]
+    seqs = [root]
+    while True:
+        parent = rng.choice(seqs[-4096:]) if rng.random() < 0.5 else rng.choice(seqs)
+        seq = parent + [rng.randrange(_VOCAB) for _ in range(chunk_len)]
+        if len(seq) > 16 * chunk_len:
+            seq = root + [rng.randrange(_VOCAB) for _ in range(chunk_len)]
+        seqs.append(seq)
+        yield seq
+
+
+def run_scaling(
+    components: tuple[ComponentType, ...], page_size: int, chunk_len: int, sizes: list[int]
+) -> dict[str, Any]:
+    """Per-op cost of insert, match and evict (per freed token) at each tree size."""
+    out: dict[str, Any] = {}
+    clock = time.perf_counter
+    samples = 400
+    for size in sizes:
+        cache = build_cache(make_config(components, page_size, size + 64 * chunk_len + 4096))
+        driver = _Driver(cache)
+        stream = _grow(7, chunk_len)
+        inserted: list[list[int]] = []
+        while cache.total_size() < size:
+            seq = next(stream)
+            params, after = driver.insert(seq)
+            after(cache.insert(params))
+            inserted.append(seq)
+        probe = [next(stream) for _ in range(samples)]
+        ins: list[float] = []
+        for seq in probe:
+            params, after = driver.insert(seq)
+            t0 = clock()
+            r = cache.insert(params)
+            ins.append(clock() - t0)
+            after(r)
+        rng = random.Random(3)
+        mat: list[float] = []
+        for seq in rng.sample(inserted, min(samples, len(inserted))):
+            mp = MatchPrefixParams(key=RadixKey(seq))
+            t0 = clock()
+            cache.match_prefix(mp)
+            mat.append(clock() - t0)
+        ev_time = 0.0
+        ev_tokens = 0
+        ep = EvictParams(num_tokens=chunk_len)
+        for _ in range(samples):
+            t0 = clock()
+            r = cache.evict(ep)
+            ev_time += clock() - t0
+            ev_tokens += r.num_tokens_evicted
+        out[str(size)] = {
+            "insert_us": round(statistics.median(ins) * 1e6, 2),
+            "match_us": round(statistics.median(mat) * 1e6, 2),
+            "evict_us_per_token": round(ev_time / max(ev_tokens, 1) * 1e6, 4),
+        }
+    lo, hi = out[str(sizes[0])], out[str(sizes[-1])]
+    out["ratio_largest_to_smallest"] = {
+        k: round(hi[k] / lo[k], 2) for k in ("insert_us", "match_us", "evict_us_per_token")
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m urc.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--components", nargs="+", choices=sorted(COMPONENT_SETS), default=None)
+    ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--num-seqs", type=int, default=2000)
+    ap.add_argument("--chunk-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--scaling", action="store_true", help="also measure 1e4/1e5/1e6 trees")
+    args = ap.parse_args(argv)
+    names = args.components or [n for n in COMPONENT_SETS if _available(COMPONENT_SETS[n])]
+    torch.set_num_threads(1)
+    seqs = generate_sequences(args.num_seqs, args.chunk_len, args.seed)
+    report: dict[str, Any] = {
+        "workload": {
+            "num_seqs": args.num_seqs,
+            "chunk_len": args.chunk_len,
+            "seed": args.seed,
+            "total_tokens": sum(len(s) for s in seqs),
+        },
+        "results": {},
+    }
+    for name in names:
+        for ps in args.page_sizes:
+            entry = run_phases(COMPONENT_SETS[name], ps, seqs)
+            if args.scaling:
+                entry["scaling"] = run_scaling(
+                    COMPONENT_SETS[name], ps, args.chunk_len, [10**4, 10**5, 10**6]
+                )
+            report["results"][f"{name}/page{ps}"] = entry
+            print(json.dumps({f"{name}/page{ps}": entry}), flush=True)
+    print(json.dumps(report, indent=2))
+
+
+def _available(components: tuple[ComponentType, ...]) -> bool:
+    """Whether the component modules of this set exist in this installation."""
+    from urc.components import component_class
+
+    try:
+        for ct in components:
+            component_class(ct)
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Commands of the async service: one frozen dataclass per operation, and their results.
+
+Every public coroutine of :class:`~urc.service.AsyncUnifiedRadixCache` builds one of these,
+sends it to the actor and awaits the reply; :class:`~urc.executor.CommandExecutor` applies it
+to the synchronous core.  Commands are immutable; the objects they point at (a ``Req``, a
+value tensor) are owned by the caller until the actor has applied the command.
+
+Results that cross back to callers never contain tree nodes: a match returns a
+:class:`MatchOutcome` (indices, hit lengths, an opaque :class:`~urc.lease.NodeHandle` and,
+when asked, a :class:`~urc.lease.Lease`), an insert an :class:`InsertOutcome`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+
+import torch
+
+from urc.key import RadixKey
+from urc.params import EvictParams
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+    from urc.lease import Lease, NodeHandle
+    from urc.req import Req
+    from urc.tree import ComponentType
+
+__all__ = [
+    "Alloc",
+    "CacheFinishedReq",
+    "CacheUnfinishedReq",
+    "Call",
+    "Command",
+    "CommandKind",
+    "Evict",
+    "Free",
+    "Insert",
+    "InsertOutcome",
+    "Lock",
+    "Match",
+    "MatchOutcome",
+    "MatchReq",
+    "Release",
+    "SanityCheck",
+    "Stats",
+]
+
+
+class CommandKind(Enum):
+    """What a command asks the actor to do (one value per public service operation)."""
+
+    MATCH = "match"
+    MATCH_REQ = "match_req"
+    INSERT = "insert"
+    LOCK = "lock"
+    RELEASE = "release"
+    EVICT = "evict"
+    ALLOC = "alloc"
+    FREE = "free"
+    CACHE_FINISHED_REQ = "cache_finished_req"
+    CACHE_UNFINISHED_REQ = "cache_unfinished_req"
+    STATS = "stats"
+    SANITY_CHECK = "sanity_check"
+    CALL = "call"
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Longest cached prefix of ``key``; with ``lock`` also lock it (the result has a lease).
+
+    ``cow_mamba`` with ``req`` copies the matched Mamba state into ``req``'s own slot.
+    """
+
+    kind: ClassVar[CommandKind] = CommandKind.MATCH
+    key: RadixKey
+    lock: bool = False
+    cow_mamba: bool = False
+    req: Req | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MatchReq:
+    """Match ``req``'s tokens and attach the lock to ``req`` (``last_node``/``lock_receipt``),
+    setting ``prefix_indices`` and ``cache_protected_len``; ``cache_*_req`` releases it."""
+
+    kind: ClassVar[CommandKind] = CommandKind.MATCH_REQ
+    req: Req
+    cow_mamba: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Insert:
+    """Insert ``key`` -> ``value`` (see ``UnifiedRadixCache.insert`` for slot ownership)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.INSERT
+    key: RadixKey
+    value: torch.Tensor
+    prev_prefix_len: int = 0
+    mamba_value: torch.Tensor | None = None
+    swa_evicted_seqlen: int = 0
+    chunked: bool = False
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lock:
+    """Lock the node behind ``node`` (from an earlier match); the result is a lease."""
+
+    kind: ClassVar[CommandKind] = CommandKind.LOCK
+    node: NodeHandle
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Release ``lease`` (already marked released by the caller)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.RELEASE
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Evict at least the amounts in ``params`` where possible."""
+
+    kind: ClassVar[CommandKind] = CommandKind.EVICT
+    params: EvictParams
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """Allocate ``num_tokens`` Full KV slots for the caller, evicting first if ``evict``."""
+
+    kind: ClassVar[CommandKind] = CommandKind.ALLOC
+    num_tokens: int
+    evict: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Give caller-owned Full KV slots back to the allocator."""
+
+    kind: ClassVar[CommandKind] = CommandKind.FREE
+    indices: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFinishedReq:
+    """``cache_finished_req(req, is_insert)``."""
+
+    kind: ClassVar[CommandKind] = CommandKind.CACHE_FINISHED_REQ
+    req: Req
+    is_insert: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUnfinishedReq:
+    """``cache_unfinished_req(req, chunked)``."""
+
+    kind: ClassVar[CommandKind] = CommandKind.CACHE_UNFINISHED_REQ
+    req: Req
+    chunked: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A ``CacheStats`` snapshot."""
+
+    kind: ClassVar[CommandKind] = CommandKind.STATS
+
+
+@dataclass(frozen=True, slots=True)
+class SanityCheck:
+    """``sanity_check()`` then ``check_pools(held)`` (``held``: units owned by requests)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.SANITY_CHECK
+    held: Mapping[ComponentType, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run ``fn(cache)`` inside the actor (internal: HiCache workers, tests).
+
+    ``fn`` must be synchronous and atomic in the same sense as the core: raise a
+    :class:`~urc.errors.URCError` before changing anything, or succeed.
+    """
+
+    kind: ClassVar[CommandKind] = CommandKind.CALL
+    fn: Callable[[UnifiedRadixCache], Any]
+
+
+Command: TypeAlias = (
+    Match
+    | MatchReq
+    | Insert
+    | Lock
+    | Release
+    | Evict
+    | Alloc
+    | Free
+    | CacheFinishedReq
+    | CacheUnfinishedReq
+    | Stats
+    | SanityCheck
+    | Call
+)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MatchOutcome:
+    """Result of a match.
+
+    ``device_indices``: Full device slots of the cached prefix (``prefix_len`` of them).
+    ``host_hit_length``: tokens past the device hit that are cached on host (HiCache).
+    ``node``: handle of the node that ends the device hit (for :meth:`lock`).
+    ``lease``: the lock, when the match was asked to lock (else ``None``).
+    """
+
+    device_indices: torch.Tensor
+    prefix_len: int
+    host_hit_length: int
+    node: NodeHandle
+    lease: Lease | None = None
+    mamba_branching_seqlen: int | None = None
+
+    @property
+    def device_hit_length(self) -> int:
+        return self.prefix_len
+
+
+@dataclass(frozen=True, slots=True)
+class InsertOutcome:
+    """Result of an insert: ``prefix_len`` tokens were already cached out of ``total_len``;
+    ``mamba_exist``: the caller still owns (and must free) its Mamba slot."""
+
+    prefix_len: int
+    total_len: int
+    mamba_exist: bool = False

@@ -1,0 +1,207 @@
+"""``CommandExecutor``: applies service commands to a synchronous cache (the actor's core).
+
+This is the synchronous half of the async service: ``apply(command)`` mutates the cache and
+returns the command's result, or raises a :class:`~urc.errors.URCError` having changed
+nothing.  It owns the lease table (lease id -> locked node and its receipt), so tree nodes
+never leave it.  It knows nothing about tasks or streams and can be driven directly, which is
+how tests replay a recorded service history on a fresh cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from urc.cache import UnifiedRadixCache
+from urc.commands import (
+    Alloc,
+    CacheFinishedReq,
+    CacheUnfinishedReq,
+    Call,
+    Command,
+    Evict,
+    Free,
+    Insert,
+    InsertOutcome,
+    Lock,
+    Match,
+    MatchOutcome,
+    MatchReq,
+    Release,
+    SanityCheck,
+    Stats,
+)
+from urc.errors import InvalidInputError, LeaseError, OutOfMemoryError
+from urc.key import RadixKey
+from urc.lease import Lease, LeaseOwner, NodeHandle
+from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams
+from urc.tree import TreeNode
+
+__all__ = ["CommandExecutor"]
+
+
+class CommandExecutor:
+    """Applies commands to ``cache``; leases it issues name ``owner`` as their releaser.
+
+    Not thread-safe and not re-entrant: exactly one owner (the service's actor task) calls
+    :meth:`apply`.
+    """
+
+    __slots__ = ("_dispatch", "_next_lease_id", "cache", "leases", "owner")
+
+    def __init__(self, cache: UnifiedRadixCache, owner: LeaseOwner | None = None) -> None:
+        self.cache = cache
+        self.owner = owner
+        # Lease id -> (lease, locked node, acquire receipt); the only place nodes are kept.
+        self.leases: dict[int, tuple[Lease, TreeNode, IncLockRefResult]] = {}
+        self._next_lease_id = 1
+        self._dispatch: dict[type[Any], Callable[[Any], Any]] = {
+            Match: self._match,
+            MatchReq: self._match_req,
+            Insert: self._insert,
+            Lock: self._lock,
+            Release: self._release,
+            Evict: self._evict,
+            Alloc: self._alloc,
+            Free: self._free,
+            CacheFinishedReq: self._cache_finished,
+            CacheUnfinishedReq: self._cache_unfinished,
+            Stats: self._stats,
+            SanityCheck: self._sanity_check,
+            Call: self._call,
+        }
+
+    def apply(self, command: Command) -> Any:
+        """Apply ``command`` and return its result (see each command's docstring).
+
+        Raises a :class:`~urc.errors.URCError` with the cache unchanged; any other exception
+        means a bug (the cache may be half-updated).
+        """
+        return self._dispatch[type(command)](command)
+
+    # ------------------------------------------------------------------ leases
+    def _new_lease(self, node: TreeNode, depth: int) -> Lease:
+        receipt = self.cache.inc_lock_ref(node)
+        lease = Lease(self._next_lease_id, depth, self.owner)
+        self._next_lease_id += 1
+        self.leases[lease.id] = (lease, node, receipt)
+        return lease
+
+    def release_lease(self, lease: Lease) -> None:
+        """Apply the ``dec_lock_ref`` of ``lease`` (raises :class:`LeaseError` if unknown)."""
+        entry = self.leases.get(lease.id)
+        if entry is None or entry[0] is not lease:
+            raise LeaseError(f"lease {lease.id} is not held by this service")
+        _, node, receipt = entry
+        self.cache.dec_lock_ref(node, receipt.to_dec_params())
+        del self.leases[lease.id]
+
+    def release_all(self) -> int:
+        """Release every lease still held (marking each released); returns how many."""
+        count = 0
+        for lease, node, receipt in list(self.leases.values()):
+            self.cache.dec_lock_ref(node, receipt.to_dec_params())
+            lease._released = True
+            count += 1
+        self.leases.clear()
+        return count
+
+    # ------------------------------------------------------------------ handlers
+    def _match(self, cmd: Match) -> MatchOutcome:
+        res = self.cache.match_prefix(MatchPrefixParams(cmd.key, cmd.cow_mamba, cmd.req))
+        node = res.last_device_node
+        n = int(res.device_indices.shape[0])
+        lease = self._new_lease(node, n) if cmd.lock else None
+        return MatchOutcome(
+            res.device_indices,
+            n,
+            res.host_hit_length,
+            NodeHandle(node),
+            lease,
+            res.mamba_branching_seqlen,
+        )
+
+    def _match_req(self, cmd: MatchReq) -> MatchOutcome:
+        req = cmd.req
+        if req.last_node is not None:
+            raise InvalidInputError(f"request {req.rid} already holds a lock")
+        key = RadixKey(req.fill_ids, req.extra_key)
+        res = self.cache.match_prefix(MatchPrefixParams(key, cmd.cow_mamba, req))
+        node = res.last_device_node
+        req.lock_receipt = self.cache.inc_lock_ref(node)
+        req.last_node = node
+        req.prefix_indices = res.device_indices
+        n = int(res.device_indices.shape[0])
+        req.cache_protected_len = n
+        req.mamba_branching_seqlen = res.mamba_branching_seqlen
+        return MatchOutcome(
+            res.device_indices, n, res.host_hit_length, NodeHandle(node), None,
+            res.mamba_branching_seqlen,
+        )  # fmt: skip
+
+    def _insert(self, cmd: Insert) -> InsertOutcome:
+        res = self.cache.insert(
+            InsertParams(
+                key=cmd.key,
+                value=cmd.value,
+                mamba_value=cmd.mamba_value,
+                prev_prefix_len=cmd.prev_prefix_len,
+                swa_evicted_seqlen=cmd.swa_evicted_seqlen,
+                chunked=cmd.chunked,
+                priority=cmd.priority,
+            )
+        )
+        return InsertOutcome(res.prefix_len, res.total_len, res.mamba_exist)
+
+    def _lock(self, cmd: Lock) -> Lease:
+        node = cmd.node._node
+        depth = 0
+        walk: TreeNode | None = node
+        while walk is not None and walk.parent is not None:
+            depth += walk.key_len
+            walk = walk.parent
+        return self._new_lease(node, depth)
+
+    def _release(self, cmd: Release) -> None:
+        self.release_lease(cmd.lease)
+
+    def _evict(self, cmd: Evict) -> Any:
+        return self.cache.evict(cmd.params)
+
+    def _alloc(self, cmd: Alloc) -> torch.Tensor:
+        n = cmd.num_tokens
+        if n < 0:
+            raise InvalidInputError(f"cannot allocate {n} slots")
+        allocator = self.cache.token_to_kv_pool_allocator
+        out = allocator.alloc(n)
+        if out is None and cmd.evict:
+            # Evicting is invisible to callers, so it may happen even if the alloc then fails.
+            self.cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            out = allocator.alloc(n)
+        if out is None:
+            raise OutOfMemoryError(
+                f"cannot allocate {n} slots: {allocator.available_size()} free, "
+                f"{self.cache.evictable_size()} evictable"
+            )
+        return out
+
+    def _free(self, cmd: Free) -> None:
+        self.cache.token_to_kv_pool_allocator.free(cmd.indices)
+
+    def _cache_finished(self, cmd: CacheFinishedReq) -> None:
+        self.cache.cache_finished_req(cmd.req, cmd.is_insert)
+
+    def _cache_unfinished(self, cmd: CacheUnfinishedReq) -> None:
+        self.cache.cache_unfinished_req(cmd.req, cmd.chunked)
+
+    def _stats(self, cmd: Stats) -> Any:
+        return self.cache.stats()
+
+    def _sanity_check(self, cmd: SanityCheck) -> None:
+        self.cache.sanity_check()
+        self.cache.check_pools(cmd.held)
+
+    def _call(self, cmd: Call) -> Any:
+        return cmd.fn(self.cache)
