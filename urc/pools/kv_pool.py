@@ -67,6 +67,10 @@ class KVPool:
         """V buffer, ``[layers, slots, heads, head_dim]``."""
         return self.kv[1]
 
+    def slot_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The buffers a host mirror copies, with the dimension that indexes slots."""
+        return [(self.kv, 2)]
+
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
         """Copy the K/V of ``indices`` out as ``[2, layers, n, heads, head_dim]``."""
         return self.kv.index_select(2, indices)
