@@ -250,3 +250,34 @@ async def test_a_stuck_store_hits_the_deadline_and_misses(tmp_path: Path) -> Non
         await store.put(keys, make_pages(1))
         assert await store.get(keys, empty_like_all(make_pages(1))) == 0
         assert store.stats().timeouts == 1
+
+
+@pytest.mark.asyncio
+async def test_concurrent_puts_of_the_same_pages_keep_one_copy(tmp_path: Path) -> None:
+    pages = make_pages(8)
+    keys = keys_for(8)
+    results: list[int] = []
+    async with FileStorage(tmp_path) as store:
+
+        async def put() -> None:
+            results.append(await store.put(keys, pages))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(put)
+            group.start_soon(put)
+        assert max(results) == 8  # one writer stored all; the other may have stopped early
+        assert await store.exists(keys) == 8
+        assert store.used_bytes == 8 * page_nbytes()
+    assert len(stored_files(tmp_path)) == 8
+
+
+@pytest.mark.asyncio
+async def test_pages_written_by_another_instance_are_found(tmp_path: Path) -> None:
+    pages = make_pages(2)
+    keys = keys_for(2)
+    async with FileStorage(tmp_path) as reader, FileStorage(tmp_path) as writer:
+        await writer.put(keys, pages)
+        assert await reader.exists(keys) == 2
+        out = empty_like_all(pages)
+        assert await reader.get(keys, out) == 2
+        assert reader.used_bytes == 2 * page_nbytes()

@@ -24,8 +24,11 @@ from valkey_server import (
 from hicache.storage.codec import HEADER_SIZE
 from hicache.storage.errors import InvalidStorageKeyError
 from hicache.storage.keys import StorageComponent, page_keys
-from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
 from urc.errors import ConfigError
+
+pytest.importorskip("redis", reason="the redis extra is not installed")
+
+from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
 
 BINARY = find_server_binary()
 pytestmark = [

@@ -1,9 +1,9 @@
 """L3 storage tier: versioned page keys, the page codec and async page stores.
 
 ``StorageBackend`` is the contract; ``FileStorage`` (local directory, the embedded default)
-and ``ValkeyStorage`` (Valkey/Redis, single node or cluster) implement it.  The optional
-Mooncake backend lives in ``hicache.storage.mooncake`` and is not imported here, so this
-package never needs the ``mooncake`` wheel.
+implements it with the core dependencies only.  The shared backends need optional packages
+and are imported from their own modules: ``hicache.storage.valkey.ValkeyStorage`` (the
+``redis`` extra) and ``hicache.storage.mooncake.MooncakeStorage`` (the Mooncake wheel).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from hicache.storage.keys import (
     parse_page_key,
 )
 from hicache.storage.stats import StorageStats
-from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
 
 __all__ = [
     "KEY_FORMAT_VERSION",
@@ -49,8 +48,6 @@ __all__ = [
     "StorageStats",
     "StorageTimeout",
     "StorageUnavailableError",
-    "ValkeyConfig",
-    "ValkeyStorage",
     "decode_page_into",
     "encode_page",
     "extend_page_hashes",

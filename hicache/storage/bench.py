@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -26,12 +27,10 @@ from typing import Any
 import aiofiles
 import numpy as np
 import torch
-from redis.asyncio import Redis
 
 from hicache.storage.base import StorageBackend
 from hicache.storage.file import FileStorage
 from hicache.storage.keys import StorageComponent, page_keys
-from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
 
 __all__ = ["BenchResult", "PageShape", "main"]
 
@@ -152,6 +151,8 @@ async def _raw_redis(
     pages, outs, nbytes = _raw_pages(shape)
     rounds = iter(range(repeats))
     names: list[str] = []
+    from redis.asyncio import Redis  # optional (the redis extra): imported only when used
+
     client = Redis(host=address[0], port=address[1])
     try:
 
@@ -195,9 +196,28 @@ def _result(
     )
 
 
+async def _bench_valkey(address: tuple[str, int], repeats: int) -> list[BenchResult]:
+    from hicache.storage.valkey import ValkeyConfig, ValkeyStorage  # needs the redis extra
+
+    config = ValkeyConfig(addresses=(address,), op_timeout_s=60.0, socket_timeout_s=30.0)
+
+    async def make_valkey() -> StorageBackend:
+        return ValkeyStorage(config)
+
+    results: list[BenchResult] = []
+    for shape in PAGES:
+        ours = await _measure_backend(make_valkey, shape, repeats)
+        raw = await _raw_redis(address, shape, repeats)
+        results.append(_result("valkey", shape, ours, raw))
+    return results
+
+
 @contextlib.contextmanager
 def _valkey_server(address: str | None) -> Iterator[tuple[str, int] | str]:
     """Yield a Valkey address, or a reason string when none can be had."""
+    if importlib.util.find_spec("redis") is None:
+        yield "the redis package is not installed (the redis extra)"
+        return
     if address is not None:
         host, _, port = address.rpartition(":")
         yield (host, int(port))
@@ -234,19 +254,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             if isinstance(server, str):
                 skipped.append({"backend": "valkey", "reason": server})
             else:
-                address = server
-                for shape in PAGES:
-
-                    async def make_valkey(address: tuple[str, int] = address) -> StorageBackend:
-                        return ValkeyStorage(
-                            ValkeyConfig(
-                                addresses=(address,), op_timeout_s=60.0, socket_timeout_s=30.0
-                            )
-                        )
-
-                    ours = await _measure_backend(make_valkey, shape, args.repeats)
-                    raw = await _raw_redis(address, shape, args.repeats)
-                    results.append(_result("valkey", shape, ours, raw))
+                results += await _bench_valkey(server, args.repeats)
     return {
         "unit": "MB/s of tensor payload (1 MB = 1e6 bytes); ratio = backend / raw client",
         "torch_threads": torch.get_num_threads(),

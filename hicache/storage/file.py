@@ -25,6 +25,7 @@ import re
 import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 
 import aiofiles
@@ -42,6 +43,14 @@ _log = logging.getLogger(__name__)
 _PAGE_NAME = re.compile(r"([0-9a-f]{64})\.(full|swa|mamba)\.v([0-9]+)")
 _FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
 _TEMP_SUFFIX = ".tmp"
+
+
+class _Presence(Enum):
+    """Where a key stands in this instance's index."""
+
+    ABSENT = "absent"
+    WRITING = "writing"  # space claimed, file not yet in place
+    STORED = "stored"
 
 
 async def _write_bytes(path: Path, data: bytes) -> None:
@@ -75,6 +84,7 @@ class FileStorage(StorageBackend):
         self._index: OrderedDict[PageKey, int] = OrderedDict()
         self._used = 0
         self._dirs: set[Path] = set()  # fan-out directories known to exist
+        self._writing: set[PageKey] = set()  # indexed, but the file is not in place yet
         self._root.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
 
@@ -133,16 +143,28 @@ class FileStorage(StorageBackend):
             with contextlib.suppress(OSError):
                 os.unlink(self.path_of(victim))
 
+    def _presence(self, key: PageKey) -> _Presence:
+        """Where ``key`` stands; a stored key is also marked most recently used."""
+        if key in self._writing:
+            return _Presence.WRITING
+        if key in self._index:
+            self._index.move_to_end(key)
+            return _Presence.STORED
+        return _Presence.ABSENT
+
     def _forget(self, key: PageKey) -> None:
         size = self._index.pop(key, None)
         if size is not None:
             self._used -= size
 
-    def _adopt(self, key: PageKey, size: int) -> None:
-        """Record a page found on disk but not in the index (another instance wrote it)."""
+    async def _adopt(self, key: PageKey, size: int) -> None:
+        """Record a page found on disk but not in the index (another instance wrote it),
+        then delete least recently used pages if that went over capacity."""
         self._forget(key)
         self._index[key] = size
         self._used += size
+        for victim in self._take_victims(0, frozenset((key,))) or []:
+            await self._remove_file(victim)
 
     def _take_victims(self, size: int, protected: frozenset[PageKey]) -> list[PageKey] | None:
         """Drop least recently used entries until ``size`` more bytes fit; return them.
@@ -159,7 +181,7 @@ class FileStorage(StorageBackend):
             return None
         victims: list[PageKey] = []
         for key, key_size in self._index.items():
-            if key in protected:
+            if key in protected or key in self._writing:
                 continue
             victims.append(key)
             excess -= key_size
@@ -185,18 +207,22 @@ class FileStorage(StorageBackend):
     async def _exists(self, keys: Sequence[PageKey]) -> int:
         count = 0
         for key in keys:
+            if key in self._writing:
+                break
             if key not in self._index:
                 try:
                     stat = await aiofiles.os.stat(self.path_of(key))
                 except OSError:
                     break
-                self._adopt(key, stat.st_size)
+                await self._adopt(key, stat.st_size)
             count += 1
         return count
 
     async def _get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         read = 0
         for key, buffer in zip(keys, buffers, strict=True):
+            if key in self._writing:
+                break  # not in place yet
             try:
                 async with aiofiles.open(self.path_of(key), "rb") as f:
                     data = await f.read()
@@ -218,7 +244,7 @@ class FileStorage(StorageBackend):
             if key in self._index:
                 self._index.move_to_end(key)
             else:
-                self._adopt(key, len(data))
+                await self._adopt(key, len(data))
             self._counters.record_read(buffer.nbytes)
             read += 1
         return read
@@ -227,20 +253,25 @@ class FileStorage(StorageBackend):
         batch = frozenset(keys)
         stored = 0
         for key, buffer in zip(keys, buffers, strict=True):
-            if key in self._index:
-                self._index.move_to_end(key)  # same key, same content: refresh, don't rewrite
-                stored += 1
+            presence = self._presence(key)
+            if presence is _Presence.ABSENT:
+                data = await encode_page_async(buffer)
+                presence = self._presence(key)  # the encode may have let another put run
+            if presence is _Presence.WRITING:
+                break  # another task is storing it; claiming it stored could be false
+            if presence is _Presence.STORED:
+                stored += 1  # same key, same content: refreshed, not rewritten
                 continue
-            data = await encode_page_async(buffer)
             victims = self._take_victims(len(data), batch)
             if victims is None:
                 break
-            for victim in victims:
-                await self._remove_file(victim)
-            # Reserve the space before awaiting the write, so concurrent puts see it.
+            # Claim the space before any await, so concurrent puts see it taken.
             self._index[key] = len(data)
             self._used += len(data)
+            self._writing.add(key)
             try:
+                for victim in victims:
+                    await self._remove_file(victim)
                 await self._write_atomic(self.path_of(key), data)
             except OSError as exc:
                 self._forget(key)
@@ -250,6 +281,8 @@ class FileStorage(StorageBackend):
             except BaseException:
                 self._forget(key)  # cancelled (deadline): the page was not stored
                 raise
+            finally:
+                self._writing.discard(key)
             self._counters.record_write(buffer.nbytes)
             stored += 1
         return stored

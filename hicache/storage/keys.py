@@ -43,7 +43,7 @@ __all__ = [
 KEY_FORMAT_VERSION = 1
 """Version of the hash input and of the key string; bump it on any format change."""
 
-VERSION_PREFIX = b"urc-page-key\x00v1\x00"
+VERSION_PREFIX = f"urc-page-key\x00v{KEY_FORMAT_VERSION}\x00".encode("ascii")
 """Domain-separation prefix of every hash input; it carries ``KEY_FORMAT_VERSION``."""
 
 ROOT_HASH = bytes(32)
