@@ -75,3 +75,22 @@ __all__ = [
     "build_cache",
     "build_pools",
 ]
+
+# The async service (issue 5).
+from urc.commands import CommandKind, InsertOutcome, MatchOutcome
+from urc.lease import Lease, NodeHandle
+from urc.observer import ServiceObserver, TransferKind
+from urc.service import AsyncUnifiedRadixCache, BackgroundWorker, ServiceState
+
+__all__ += [
+    "AsyncUnifiedRadixCache",
+    "BackgroundWorker",
+    "CommandKind",
+    "InsertOutcome",
+    "Lease",
+    "MatchOutcome",
+    "NodeHandle",
+    "ServiceObserver",
+    "ServiceState",
+    "TransferKind",
+]

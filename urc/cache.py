@@ -101,6 +101,10 @@ class UnifiedRadixCache:
         self._cleanup_hooks = hooked("cleanup_after_caching_req")
         self._validate_hooks = hooked("validate_insert")
         self._recover_hooks = hooked("recover_after_unevict")
+        self._match_checks = hooked("validate_match")
+        self._req_checks = hooked("validate_caching_req")
+        # Run by an early partial release (SWA's ``dec_swa_lock_only``) on the same receipt.
+        self._early_release_hooks = hooked("release_lock_early")
         self.root = self._new_root()
 
     # ================================================================== structure helpers
@@ -222,6 +226,8 @@ class UnifiedRadixCache:
         child along the path) and component LRUs; Mamba may copy state into ``params.req``.
         Returns the device hit (concatenated indices) and the nodes that end it.
         """
+        for check in self._match_checks:
+            check.validate_match(params)
         tokens = self._prepare_tokens(params.key)
         n = len(tokens)
         root = self.root
@@ -392,7 +398,9 @@ class UnifiedRadixCache:
                 ck = tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
         self._clock = clock
         for a, b in free_ranges:
-            self._free_full(value[a:b])
+            # A copy: the allocator keeps what it is given, and the caller may overwrite its
+            # tensor (cache_unfinished_req rewrites the req_to_token row it passed).
+            self._free_full(value[a:b].clone())
         prefix_len = pos
         if pos < n:
             self.counters.inserted_tokens += n - pos
@@ -538,6 +546,40 @@ class UnifiedRadixCache:
             c.release_component_lock(node, params)
         return DecLockRefResult(before - self.full.protected_size)
 
+    def dec_swa_lock_only(self, node: TreeNode, params: DecLockRefParams | None = None) -> None:
+        """Early window release: release the SWA part of a lock while Full stays locked.
+
+        For a request whose decode moved past the window.  Components of lower priority than
+        SWA release their part of the same receipt with it (``release_lock_early``), so
+        ``full >= swa >= mamba`` lock counts hold.  Sets ``params.skip_swa``; the final
+        :meth:`dec_lock_ref` must carry it (``cache_finished_req`` does when
+        ``req.swa_lock_released`` is set).  Raises :class:`~urc.errors.InvalidLockError`
+        (nothing released) for a receipt that does not fit or was already early-released,
+        :class:`~urc.errors.InvalidInputError` on a cache without SWA.
+        """
+        swa = self._by_type.get(ComponentType.SWA)
+        if swa is None:
+            raise InvalidInputError("dec_swa_lock_only on a cache without an SWA component")
+        if node.parent is None:
+            return
+        if node.deleted:
+            raise InvalidLockError(f"dec_swa_lock_only on node {node.id}, which was evicted")
+        if params is not None:
+            if params.node_id is not None and params.node_id != node.id:
+                raise InvalidLockError(
+                    f"receipt for node {params.node_id} used to release node {node.id}"
+                )
+            if params.skip_swa:
+                raise InvalidLockError("the SWA part of this lock was already released")
+        swa.check_release(node, params)
+        swa.release_component_lock(node, params)
+        prio = swa.eviction_priority(False)
+        for c in self._early_release_hooks:
+            if c.eviction_priority(False) < prio:
+                c.release_lock_early(node, params)
+        if params is not None:
+            params.skip_swa = True
+
     # ================================================================== request caching
     def _token_key(self, req: Req, token_ids: list[int]) -> tuple[RadixKey, int]:
         """The tree key for ``token_ids`` and its length (bigram view in EAGLE mode)."""
@@ -577,6 +619,8 @@ class UnifiedRadixCache:
         row = req.req_pool_idx
         if row is None:
             raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
+        for check in self._req_checks:
+            check.validate_caching_req(req, True)
         allocated = max(req.kv_allocated_len, req.kv_committed_len)
         protected = req.cache_protected_len
         kv = self.req_to_token_pool.read(row, 0, allocated)
@@ -612,6 +656,8 @@ class UnifiedRadixCache:
         row = req.req_pool_idx
         if row is None:
             raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
+        for check in self._req_checks:
+            check.validate_caching_req(req, False)
         params, token_ids, eff = self._prepare_caching(req, False, chunked)
         key, n_key = self._token_key(req, token_ids[:eff])
         aligned = n_key - n_key % self.page_size

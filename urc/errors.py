@@ -10,6 +10,7 @@ Hierarchy::
     ├── InvalidInputError            a call's arguments are wrong
     │   ├── KeyValueMismatchError    key and value lengths differ
     │   ├── InvalidIndicesError      value tensor of the wrong dtype/device, or outside the pool
+    │   │   └── TreeOwnedSlotError   a tree-owned slot passed as the caller's (free/insert/copy)
     │   └── InvalidLockError         unlocking an unlocked node, a wrong or missing lock receipt
     ├── PoolError                    an allocator refused an operation
     │   ├── DoubleFreeError          freeing a slot that is not allocated (or twice)
@@ -35,6 +36,7 @@ __all__ = [
     "ServiceClosedError",
     "ServiceError",
     "ServiceFailedError",
+    "TreeOwnedSlotError",
     "URCError",
 ]
 
@@ -57,6 +59,11 @@ class KeyValueMismatchError(InvalidInputError):
 
 class InvalidIndicesError(InvalidInputError):
     """Raised when a value tensor has the wrong dtype or device, or indexes outside its pool."""
+
+
+class TreeOwnedSlotError(InvalidIndicesError):
+    """Raised when a slot the tree owns (e.g. a node's Mamba state) is passed where the caller's
+    own slot is expected: inserted as new state, freed, or used as a copy-on-write target."""
 
 
 class InvalidLockError(InvalidInputError):

@@ -107,6 +107,7 @@ class IncLockRefResult:
     ``swa_uuid_for_lock`` names the SWA window boundary; ``skip_lock_node_ids`` the nodes a
     component skipped at acquire time (tombstones), so release skips exactly those.
     ``node_id`` is the locked node: releasing another node with this receipt is refused.
+    ``swa_lock_epoch`` tells SWA release which tombstones were recovered after the acquire.
     (A plain slotted class: it is built on every lock, and a dataclass with a dict
     default factory costs more than the lock walk itself.)
     """
@@ -115,6 +116,7 @@ class IncLockRefResult:
         "delta",
         "node_id",
         "skip_lock_node_ids",
+        "swa_lock_epoch",
         "swa_uuid_for_host_lock",
         "swa_uuid_for_lock",
     )
@@ -126,6 +128,7 @@ class IncLockRefResult:
         swa_uuid_for_host_lock: int | None = None,
         skip_lock_node_ids: dict[ComponentType, set[int]] | None = None,
         node_id: int | None = None,
+        swa_lock_epoch: int | None = None,
     ) -> None:
         self.delta = delta
         self.swa_uuid_for_lock = swa_uuid_for_lock
@@ -134,6 +137,7 @@ class IncLockRefResult:
             {} if skip_lock_node_ids is None else skip_lock_node_ids
         )
         self.node_id = node_id
+        self.swa_lock_epoch = swa_lock_epoch
 
     def __repr__(self) -> str:
         return (
@@ -147,6 +151,7 @@ class IncLockRefResult:
             swa_uuid_for_host_lock=self.swa_uuid_for_host_lock,
             skip_lock_node_ids=self.skip_lock_node_ids,
             node_id=self.node_id,
+            swa_lock_epoch=self.swa_lock_epoch,
         )
 
 
@@ -160,6 +165,8 @@ class DecLockRefParams:
     skip_lock_node_ids: dict[ComponentType, set[int]] = field(default_factory=dict)
     node_id: int | None = None
     skip_swa: bool = False
+    # SWA recovery epoch at acquire: a tombstone recovered later was not locked by this receipt.
+    swa_lock_epoch: int | None = None
 
 
 class DecLockRefResult(NamedTuple):

@@ -72,6 +72,10 @@ class TreeComponent(ABC):
         return (cd.value if tier is Tier.DEVICE else cd.host_value) is not None
 
     # ------------------------------------------------------------------ match
+    def validate_match(self, params: MatchPrefixParams) -> None:
+        """Raise :class:`~urc.errors.InvalidInputError` if ``params`` are invalid for this
+        component (e.g. Mamba copy-on-write without a request).  Called before any change."""
+
     def create_match_validator(self, match_device_only: bool) -> MatchValidator | None:
         """A fresh stateful predicate for one match walk, or ``None`` (accepts every node).
 
@@ -182,7 +186,23 @@ class TreeComponent(ABC):
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Undo exactly what ``acquire_component_lock`` did for this receipt."""
 
+    def release_lock_early(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        """A higher-priority component released its part of the lock on ``node`` early (SWA:
+        ``dec_swa_lock_only`` once decode moved past the window).
+
+        A component whose lock must not outlive it (lock ordering ``full >= swa >= mamba``
+        per node) releases its own part of the same receipt here, and records that in
+        ``params`` (``skip_lock_node_ids``) so no later release repeats it.  The final
+        ``dec_lock_ref`` of that receipt carries ``params.skip_swa``; such a component then
+        releases nothing.
+        """
+
     # ------------------------------------------------------------------ request caching
+    def validate_caching_req(self, req: Req, is_finished: bool) -> None:
+        """Raise :class:`~urc.errors.InvalidInputError` if ``req``'s fields for this component
+        are invalid.  Called first by ``cache_finished_req`` / ``cache_unfinished_req``, before
+        any change, so a refused request leaves cache, pools and request untouched."""
+
     def prepare_for_caching_req(
         self, req: Req, params: InsertParams, token_len: int, is_finished: bool
     ) -> int | None:

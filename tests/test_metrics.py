@@ -1,0 +1,726 @@
+"""Tests of the Prometheus exporter (``metrics.exporter``): gauges, counters, histograms.
+
+Every test uses a fresh ``CollectorRegistry``.  Most drive a real cache through
+:class:`Actor`, which applies service commands with a ``CommandExecutor`` and calls the
+observer exactly as the service's actor does (``on_command`` per command, ``on_batch`` per
+batch); one test goes through the real ``AsyncUnifiedRadixCache``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import urc
+from metrics import (
+    COMMAND_BUCKETS,
+    CacheMetrics,
+    GaugeMultiprocessMode,
+    MetricsConfig,
+    make_observer,
+)
+from urc import CacheConfig, ComponentType, RadixKey, Tier, UnifiedRadixCache
+from urc.commands import (
+    Alloc,
+    Call,
+    Command,
+    CommandKind,
+    Evict,
+    Insert,
+    InsertOutcome,
+    Match,
+    MatchOutcome,
+    Release,
+)
+from urc.errors import URCError
+from urc.executor import CommandExecutor
+from urc.lease import Lease
+from urc.observer import ServiceObserver, TransferKind
+from urc.params import EvictParams
+from urc.stats import CacheStats, ComponentStats
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "examples" / "grafana-dashboard.json"
+
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+NAMES = {FULL: "full", SWA: "swa", MAMBA: "mamba"}
+
+
+# ---------------------------------------------------------------------------- helpers
+COMPONENT_SETS: dict[str, dict[str, Any]] = {
+    "full": {"components": (FULL,)},
+    "full+swa": {"components": (FULL, SWA), "sliding_window_size": 8, "swa_kv_size": 1024},
+    "full+mamba": {"components": (FULL, MAMBA), "mamba_size": 32},
+}
+
+
+def build(name: str = "full", kv_size: int = 1024) -> UnifiedRadixCache:
+    """A cache of component set ``name``; skips when that component is not available yet."""
+    try:
+        return urc.build_cache(CacheConfig(kv_size=kv_size, **COMPONENT_SETS[name]))
+    except (ImportError, NotImplementedError, URCError) as exc:
+        pytest.skip(f"component set {name} not available: {exc!r}")
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """A sample's value; 0 when absent (an unlabelled child not yet touched)."""
+    v = registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def sum_samples(registry: CollectorRegistry, name: str) -> float:
+    return sum(s.value for fam in registry.collect() for s in fam.samples if s.name == name)
+
+
+class Actor:
+    """Applies commands in batches and reports to ``observer`` like the service's actor."""
+
+    def __init__(self, cache: UnifiedRadixCache, observer: ServiceObserver) -> None:
+        self.cache = cache
+        self.executor = CommandExecutor(cache)
+        self.observer = observer
+        self.applied: dict[CommandKind, int] = {}
+        self.errors: list[tuple[CommandKind, str]] = []
+
+    def batch(self, commands: Sequence[Command]) -> list[Any]:
+        """Apply ``commands`` as one batch; results (or the ``URCError`` raised) in order."""
+        out: list[Any] = []
+        sent = time.perf_counter()
+        for cmd in commands:
+            t0 = time.perf_counter()
+            error: URCError | None = None
+            result: Any = None
+            try:
+                result = self.executor.apply(cmd)
+            except URCError as exc:
+                error = exc
+                self.errors.append((cmd.kind, type(exc).__name__))
+            self.observer.on_command(cmd.kind, t0 - sent, time.perf_counter() - t0, error)
+            self.applied[cmd.kind] = self.applied.get(cmd.kind, 0) + 1
+            out.append(error if error is not None else result)
+        self.observer.on_batch(self.cache.stats(), 0)
+        return out
+
+    def one(self, cmd: Command) -> Any:
+        return self.batch([cmd])[0]
+
+    def insert(self, tokens: list[int]) -> InsertOutcome:
+        """Allocate slots (and a Mamba state when the cache has one) and insert ``tokens``."""
+        value = self.one(Alloc(len(tokens)))
+        assert isinstance(value, torch.Tensor)
+        mamba_value = None
+        if self.cache.has_component(MAMBA):
+            mamba_value = self.one(Call(lambda c: c.pools.mamba.alloc(1)))
+        res = self.one(Insert(RadixKey(tokens), value, mamba_value=mamba_value))
+        assert isinstance(res, InsertOutcome), res
+        if mamba_value is not None and res.mamba_exist:
+            self.one(Call(lambda c: c.pools.mamba.free(mamba_value)))
+        return res
+
+
+def assert_gauges_match(registry: CollectorRegistry, cache: UnifiedRadixCache) -> None:
+    """Every size gauge equals the cache's own figure, in the component's own unit."""
+    for comp in cache.components:
+        ct = comp.component_type
+        unit = "states" if ct is MAMBA else "tokens"
+        other = "tokens" if unit == "states" else "states"
+        labels = {"component": NAMES[ct], "tier": "device"}
+        assert comp.unit == unit
+        assert value(registry, f"urc_cache_evictable_{unit}", **labels) == (
+            cache.component_evictable_size(ct)
+        )
+        assert value(registry, f"urc_cache_protected_{unit}", **labels) == (
+            cache.component_protected_size(ct)
+        )
+        cap, free = comp.pool_capacity(), comp.pool_available()
+        assert value(registry, f"urc_pool_capacity_{unit}", **labels) == cap
+        assert value(registry, f"urc_pool_free_{unit}", **labels) == free
+        assert value(registry, f"urc_pool_used_{unit}", **labels) == cap - free
+        # Never the same component in both units.
+        assert registry.get_sample_value(f"urc_cache_evictable_{other}", labels) is None
+    assert value(registry, "urc_cache_evictable_tokens", component="full", tier="device") == (
+        cache.evictable_size()
+    )
+    assert value(registry, "urc_cache_protected_tokens", component="full", tier="device") == (
+        cache.protected_size()
+    )
+    assert value(registry, "urc_tree_nodes") == cache.num_nodes
+
+
+def assert_counters_match(registry: CollectorRegistry, cache: UnifiedRadixCache) -> None:
+    """Every cumulative counter equals the cache's own counter."""
+    k = cache.counters
+    assert value(registry, "urc_match_requests_total") == k.match_requests
+    assert value(registry, "urc_match_query_tokens_total") == k.query_tokens
+    for tier, n in k.hit_tokens.items():
+        assert value(registry, "urc_match_hit_tokens_total", tier=tier) == n
+    assert value(registry, "urc_inserted_tokens_total") == k.inserted_tokens
+    for (ct, where), n in k.evicted.items():
+        unit = "states" if ct is MAMBA else "tokens"
+        labels = {"component": NAMES[ct], "tier": where.name.lower()}
+        assert value(registry, f"urc_evicted_{unit}_total", **labels) == n
+    assert value(registry, "urc_backed_up_tokens_total") == k.backed_up_tokens
+    assert value(registry, "urc_loaded_back_tokens_total") == k.loaded_back_tokens
+    hits = sum_samples(registry, "urc_match_hit_tokens_total")
+    assert hits <= value(registry, "urc_match_query_tokens_total")
+
+
+def assert_histograms_match(registry: CollectorRegistry, actor: Actor) -> None:
+    """One latency observation per applied command (per kind) and one queue-wait each."""
+    for kind in CommandKind:
+        n = actor.applied.get(kind, 0)
+        assert value(registry, "urc_command_duration_seconds_count", kind=kind.value) == n
+        inf = value(registry, "urc_command_duration_seconds_bucket", kind=kind.value, le="+Inf")
+        assert inf == n
+    total = sum(actor.applied.values())
+    assert sum_samples(registry, "urc_command_duration_seconds_count") == total
+    assert value(registry, "urc_command_queue_wait_seconds_count") == total
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+# ---------------------------------------------------------------------------- scripted cache
+@pytest.mark.parametrize("components", list(COMPONENT_SETS))
+def test_scripted_sequence_gauges_counters_histograms(
+    registry: CollectorRegistry, components: str
+) -> None:
+    cache = build(components)
+    exporter = CacheMetrics(registry)
+    assert isinstance(exporter, ServiceObserver)
+    actor = Actor(cache, exporter)
+
+    a = seq(1000, 32)
+    b = a[:16] + seq(2000, 16)
+    c = seq(3000, 40)
+    for tokens in (a, b, c):
+        actor.insert(tokens)
+        assert_gauges_match(registry, cache)
+        assert_counters_match(registry, cache)
+
+    # Matches (hits and a miss) in one batch, then a lock held across batches.
+    hits = actor.batch([Match(RadixKey(a)), Match(RadixKey(b[:20])), Match(RadixKey(seq(9, 9)))])
+    assert all(isinstance(h, MatchOutcome) for h in hits)
+    locked = actor.one(Match(RadixKey(c), lock=True))
+    assert isinstance(locked, MatchOutcome) and locked.lease is not None
+    assert_gauges_match(registry, cache)
+    if locked.prefix_len:
+        assert value(registry, "urc_cache_protected_tokens", component="full", tier="device") > 0
+    assert_counters_match(registry, cache)
+
+    # Errors are counted by command kind and exception class; the cache is unchanged.
+    bogus = Lease(10_000, 0, None)
+    errs = actor.batch([Release(bogus), Alloc(-1), Evict(EvictParams(num_tokens=-1))])
+    assert all(isinstance(e, URCError) for e in errs)
+    for kind, name in actor.errors:
+        assert value(registry, "urc_command_errors_total", kind=kind.value, error_type=name) == sum(
+            1 for e in actor.errors if e == (kind, name)
+        )
+    assert sum_samples(registry, "urc_command_errors_total") == len(actor.errors) == 3
+
+    # Partial eviction (the locked prefix survives), release, then evict everything.
+    actor.one(Evict(EvictParams(num_tokens=20, mamba_num=1)))
+    assert_gauges_match(registry, cache)
+    assert_counters_match(registry, cache)
+    actor.one(Release(locked.lease))
+    actor.one(Evict(EvictParams(num_tokens=10_000, swa_num_tokens=10_000, mamba_num=10_000)))
+    assert cache.evictable_size() == 0
+    assert value(registry, "urc_cache_evictable_tokens", component="full", tier="device") == 0
+    assert_gauges_match(registry, cache)
+    assert_counters_match(registry, cache)
+    assert value(registry, "urc_evicted_tokens_total", component="full", tier="device") > 0
+    assert_histograms_match(registry, actor)
+    cache.sanity_check()
+
+
+def test_counter_deltas_across_snapshots(registry: CollectorRegistry) -> None:
+    cache = build()
+    exporter = CacheMetrics(registry)
+    actor = Actor(cache, exporter)
+    actor.insert(seq(0, 64))
+    before = {
+        "req": value(registry, "urc_match_requests_total"),
+        "query": value(registry, "urc_match_query_tokens_total"),
+        "hit": value(registry, "urc_match_hit_tokens_total", tier="device"),
+    }
+    # Several batches of matches of known sizes: each counter advances by exactly the delta.
+    for n in (8, 16, 64):
+        actor.one(Match(RadixKey(seq(0, n))))
+        after = {
+            "req": value(registry, "urc_match_requests_total"),
+            "query": value(registry, "urc_match_query_tokens_total"),
+            "hit": value(registry, "urc_match_hit_tokens_total", tier="device"),
+        }
+        assert after["req"] - before["req"] == 1
+        assert after["query"] - before["query"] == n
+        assert after["hit"] - before["hit"] == n
+        before = after
+    # A batch with no counter change leaves counters alone (an unchanged snapshot is a no-op).
+    exporter.on_batch(cache.stats(), 0)
+    exporter.on_batch(cache.stats(), 0)
+    assert value(registry, "urc_match_requests_total") == before["req"]
+    # Misses count queries but no hits.
+    actor.one(Match(RadixKey(seq(500, 10))))
+    assert value(registry, "urc_match_query_tokens_total") == before["query"] + 10
+    assert value(registry, "urc_match_hit_tokens_total", tier="device") == before["hit"]
+    assert_counters_match(registry, cache)
+
+
+def _stats(
+    components: tuple[ComponentStats, ...] = (),
+    *,
+    num_nodes: int = 0,
+    match_requests: int = 0,
+    query_tokens: int = 0,
+    hit_tokens: dict[str, int] | None = None,
+    inserted_tokens: int = 0,
+    evicted: dict[tuple[ComponentType, Tier], int] | None = None,
+    backed_up_tokens: int = 0,
+    loaded_back_tokens: int = 0,
+) -> CacheStats:
+    return CacheStats(
+        components=components,
+        num_nodes=num_nodes,
+        match_requests=match_requests,
+        query_tokens=query_tokens,
+        hit_tokens=hit_tokens if hit_tokens is not None else {},
+        inserted_tokens=inserted_tokens,
+        evicted=evicted if evicted is not None else {},
+        backed_up_tokens=backed_up_tokens,
+        loaded_back_tokens=loaded_back_tokens,
+    )
+
+
+def test_host_tier_and_mamba_units_from_snapshots(registry: CollectorRegistry) -> None:
+    """Whatever (component, tier) entries a snapshot has are exported, each in its unit."""
+    exporter = CacheMetrics(registry)
+    comps = (
+        ComponentStats(FULL, Tier.DEVICE, "tokens", 10, 5, 100, 80),
+        ComponentStats(FULL, Tier.HOST, "tokens", 300, 7, 1000, 690),
+        ComponentStats(MAMBA, Tier.DEVICE, "states", 3, 1, 16, 12),
+        ComponentStats(MAMBA, Tier.HOST, "states", 4, 0, 64, 60),
+    )
+    exporter.on_batch(
+        _stats(
+            comps,
+            num_nodes=9,
+            match_requests=4,
+            query_tokens=100,
+            hit_tokens={"device": 40, "host": 20, "storage": 10},
+            evicted={(FULL, Tier.DEVICE): 50, (FULL, Tier.HOST): 30, (MAMBA, Tier.DEVICE): 2},
+            backed_up_tokens=70,
+            loaded_back_tokens=20,
+        ),
+        queued=5,
+    )
+    host = {"component": "full", "tier": "host"}
+    assert value(registry, "urc_cache_evictable_tokens", **host) == 300
+    assert value(registry, "urc_cache_protected_tokens", **host) == 7
+    assert value(registry, "urc_pool_used_tokens", **host) == 310
+    assert value(registry, "urc_pool_free_tokens", **host) == 690
+    mh = {"component": "mamba", "tier": "host"}
+    assert value(registry, "urc_cache_evictable_states", **mh) == 4
+    assert value(registry, "urc_pool_capacity_states", **mh) == 64
+    assert registry.get_sample_value("urc_cache_evictable_tokens", mh) is None
+    for tier, n in (("device", 40), ("host", 20), ("storage", 10)):
+        assert value(registry, "urc_match_hit_tokens_total", tier=tier) == n
+    assert value(registry, "urc_evicted_tokens_total", component="full", tier="host") == 30
+    assert value(registry, "urc_evicted_states_total", component="mamba", tier="device") == 2
+    assert (
+        registry.get_sample_value(
+            "urc_evicted_tokens_total", {"component": "mamba", "tier": "device"}
+        )
+        is None
+    )
+    assert value(registry, "urc_backed_up_tokens_total") == 70
+    assert value(registry, "urc_loaded_back_tokens_total") == 20
+    assert value(registry, "urc_service_queued_commands") == 5
+    assert value(registry, "urc_tree_nodes") == 9
+    # Label values stay inside the documented bounded sets.
+    for fam in registry.collect():
+        for s in fam.samples:
+            assert s.labels.get("component", "full") in {"full", "swa", "mamba"}
+            assert s.labels.get("tier", "device") in {"device", "host", "storage"}
+
+
+def test_counter_going_backwards_counts_as_reset(registry: CollectorRegistry) -> None:
+    exporter = CacheMetrics(registry)
+    exporter.on_batch(_stats(match_requests=10, hit_tokens={"device": 5}), 0)
+    exporter.on_batch(_stats(match_requests=12, hit_tokens={"device": 9}), 0)
+    assert value(registry, "urc_match_requests_total") == 12
+    # A replaced/reset source: its new value is the increase since the reset.
+    exporter.on_batch(_stats(match_requests=3, hit_tokens={"device": 1}), 0)
+    assert value(registry, "urc_match_requests_total") == 15
+    assert value(registry, "urc_match_hit_tokens_total", tier="device") == 10
+    exporter.on_batch(_stats(match_requests=4, hit_tokens={"device": 1}), 0)
+    assert value(registry, "urc_match_requests_total") == 16
+
+
+def test_gauges_follow_decreases_and_queue(registry: CollectorRegistry) -> None:
+    exporter = CacheMetrics(registry)
+    dev = {"component": "full", "tier": "device"}
+    for ev, queued in ((10, 3), (4, 0), (0, 7), (0, 7)):
+        comps = (ComponentStats(FULL, Tier.DEVICE, "tokens", ev, 0, 64, 64 - ev),)
+        exporter.on_batch(_stats(comps, num_nodes=ev), queued)
+        assert value(registry, "urc_cache_evictable_tokens", **dev) == ev
+        assert value(registry, "urc_pool_used_tokens", **dev) == ev
+        assert value(registry, "urc_tree_nodes") == ev
+        assert value(registry, "urc_service_queued_commands") == queued
+
+
+def test_transfers_and_in_flight(registry: CollectorRegistry) -> None:
+    exporter = CacheMetrics(registry)
+    exporter.on_transfer(TransferKind.STORAGE_READ, 64, 4096, 2e-3)
+    exporter.on_transfer(TransferKind.STORAGE_READ, 32, 2048, 5e-4)
+    exporter.on_transfer(TransferKind.STORAGE_WRITE, 16, 1024, 1e-3)
+    exporter.on_transfer(TransferKind.BACKUP, 128, 8192, 3e-5)
+    exporter.on_transfer(TransferKind.LOAD_BACK, 8, 512, 7e-6)
+    rd = {"kind": "storage_read"}
+    assert value(registry, "urc_transfers_total", **rd) == 2
+    assert value(registry, "urc_transfer_bytes_total", **rd) == 6144
+    assert value(registry, "urc_transfer_tokens_total", **rd) == 96
+    assert value(registry, "urc_transfers_total", kind="storage_write") == 1
+    assert value(registry, "urc_transfer_bytes_total", kind="storage_write") == 1024
+    assert value(registry, "urc_transfer_duration_seconds_count", kind="backup") == 1
+    assert value(registry, "urc_transfer_duration_seconds_count", kind="load_back") == 1
+    assert value(registry, "urc_transfer_duration_seconds_sum", **rd) == pytest.approx(2.5e-3)
+    # Microsecond buckets: a 7 us load-back lands below 10 us, not in a millisecond bucket.
+    assert (
+        value(registry, "urc_transfer_duration_seconds_bucket", kind="load_back", le="1e-05") == 1
+    )
+
+    flight = {"kind": "backup"}
+    with exporter.track_transfer(TransferKind.BACKUP):
+        assert value(registry, "urc_transfers_in_flight", **flight) == 1
+        exporter.transfer_started(TransferKind.BACKUP)
+        assert value(registry, "urc_transfers_in_flight", **flight) == 2
+        exporter.transfer_finished(TransferKind.BACKUP)
+    assert value(registry, "urc_transfers_in_flight", **flight) == 0
+    with pytest.raises(RuntimeError), exporter.track_transfer(TransferKind.STORAGE_READ):
+        raise RuntimeError("transfer failed")
+    assert value(registry, "urc_transfers_in_flight", kind="storage_read") == 0
+    exporter.set_transfers_in_flight(TransferKind.LOAD_BACK, 3)
+    assert value(registry, "urc_transfers_in_flight", kind="load_back") == 3
+
+
+def test_command_histogram_buckets_are_microsecond_scale(registry: CollectorRegistry) -> None:
+    assert COMMAND_BUCKETS[0] == 1e-6 and COMMAND_BUCKETS[-1] == 1.0
+    exporter = CacheMetrics(registry)
+    exporter.on_command(CommandKind.MATCH, 2e-6, 3e-6, None)
+    exporter.on_command(CommandKind.MATCH, 0.0, 0.2, None)
+    exporter.on_command(CommandKind.INSERT, -1e-9, -1e-9, None)  # clamped, never negative
+    m = {"kind": "match"}
+    assert value(registry, "urc_command_duration_seconds_bucket", le="2.5e-06", **m) == 0
+    assert value(registry, "urc_command_duration_seconds_bucket", le="5e-06", **m) == 1
+    assert value(registry, "urc_command_duration_seconds_bucket", le="0.25", **m) == 2
+    assert value(registry, "urc_command_duration_seconds_sum", kind="insert") == 0
+    assert value(registry, "urc_command_queue_wait_seconds_bucket", le="2.5e-06") == 3
+
+
+def test_error_types_are_capped(registry: CollectorRegistry) -> None:
+    exporter = CacheMetrics(registry, MetricsConfig(max_error_types=2))
+    errors: list[BaseException] = [KeyError(), ValueError(), TypeError(), OSError(), KeyError()]
+    for e in errors:
+        exporter.on_command(CommandKind.CALL, 0.0, 0.0, e)
+    call = {"kind": "call"}
+    assert value(registry, "urc_command_errors_total", error_type="KeyError", **call) == 2
+    assert value(registry, "urc_command_errors_total", error_type="ValueError", **call) == 1
+    assert value(registry, "urc_command_errors_total", error_type="other", **call) == 2
+    assert sum_samples(registry, "urc_command_errors_total") == 5
+
+
+# ---------------------------------------------------------------------------- registries
+def test_two_caches_with_separate_registries_do_not_collide() -> None:
+    r1, r2 = CollectorRegistry(), CollectorRegistry()
+    c1, c2 = build(), build(kv_size=512)
+    a1, a2 = Actor(c1, CacheMetrics(r1)), Actor(c2, CacheMetrics(r2))
+    a1.insert(seq(0, 100))
+    a2.insert(seq(0, 30))
+    a2.insert(seq(50, 20))
+    a1.one(Match(RadixKey(seq(0, 50))))
+    for reg, cache, actor in ((r1, c1, a1), (r2, c2, a2)):
+        assert_gauges_match(reg, cache)
+        assert_counters_match(reg, cache)
+        assert_histograms_match(reg, actor)
+    dev = {"component": "full", "tier": "device"}
+    assert value(r1, "urc_cache_evictable_tokens", **dev) == 100
+    assert value(r2, "urc_cache_evictable_tokens", **dev) == 50
+    assert value(r1, "urc_pool_capacity_tokens", **dev) == 1024
+    assert value(r2, "urc_pool_capacity_tokens", **dev) == 512
+
+
+def test_same_registry_twice_is_refused_until_unregistered(registry: CollectorRegistry) -> None:
+    first = CacheMetrics(registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        CacheMetrics(registry)
+    first.unregister()
+    first.unregister()  # idempotent
+    assert not [f for f in registry.collect() if f.name.startswith("urc_")]
+    second = CacheMetrics(registry)
+    second.on_batch(build().stats(), 0)
+    assert registry.get_sample_value("urc_tree_nodes") == 0
+
+
+def test_disabled_exporter_registers_nothing_and_ignores_calls(
+    registry: CollectorRegistry,
+) -> None:
+    off = MetricsConfig(enabled=False)
+    assert make_observer(off, registry) is None
+    exporter = CacheMetrics(registry, off)
+    cache = build()
+    actor = Actor(cache, exporter)
+    actor.insert(seq(0, 10))
+    exporter.on_transfer(TransferKind.BACKUP, 1, 1, 1.0)
+    with exporter.track_transfer(TransferKind.BACKUP):
+        pass
+    exporter.set_transfers_in_flight(TransferKind.BACKUP, 2)
+    assert list(registry.collect()) == []
+    on = make_observer(registry=registry)
+    assert isinstance(on, CacheMetrics) and on.enabled
+
+
+def test_default_registry_is_the_global_one() -> None:
+    from prometheus_client import REGISTRY
+
+    exporter = CacheMetrics()
+    try:
+        assert exporter.registry is REGISTRY
+        assert REGISTRY.get_sample_value("urc_tree_nodes") == 0
+    finally:
+        exporter.unregister()
+    assert REGISTRY.get_sample_value("urc_tree_nodes") is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"command_buckets": ()},
+        {"command_buckets": (1e-3, 1e-4)},
+        {"transfer_buckets": (0.0, 1.0)},
+        {"transfer_buckets": (1.0, float("inf"))},
+        {"max_error_types": 0},
+    ],
+)
+def test_config_validation(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        MetricsConfig(**kwargs)
+
+
+def test_custom_buckets_and_gauge_mode(registry: CollectorRegistry) -> None:
+    cfg = MetricsConfig(
+        command_buckets=(1e-3, 1.0), gauge_multiprocess_mode=GaugeMultiprocessMode.MOSTRECENT
+    )
+    exporter = CacheMetrics(registry, cfg)
+    exporter.on_command(CommandKind.STATS, 0.0, 5e-4, None)
+    assert value(registry, "urc_command_duration_seconds_bucket", kind="stats", le="0.001") == 1
+    assert (
+        registry.get_sample_value(
+            "urc_command_duration_seconds_bucket", {"kind": "stats", "le": "1e-06"}
+        )
+        is None
+    )
+
+
+# ---------------------------------------------------------------------------- multiprocess mode
+_MP_SCRIPT = r"""
+import json
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+import urc
+from metrics import CacheMetrics
+from urc.commands import CommandKind
+from urc.params import InsertParams, MatchPrefixParams
+
+cache = urc.build_cache(urc.CacheConfig(kv_size=256))
+own = CollectorRegistry()
+m = CacheMetrics(own)
+v = cache.token_to_kv_pool_allocator.alloc(40)
+cache.insert(InsertParams(key=urc.RadixKey(list(range(40))), value=v))
+cache.match_prefix(MatchPrefixParams(key=urc.RadixKey(list(range(30)))))
+m.on_command(CommandKind.MATCH, 1e-6, 2e-6, None)
+m.on_command(CommandKind.INSERT, 1e-6, 2e-6, KeyError())
+m.on_batch(cache.stats(), 2)
+merged = CollectorRegistry()
+MultiProcessCollector(merged)
+dev = {"component": "full", "tier": "device"}
+print(json.dumps({
+    "evictable": merged.get_sample_value("urc_cache_evictable_tokens", dev),
+    "expected_evictable": cache.evictable_size(),
+    "free": merged.get_sample_value("urc_pool_free_tokens", dev),
+    "expected_free": cache.token_to_kv_pool_allocator.available_size(),
+    "queued": merged.get_sample_value("urc_service_queued_commands"),
+    "matches": merged.get_sample_value("urc_match_requests_total"),
+    "hits": merged.get_sample_value("urc_match_hit_tokens_total", {"tier": "device"}),
+    "latency_count": merged.get_sample_value(
+        "urc_command_duration_seconds_count", {"kind": "match"}),
+    "errors": merged.get_sample_value(
+        "urc_command_errors_total", {"kind": "insert", "error_type": "KeyError"}),
+}))
+"""
+
+
+def test_multiprocess_mode(tmp_path: Path) -> None:
+    """Constructed with PROMETHEUS_MULTIPROC_DIR set, the exporter's values reach the
+    multiprocess collector (gauges aggregated with ``livesum``)."""
+    env = dict(os.environ)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _MP_SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["evictable"] == out["expected_evictable"] == 40
+    assert out["free"] == out["expected_free"]
+    assert out["queued"] == 2
+    assert out["matches"] == 1
+    assert out["hits"] == 30
+    assert out["latency_count"] == 1
+    assert out["errors"] == 1
+    assert any(tmp_path.glob("*.db"))
+
+
+# ---------------------------------------------------------------------------- dashboard
+def _exported_names() -> set[str]:
+    registry = CollectorRegistry()
+    exporter = CacheMetrics(registry)
+    comps = (
+        ComponentStats(FULL, Tier.DEVICE, "tokens", 1, 1, 2, 1),
+        ComponentStats(MAMBA, Tier.DEVICE, "states", 1, 1, 2, 1),
+    )
+    exporter.on_batch(
+        _stats(
+            comps,
+            hit_tokens={"device": 1},
+            evicted={(FULL, Tier.DEVICE): 1, (MAMBA, Tier.DEVICE): 1},
+        ),
+        0,
+    )
+    exporter.on_command(CommandKind.MATCH, 0.0, 0.0, KeyError())
+    for k in TransferKind:
+        exporter.on_transfer(k, 1, 1, 0.0)
+    return {s.name for fam in registry.collect() for s in fam.samples}
+
+
+def test_dashboard_queries_reference_exported_metrics() -> None:
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    names = _exported_names()
+    exprs: list[str] = []
+    stack: list[Any] = [dash]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            if isinstance(obj.get("expr"), str):
+                exprs.append(obj["expr"])
+            stack.extend(obj.values())
+        elif isinstance(obj, list):
+            stack.extend(obj)
+    assert exprs
+    used = {n for e in exprs for n in re.findall(r"\burc_[a-z_]+", e)}
+    assert used <= names, used - names
+    joined = "\n".join(exprs)
+    # Hit rate by tier from counters, evictable vs protected, tier usage, latency quantiles.
+    assert "urc_match_hit_tokens_total" in joined and "urc_match_query_tokens_total" in joined
+    assert "urc_cache_evictable_tokens" in used and "urc_cache_protected_tokens" in used
+    assert "urc_pool_used_tokens" in used and "urc_pool_capacity_tokens" in used
+    assert "histogram_quantile" in joined and "urc_command_duration_seconds_bucket" in used
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+# ---------------------------------------------------------------------------- through the service
+@pytest.mark.asyncio
+async def test_through_the_service(registry: CollectorRegistry) -> None:
+    service = pytest.importorskip("urc.service")
+    cache = build()
+    exporter = CacheMetrics(registry)
+    submitted: dict[CommandKind, int] = {}
+
+    def sent(kind: CommandKind) -> None:
+        submitted[kind] = submitted.get(kind, 0) + 1
+
+    with anyio.fail_after(30):
+        async with service.AsyncUnifiedRadixCache(cache, observer=exporter) as svc:
+
+            async def figures() -> tuple[int, int, int]:
+                # Runs in the actor, so the batch that follows reports the same state.
+                sent(CommandKind.CALL)
+                figs: tuple[int, int, int] = await svc.call(
+                    lambda c: (c.evictable_size(), c.protected_size(), c.num_nodes)
+                )
+                return figs
+
+            async def check() -> None:
+                ev, prot, nodes = await figures()
+                dev = {"component": "full", "tier": "device"}
+                assert value(registry, "urc_cache_evictable_tokens", **dev) == ev
+                assert value(registry, "urc_cache_protected_tokens", **dev) == prot
+                assert value(registry, "urc_tree_nodes") == nodes
+
+            for i in range(4):
+                sent(CommandKind.ALLOC)
+                v = await svc.alloc(24)
+                sent(CommandKind.INSERT)
+                await svc.insert(seq(0, 8) + seq(100 * (i + 1), 16), v)
+                await check()
+            sent(CommandKind.MATCH)
+            hit = await svc.match(seq(0, 8) + seq(100, 16), lock=True)
+            assert hit.lease is not None and hit.prefix_len == 24
+            await check()
+            assert value(registry, "urc_cache_protected_tokens", component="full",
+                         tier="device") == 24  # fmt: skip
+
+            # Concurrent clients: one batch may hold many commands; every one is observed.
+            async def client(k: int) -> None:
+                sent(CommandKind.MATCH)
+                await svc.match(seq(0, 8) + seq(100 * (k % 4 + 1), 10))
+
+            async with anyio.create_task_group() as tg:
+                for k in range(32):
+                    tg.start_soon(client, k)
+            sent(CommandKind.RELEASE)
+            await hit.lease.release()
+            sent(CommandKind.EVICT)
+            with pytest.raises(URCError):
+                await svc.evict(-1)
+            sent(CommandKind.EVICT)
+            await svc.evict(1000)
+            await check()
+            sent(CommandKind.STATS)
+            await svc.stats()
+    # The close drains the queue and reports one last batch.
+    assert_gauges_match(registry, cache)
+    assert_counters_match(registry, cache)
+    for kind in CommandKind:
+        n = submitted.get(kind, 0)
+        assert value(registry, "urc_command_duration_seconds_count", kind=kind.value) == n
+    total = sum(submitted.values())
+    assert value(registry, "urc_command_queue_wait_seconds_count") == total
+    assert value(registry, "urc_command_errors_total", kind="evict",
+                 error_type="InvalidInputError") == 1  # fmt: skip
+    assert value(registry, "urc_service_queued_commands") == 0
+    assert cache.counters.match_requests == 33

@@ -1,0 +1,720 @@
+"""The async service: round trips, errors, close, failure, observers, background work, and a
+256-client random workload checked against a sequential replay of the recorded history.
+
+Every async test is bounded by ``anyio.fail_after``; nothing synchronises with sleeps.  A few
+scenarios also run under trio (``anyio.run(..., backend="trio")`` in a sync test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from urc import (
+    CacheConfig,
+    ComponentType,
+    InvalidLockError,
+    KeyValueMismatchError,
+    LeaseError,
+    OutOfMemoryError,
+    RadixKey,
+    Req,
+    ServiceClosedError,
+    ServiceFailedError,
+    UnifiedRadixCache,
+    build_cache,
+)
+from urc.commands import (
+    Alloc,
+    CacheFinishedReq,
+    CacheUnfinishedReq,
+    Call,
+    Command,
+    CommandKind,
+    Evict,
+    Free,
+    Insert,
+    InsertOutcome,
+    Lock,
+    Match,
+    MatchOutcome,
+    MatchReq,
+    Release,
+    SanityCheck,
+    Stats,
+)
+from urc.executor import CommandExecutor
+from urc.lease import Lease, NodeHandle
+from urc.observer import ServiceObserver, TransferKind
+from urc.params import EvictParams
+from urc.service import AsyncUnifiedRadixCache, ServiceState
+from urc.stats import CacheStats
+
+FULL = ComponentType.FULL
+TIMEOUT = 30
+
+
+def small_config(kv_size: int = 4096, max_num_reqs: int = 64) -> CacheConfig:
+    return CacheConfig(kv_size=kv_size, max_num_reqs=max_num_reqs, max_context_len=64)
+
+
+def check_clean(cache: UnifiedRadixCache) -> None:
+    """After close: invariants hold, nothing is locked, every slot is free or in the tree."""
+    cache.sanity_check()
+    cache.check_pools({FULL: 0})
+    assert cache.protected_size() == 0
+
+
+# ====================================================================== request steps
+# Callables run inside the actor through ``svc.call``; dataclasses so a replay can rebind
+# them to its own Req objects.
+
+
+@dataclass(frozen=True)
+class AllocRow:
+    """Give ``req`` a req_to_token row (atomic: raises before changing anything)."""
+
+    req: Req
+
+    def __call__(self, cache: UnifiedRadixCache) -> int:
+        row = cache.req_to_token_pool.alloc()
+        if row is None:
+            raise OutOfMemoryError("no free request rows")
+        self.req.req_pool_idx = row
+        return row
+
+
+@dataclass(frozen=True)
+class FillRow:
+    """Allocate slots for the unmatched part of ``req`` and write its whole row."""
+
+    req: Req
+
+    def __call__(self, cache: UnifiedRadixCache) -> None:
+        req = self.req
+        row = req.req_pool_idx
+        assert row is not None
+        n = len(req.origin_input_ids)
+        p = req.cache_protected_len
+        allocator = cache.token_to_kv_pool_allocator
+        new = allocator.alloc(n - p)
+        if new is None:
+            cache.evict(EvictParams(num_tokens=n - p - allocator.available_size()))
+            new = allocator.alloc(n - p)
+            if new is None:
+                raise OutOfMemoryError(f"cannot allocate {n - p} slots for {req.rid}")
+        cache.req_to_token_pool.write(row, 0, req.prefix_indices)
+        cache.req_to_token_pool.write(row, p, new)
+        req.kv_committed_len = req.kv_allocated_len = n
+
+
+# ====================================================================== random clients
+PREFIXES = [[100 + i] * 4 + [i, i + 1, i + 2, i + 3] for i in range(6)]
+
+
+def random_key(rng: random.Random) -> list[int]:
+    base = rng.choice(PREFIXES)[: rng.randint(0, 8)]
+    return base + [rng.randrange(12) for _ in range(rng.randint(1, 8))]
+
+
+Chaos = Callable[[anyio.CancelScope, RadixKey], None]
+
+
+@dataclass
+class Client:
+    """One coroutine's random workload; it tracks what it owns and gives it all back.
+
+    ``owned``: slots allocated and not handed to the tree; ``leases``: locks it holds.  Its
+    bookkeeping follows each call synchronously, so a cancellation (which lands at the next
+    await) never separates a call's effect from the record of it.  ``chaos`` sees each op's
+    cancel scope and key and may arrange for the scope to be cancelled.
+    """
+
+    svc: AsyncUnifiedRadixCache
+    rng: random.Random
+    name: str
+    chaos: Chaos | None = None
+    owned: list[torch.Tensor] = field(default_factory=list)
+    leases: list[Lease] = field(default_factory=list)
+    handles: list[NodeHandle] = field(default_factory=list)
+    ops: int = 0
+    cancelled: int = 0
+
+    async def run(self, num_ops: int) -> None:
+        try:
+            for i in range(num_ops):
+                with anyio.CancelScope() as scope:
+                    await self.step(i, scope)
+                self.ops += 1
+                if scope.cancelled_caught:
+                    self.cancelled += 1
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.cleanup()
+
+    async def cleanup(self) -> None:
+        for lease in self.leases:
+            if not lease.released:  # a cancelled release was still applied
+                await lease.release()
+        self.leases.clear()
+        for v in self.owned:
+            await self.svc.free(v)
+        self.owned.clear()
+
+    async def step(self, i: int, scope: anyio.CancelScope) -> None:
+        svc, rng = self.svc, self.rng
+        r = rng.random()
+        key = RadixKey(random_key(rng))
+        if self.chaos is not None:
+            self.chaos(scope, key)
+        if r < 0.25:
+            m = await svc.match(key)
+            assert m.prefix_len == m.device_indices.shape[0] <= len(key)
+            self.handles.append(m.node)
+        elif r < 0.4:
+            m = await svc.match(key, lock=True)
+            assert m.lease is not None
+            self.leases.append(m.lease)
+        elif r < 0.55:
+            if self.leases:
+                lease = self.leases[rng.randrange(len(self.leases))]
+                try:
+                    await lease.release()
+                finally:
+                    if lease.released:  # even when cancelled while waiting
+                        self.leases.remove(lease)
+        elif r < 0.6:
+            if self.handles:
+                with contextlib.suppress(InvalidLockError):  # evicted since the match
+                    self.leases.append(await svc.lock(self.handles[-1]))
+        elif r < 0.8:
+            await self.insert(key)
+        elif r < 0.95:
+            await self.finish(key.token_ids, f"{self.name}-{i}", unfinished=rng.random() < 0.3)
+        else:
+            await svc.evict(num_tokens=rng.randint(1, 16))
+
+    async def insert(self, key: RadixKey) -> None:
+        svc = self.svc
+        m = await svc.match(key, lock=True)
+        assert m.lease is not None
+        self.leases.append(m.lease)
+        try:
+            v = await svc.alloc(len(key) - m.prefix_len)
+        except OutOfMemoryError:
+            return
+        self.owned.append(v)
+        value = torch.cat([m.device_indices, v])
+        res = await svc.insert(key, value, prev_prefix_len=m.prefix_len)
+        # The tree took the slots (and freed duplicates).  Identity, not tensor ==.
+        self.owned = [t for t in self.owned if t is not v]
+        assert isinstance(res, InsertOutcome) and res.total_len == len(key)
+        try:
+            await m.lease.release()
+        finally:
+            if m.lease.released:
+                self.leases.remove(m.lease)
+
+    async def finish(self, key: list[int], rid: str, unfinished: bool) -> None:
+        svc = self.svc
+        req = Req(rid, key)
+        try:
+            await svc.call(AllocRow(req))
+        except OutOfMemoryError:
+            return
+        try:
+            await svc.match_req(req)
+            await svc.call(FillRow(req))
+            if unfinished:
+                await svc.cache_unfinished_req(req)
+            await svc.cache_finished_req(req)
+        except OutOfMemoryError:
+            pass
+        finally:
+            if req.req_pool_idx is not None:  # not finished: give everything back
+                with anyio.CancelScope(shield=True):
+                    await svc.cache_finished_req(req, is_insert=False)
+
+
+async def run_clients(
+    svc: AsyncUnifiedRadixCache,
+    n_clients: int,
+    num_ops: int,
+    seed: int,
+    chaos: Chaos | None = None,
+) -> list[Client]:
+    clients = [
+        Client(svc, random.Random(seed * 100_003 + k), f"c{k}", chaos) for k in range(n_clients)
+    ]
+    async with anyio.create_task_group() as tg:
+        for c in clients:
+            tg.start_soon(c.run, num_ops)
+    return clients
+
+
+# ====================================================================== history replay
+@dataclass
+class History:
+    """What the actor applied, in order (recorded by the trace hook)."""
+
+    entries: list[tuple[Command, Any, BaseException | None]] = field(default_factory=list)
+
+    def __call__(self, cmd: Command, result: Any, error: BaseException | None) -> None:
+        self.entries.append((cmd, result, error))
+
+
+def same_result(a: Any, b: Any) -> bool:
+    if isinstance(a, MatchOutcome):
+        return (
+            isinstance(b, MatchOutcome)
+            and torch.equal(a.device_indices, b.device_indices)
+            and (a.prefix_len, a.host_hit_length) == (b.prefix_len, b.host_hit_length)
+            and same_result(a.lease, b.lease)
+        )
+    if isinstance(a, Lease):
+        return isinstance(b, Lease) and (a.id, a.prefix_len) == (b.id, b.prefix_len)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
+
+
+def replay(config: CacheConfig, history: History) -> UnifiedRadixCache:
+    """Apply the recorded commands one by one to a fresh core; every result must match."""
+    cache = build_cache(config)
+    ex = CommandExecutor(cache)
+    reqs: dict[str, Req] = {}
+    handles: dict[int, NodeHandle] = {}
+
+    def req_of(r: Req) -> Req:
+        if r.rid not in reqs:
+            reqs[r.rid] = Req(r.rid, list(r.origin_input_ids))
+        return reqs[r.rid]
+
+    def remap(cmd: Command) -> Command:
+        match cmd:
+            case Release(lease=lease):
+                return Release(ex.leases[lease.id][0])
+            case Lock(node=h):
+                return Lock(handles[id(h)])
+            case MatchReq(req=r, cow_mamba=cow):
+                return MatchReq(req_of(r), cow)
+            case CacheFinishedReq(req=r, is_insert=ins):
+                return CacheFinishedReq(req_of(r), ins)
+            case CacheUnfinishedReq(req=r, chunked=ch):
+                return CacheUnfinishedReq(req_of(r), ch)
+            case Call(fn=AllocRow(req=r)):
+                return Call(AllocRow(req_of(r)))
+            case Call(fn=FillRow(req=r)):
+                return Call(FillRow(req_of(r)))
+            case Call():
+                raise AssertionError(f"cannot replay {cmd}")
+            case _:
+                return cmd
+
+    for i, (cmd, result, error) in enumerate(history.entries):
+        try:
+            got = ex.apply(remap(cmd))
+        except Exception as exc:
+            assert error is not None and type(exc) is type(error), (i, cmd, exc, error)
+            continue
+        assert error is None, (i, cmd, "replay succeeded where the service raised", error)
+        assert same_result(result, got), (i, cmd, result, got)
+        if isinstance(result, MatchOutcome):
+            handles[id(result.node)] = got.node
+    return cache
+
+
+# ====================================================================== basic behaviour
+async def scenario_round_trip() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            assert svc.state is ServiceState.RUNNING
+            v = await svc.alloc(8)
+            res = await svc.insert(list(range(8)), v)
+            assert res == InsertOutcome(prefix_len=0, total_len=8)
+            m = await svc.match(list(range(10)), lock=True)
+            assert m.prefix_len == 8 and torch.equal(m.device_indices, v)
+            assert m.lease is not None and svc.leases_held == 1
+            stats = await svc.stats()
+            assert isinstance(stats, CacheStats)
+            assert stats.component(FULL) is not None
+            assert stats.component(FULL).protected == 8  # type: ignore[union-attr]
+            lease2 = await svc.lock(m.node)
+            assert lease2.prefix_len == 8 and svc.leases_held == 2
+            async with lease2:
+                pass
+            assert lease2.released
+            await m.lease.release()
+            with pytest.raises(LeaseError):
+                await m.lease.release()
+            assert (await svc.evict(num_tokens=8)).num_tokens_evicted == 8
+            assert (await svc.match(list(range(8)))).prefix_len == 0
+            assert await svc.call(lambda c: c.evictable_size()) == 0
+            await svc.sanity_check({FULL: 0})
+        assert svc.leases_released_at_close == 0
+        assert svc.state.value == "closed"
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_round_trip() -> None:
+    """match/insert/lock/release/evict/stats/call work and leave the cache clean."""
+    await scenario_round_trip()
+
+
+def test_round_trip_trio() -> None:
+    """The same round trip under trio."""
+    anyio.run(scenario_round_trip, backend="trio")
+
+
+@pytest.mark.asyncio
+async def test_request_caching_through_service() -> None:
+    """match_req + cache_unfinished_req + cache_finished_req move slots into the tree."""
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            req = Req("r1", list(range(12)))
+            await svc.call(AllocRow(req))
+            m = await svc.match_req(req)
+            assert m.prefix_len == 0 and m.lease is None
+            await svc.call(FillRow(req))
+            await svc.cache_unfinished_req(req)
+            assert req.cache_protected_len == 12
+            await svc.cache_finished_req(req)
+            assert req.req_pool_idx is None
+            req2 = Req("r2", [*range(12), 99])
+            await svc.call(AllocRow(req2))
+            m2 = await svc.match_req(req2)
+            assert m2.prefix_len == 12
+            with pytest.raises(Exception, match="already holds a lock"):
+                await svc.match_req(req2)
+            await svc.cache_finished_req(req2, is_insert=False)
+            await svc.sanity_check({FULL: 0})
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_command_error_reaches_caller_and_service_keeps_serving() -> None:
+    """A typed core error goes to its caller only; the cache is unchanged and still served."""
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            v = await svc.alloc(4)
+            with pytest.raises(KeyValueMismatchError):
+                await svc.insert([1, 2, 3], v)
+            with pytest.raises(OutOfMemoryError):
+                await svc.alloc(10**6)
+            with pytest.raises(LeaseError):
+                await svc.release(Lease(42, 0, None))
+            res = await svc.insert([1, 2, 3, 4], v)
+            assert res.total_len == 4
+            assert (await svc.match([1, 2, 3, 4])).prefix_len == 4
+            await svc.sanity_check({FULL: 0})
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_closed_service_rejects_calls() -> None:
+    """Before start and after close every call raises ServiceClosedError."""
+    with anyio.fail_after(TIMEOUT):
+        svc = AsyncUnifiedRadixCache(small_config())
+        with pytest.raises(ServiceClosedError):
+            await svc.match([1])
+        async with svc:
+            await svc.match([1])
+        for call in (
+            lambda: svc.match([1]),
+            lambda: svc.stats(),
+            lambda: svc.alloc(1),
+            lambda: svc.insert([1], torch.tensor([0])),
+            lambda: svc.sanity_check(),
+        ):
+            with pytest.raises(ServiceClosedError):
+                await call()
+        assert await svc.aclose() == 0  # idempotent
+        with pytest.raises(ServiceClosedError):
+            async with svc:
+                pass
+
+
+async def scenario_close_releases_leases() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            for k in range(3):
+                key = [k, k + 1, k + 2]
+                await svc.insert(key, await svc.alloc(3))
+            leases = [(await svc.match([k, k + 1, k + 2], lock=True)).lease for k in range(3)]
+            assert svc.leases_held == 3
+            assert svc.cache.protected_size() == 9
+            released = await svc.aclose()
+        assert released == 3 == svc.leases_released_at_close
+        assert all(lease is not None and lease.released for lease in leases)
+        assert leases[0] is not None
+        with pytest.raises(ServiceClosedError):
+            await leases[0].release()
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_close_releases_outstanding_leases() -> None:
+    """aclose releases (and counts) leases still held; the tree ends unlocked."""
+    await scenario_close_releases_leases()
+
+
+def test_close_releases_outstanding_leases_trio() -> None:
+    anyio.run(scenario_close_releases_leases, backend="trio")
+
+
+@pytest.mark.asyncio
+async def test_close_drains_queued_commands() -> None:
+    """Commands queued before close are applied (their callers get results)."""
+    with anyio.fail_after(TIMEOUT):
+        results: list[int] = []
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            v = await svc.alloc(4)
+            await svc.insert([5, 6, 7, 8], v)
+
+            async def matcher() -> None:
+                results.append((await svc.match([5, 6, 7, 8])).prefix_len)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(20):
+                    tg.start_soon(matcher)
+                tg.start_soon(svc.aclose)
+        assert results == [4] * 20
+        check_clean(svc.cache)
+
+
+async def scenario_actor_failure() -> None:
+    with anyio.fail_after(TIMEOUT):
+        outcomes: list[BaseException | int] = []
+
+        def boom(cache: UnifiedRadixCache) -> None:
+            raise AssertionError("invariant broken (injected)")
+
+        async with AsyncUnifiedRadixCache(small_config(), max_queued=2) as svc:
+
+            async def failing() -> None:
+                with pytest.raises(ServiceFailedError) as info:
+                    await svc.call(boom)
+                assert isinstance(info.value.__cause__, AssertionError)
+
+            async def waiter() -> None:
+                try:
+                    outcomes.append((await svc.match([1, 2])).prefix_len)
+                except ServiceFailedError as exc:
+                    assert isinstance(exc.__cause__, AssertionError)
+                    outcomes.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(failing)
+                for _ in range(10):  # more than max_queued: some wait to send
+                    tg.start_soon(waiter)
+            assert svc.state is ServiceState.FAILED
+            assert isinstance(svc.failure, AssertionError)
+            with pytest.raises(ServiceFailedError):
+                await svc.stats()
+        assert len(outcomes) == 10
+        assert any(isinstance(o, ServiceFailedError) for o in outcomes)
+
+
+@pytest.mark.asyncio
+async def test_actor_failure_fails_waiting_callers() -> None:
+    """An unexpected exception in the actor fails the caller, every queued or blocked caller
+    and every later call with ServiceFailedError (cause chained); nothing hangs."""
+    await scenario_actor_failure()
+
+
+def test_actor_failure_fails_waiting_callers_trio() -> None:
+    anyio.run(scenario_actor_failure, backend="trio")
+
+
+@pytest.mark.asyncio
+async def test_actor_failure_fifo_fails_all_queued() -> None:
+    """With asyncio's FIFO scheduling every caller queued behind the failing command fails."""
+    with anyio.fail_after(TIMEOUT):
+        errors: list[BaseException] = []
+
+        def boom(cache: UnifiedRadixCache) -> None:
+            raise RuntimeError("bug")
+
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+
+            async def call(fn: Callable[[], Awaitable[Any]]) -> None:
+                try:
+                    await fn()
+                except ServiceFailedError as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call, lambda: svc.call(boom))
+                for _ in range(5):
+                    tg.start_soon(call, lambda: svc.match([1]))
+                tg.start_soon(call, lambda: svc.insert([1], torch.tensor([0])))
+        assert len(errors) == 7
+        assert all(isinstance(e.__cause__, RuntimeError) for e in errors)
+
+
+# ====================================================================== observer
+@dataclass
+class RecordingObserver:
+    commands: list[tuple[CommandKind, float, float, BaseException | None]] = field(
+        default_factory=list
+    )
+    batches: list[tuple[CacheStats, int]] = field(default_factory=list)
+    transfers: list[tuple[TransferKind, int, int, float]] = field(default_factory=list)
+
+    def on_command(
+        self, kind: CommandKind, queue_wait_s: float, latency_s: float, error: BaseException | None
+    ) -> None:
+        self.commands.append((kind, queue_wait_s, latency_s, error))
+
+    def on_batch(self, stats: CacheStats, queued: int) -> None:
+        self.batches.append((stats, queued))
+
+    def on_transfer(self, kind: TransferKind, tokens: int, nbytes: int, seconds: float) -> None:
+        self.transfers.append((kind, tokens, nbytes, seconds))
+
+
+@pytest.mark.asyncio
+async def test_observer_sees_every_command_and_batch() -> None:
+    """on_command per applied command (with its error), on_batch per batch with stats."""
+    with anyio.fail_after(TIMEOUT):
+        obs = RecordingObserver()
+        assert isinstance(obs, ServiceObserver)
+        async with AsyncUnifiedRadixCache(small_config(), observer=obs) as svc:
+            v = await svc.alloc(3)
+            await svc.insert([1, 2, 3], v)
+            with pytest.raises(KeyValueMismatchError):
+                await svc.insert([1, 2], v)
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(svc.match, [1, 2, 3])
+        kinds = [k for k, *_ in obs.commands]
+        assert kinds[:3] == [CommandKind.ALLOC, CommandKind.INSERT, CommandKind.INSERT]
+        assert kinds.count(CommandKind.MATCH) == 8
+        assert all(w >= 0 and lat >= 0 for _, w, lat, _ in obs.commands)
+        errors = [e for *_, e in obs.commands if e is not None]
+        assert [type(e) for e in errors] == [KeyValueMismatchError]
+        assert obs.batches and all(isinstance(s, CacheStats) for s, _ in obs.batches)
+        assert len(obs.batches) < len(obs.commands)  # the 8 matches came in few batches
+        assert obs.batches[-1][0].inserted_tokens == 3
+
+
+# ====================================================================== background work
+@pytest.mark.asyncio
+async def test_background_worker_cancelled_and_pins_released_at_close() -> None:
+    """A background coroutine talks through commands; close cancels it, its cleanup may
+    still call the service, and pins it held are released."""
+    with anyio.fail_after(TIMEOUT):
+        started = anyio.Event()
+        cleaned: list[int] = []
+
+        class Pinner:
+            async def run(self, svc: AsyncUnifiedRadixCache) -> None:
+                v = await svc.alloc(4)
+                await svc.insert([9, 9, 9, 9], v)
+                m = await svc.match([9, 9, 9, 9], lock=True)  # a pin, left held
+                assert m.lease is not None
+                try:
+                    started.set()
+                    await anyio.Event().wait()  # until cancelled
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        cleaned.append((await svc.stats()).num_nodes)
+
+        async with AsyncUnifiedRadixCache(small_config(), workers=[Pinner()]) as svc:
+            await started.wait()
+            assert svc.cache.protected_size() == 4
+        assert cleaned == [1]
+        assert svc.leases_released_at_close == 1
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_background_worker_failure_fails_service() -> None:
+    """An exception escaping a background coroutine fails the service (no hang)."""
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            done = anyio.Event()
+
+            async def bad(svc: AsyncUnifiedRadixCache) -> None:
+                await svc.stats()
+                done.set()
+                raise ValueError("worker bug")
+
+            svc.start_background(bad)
+            await done.wait()
+            with pytest.raises(ServiceFailedError) as info:
+                while True:
+                    await svc.stats()
+            assert isinstance(info.value.__cause__, ValueError)
+
+
+# ====================================================================== concurrency
+@pytest.mark.asyncio
+async def test_256_clients_random_ops_conserve_everything() -> None:
+    """256 clients x 100 random ops: invariants hold, every slot and lock is returned, and the
+    recorded history replays sequentially to identical results (linearizability)."""
+    with anyio.fail_after(TIMEOUT * 2):
+        config = small_config(kv_size=2048, max_num_reqs=300)
+        history = History()
+        async with AsyncUnifiedRadixCache(config, max_queued=64, trace=history) as svc:
+            clients = await run_clients(svc, 256, 100, seed=1)
+            await svc.sanity_check({FULL: 0})
+            assert svc.leases_held == 0
+            final_stats = await svc.stats()
+        assert sum(c.ops for c in clients) == 256 * 100
+        assert svc.leases_released_at_close == 0
+        check_clean(svc.cache)
+        kinds = {type(cmd) for cmd, _, _ in history.entries}
+        assert {Match, Insert, Release, Lock, Alloc, MatchReq, CacheFinishedReq} <= kinds
+        assert {CacheUnfinishedReq, Call, Evict, SanityCheck, Stats} <= kinds
+        replayed = replay(config, history)
+        assert replayed.stats() == final_stats
+        assert torch.equal(
+            replayed.all_values_flatten().sort().values,
+            svc.cache.all_values_flatten().sort().values,
+        )
+
+
+@pytest.mark.asyncio
+async def test_batching_applies_queued_commands_in_one_wakeup() -> None:
+    """Commands queued together are applied in one batch, in send order."""
+    with anyio.fail_after(TIMEOUT):
+        obs = RecordingObserver()
+        history = History()
+        async with AsyncUnifiedRadixCache(small_config(), observer=obs, trace=history) as svc:
+            await svc.stats()
+            n0 = len(obs.batches)
+            order: list[int] = []
+
+            async def ask(k: int) -> None:
+                await svc.match([k])
+                order.append(k)
+
+            async with anyio.create_task_group() as tg:
+                for k in range(32):
+                    tg.start_soon(ask, k)
+            assert len(obs.batches) - n0 <= 2
+            keys = [cmd.key.token_ids[0] for cmd, _, _ in history.entries if isinstance(cmd, Match)]
+            assert sorted(keys) == list(range(32))
+
+
+def test_replay_detects_divergence() -> None:
+    """The replay checker is not vacuous: a tampered result is reported."""
+    config = small_config()
+    history = History()
+    cache = build_cache(config)
+    ex = CommandExecutor(cache)
+    for cmd in (Alloc(4), Stats()):
+        history(cmd, ex.apply(cmd), None)
+    history.entries[0] = (Alloc(4), torch.tensor([9, 9, 9, 9]), None)
+    with pytest.raises(AssertionError):
+        replay(config, history)
+    _ = Free  # Free is exercised by clients' cleanup

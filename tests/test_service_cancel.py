@@ -1,0 +1,290 @@
+"""Cancellation safety of the async service: a cancelled caller leaves no lock and no slot.
+
+Covered windows: cancelled before sending, while queued (the actor skips the command),
+between the actor taking a lock and the caller receiving the reply (the lease is released,
+also when the queue is full at that moment), during a command that moves ownership (it
+completes; the cancellation lands afterwards), and at random points under 256 clients, with
+the recorded history replayed sequentially to identical results.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from test_service import (
+    FULL,
+    TIMEOUT,
+    History,
+    check_clean,
+    replay,
+    run_clients,
+    small_config,
+)
+
+from urc import RadixKey
+from urc.commands import Command, Insert, Lock, Match, Release, SanityCheck, Stats
+from urc.service import AsyncUnifiedRadixCache
+
+KEY = [1, 2, 3, 4]
+
+
+async def prepared(svc: AsyncUnifiedRadixCache) -> None:
+    await svc.insert(KEY, await svc.alloc(len(KEY)))
+
+
+@dataclass
+class CancelOnApply:
+    """Trace hook: when the actor applies a command of type ``kind``, cancel ``scope``."""
+
+    kind: type[Any]
+    history: History = field(default_factory=History)
+    scope: anyio.CancelScope | None = None
+    fired: int = 0
+
+    def __call__(self, cmd: Command, result: Any, error: BaseException | None) -> None:
+        self.history(cmd, result, error)
+        if isinstance(cmd, self.kind) and self.scope is not None:
+            self.scope.cancel()
+            self.scope = None
+            self.fired += 1
+
+
+async def scenario_cancelled_while_queued(strict_order: bool) -> None:
+    with anyio.fail_after(TIMEOUT):
+        hook = CancelOnApply(Stats)
+        # max_batch=1: the actor yields between commands, so a caller cancelled while its
+        # command waits in the queue runs its handler before the actor reaches the command.
+        async with AsyncUnifiedRadixCache(small_config(), max_batch=1, trace=hook) as svc:
+            await prepared(svc)
+            caught: list[bool] = []
+
+            async def victim() -> None:
+                got = None
+                with anyio.CancelScope() as scope:
+                    hook.scope = scope  # cancelled when the actor applies the Stats
+                    got = await svc.match(KEY, lock=True)
+                caught.append(scope.cancelled_caught)
+                if got is not None and got.lease is not None:  # it ran first (trio order)
+                    await got.lease.release()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(svc.stats)
+                tg.start_soon(victim)
+            await svc.sanity_check({FULL: 0})
+            matches = [c for c, _, _ in hook.history.entries if isinstance(c, Match)]
+            if strict_order:  # asyncio runs ready tasks FIFO: the Stats went first
+                assert caught == [True] and not matches  # skipped, never applied
+            assert svc.leases_held == 0
+
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await svc.match(KEY, lock=True)  # already cancelled: not even sent
+            assert scope.cancelled_caught
+            v = await svc.alloc(2)
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await svc.insert([7, 8], v)  # an ownership move is not sent either
+            assert scope.cancelled_caught
+            await svc.free(v)  # still ours
+            await svc.sanity_check({FULL: 0})
+            assert len([c for c, _, _ in hook.history.entries if isinstance(c, Match)]) == len(
+                matches
+            )
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_while_queued_is_skipped() -> None:
+    """A caller cancelled before the actor took its command: the command never runs."""
+    await scenario_cancelled_while_queued(strict_order=True)
+
+
+def test_cancelled_while_queued_is_skipped_trio() -> None:
+    """Under trio (no FIFO guarantee) the lease is skipped or released: never leaked."""
+    anyio.run(scenario_cancelled_while_queued, False, backend="trio")
+
+
+async def scenario_cancel_between_lock_and_reply() -> None:
+    with anyio.fail_after(TIMEOUT):
+        hook = CancelOnApply(Match)
+        async with AsyncUnifiedRadixCache(small_config(), trace=hook) as svc:
+            await prepared(svc)
+            reached = False
+            with anyio.CancelScope() as scope:
+                hook.scope = scope
+                await svc.match(KEY, lock=True)  # the actor locks, then the scope is cancelled
+                reached = True
+            assert scope.cancelled_caught and not reached and hook.fired == 1
+            await svc.sanity_check({FULL: 0})
+            assert svc.leases_held == 0
+            assert svc.cache.protected_size() == 0
+            applied = [type(c) for c, _, _ in hook.history.entries]
+            assert applied[-3:-1] == [Match, Release]  # the actor released the lost lease
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_cancel_between_lock_and_reply_releases_lease() -> None:
+    """The actor took a lock for a caller cancelled before it got the reply: released."""
+    await scenario_cancel_between_lock_and_reply()
+
+
+def test_cancel_between_lock_and_reply_releases_lease_trio() -> None:
+    anyio.run(scenario_cancel_between_lock_and_reply, backend="trio")
+
+
+@pytest.mark.asyncio
+async def test_lost_lease_released_when_queue_is_full() -> None:
+    """Same window, but the queue is full when the cancelled caller gives the lease back:
+    the lease is parked and the actor releases it at the end of its next batch."""
+    with anyio.fail_after(TIMEOUT):
+        orphans_seen: list[int] = []
+        history = History()
+        state: dict[str, Any] = {}
+
+        def hook(cmd: Command, result: Any, error: BaseException | None) -> None:
+            history(cmd, result, error)
+            if isinstance(cmd, Match) and "scope" in state:
+                # Order matters (asyncio runs ready tasks FIFO): the filler fills the queue
+                # before the cancelled caller tries to queue its release.
+                state["tg"].start_soon(filler)
+                state.pop("scope").cancel()
+            if isinstance(cmd, Stats):
+                orphans_seen.append(len(svc._orphans))
+
+        async def filler() -> None:
+            await svc.stats()
+
+        async with AsyncUnifiedRadixCache(small_config(), max_queued=1, trace=hook) as svc:
+            await prepared(svc)
+            async with anyio.create_task_group() as tg:
+                state["tg"] = tg
+                with anyio.CancelScope() as scope:
+                    state["scope"] = scope
+                    await svc.match(KEY, lock=True)
+                assert scope.cancelled_caught
+            await svc.sanity_check({FULL: 0})
+            assert orphans_seen == [1]  # it went through the parking path
+            assert [type(c) for c, _, _ in history.entries][-3:] == [Stats, Release, SanityCheck]
+            assert svc.leases_held == 0
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_cancel_during_ownership_move_completes_it() -> None:
+    """A caller cancelled while its insert is applied still gets the outcome (the tree took
+    the slots); the cancellation lands at its next checkpoint."""
+    with anyio.fail_after(TIMEOUT):
+        hook = CancelOnApply(Insert)
+        async with AsyncUnifiedRadixCache(small_config(), trace=hook) as svc:
+            v = await svc.alloc(3)
+            got: list[Any] = []
+            with anyio.CancelScope() as scope:
+                hook.scope = scope
+                got.append(await svc.insert([5, 6, 7], v))
+                await anyio.lowlevel.checkpoint()
+                got.append(None)  # not reached
+            assert scope.cancelled_caught and len(got) == 1 and got[0].total_len == 3
+            assert (await svc.match([5, 6, 7])).prefix_len == 3
+            await svc.sanity_check({FULL: 0})
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_release_keeps_lease_usable() -> None:
+    """A release cancelled before it is sent leaves the lease held (and releasable)."""
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            await prepared(svc)
+            lease = (await svc.match(KEY, lock=True)).lease
+            assert lease is not None
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await lease.release()
+            assert scope.cancelled_caught and not lease.released and svc.leases_held == 1
+            await lease.release()
+            assert svc.leases_held == 0
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_random_cancellations_256_clients_leak_nothing() -> None:
+    """256 clients x 60 random ops; scopes are cancelled before sending, while queued, and
+    while the actor applies the caller's own command (including right after it took a
+    lock).  Afterwards no lease, lock or slot is left and the history replays exactly."""
+    with anyio.fail_after(TIMEOUT * 2):
+        config = small_config(kv_size=2048, max_num_reqs=300)
+        rng = random.Random(5)
+        history = History()
+        by_key: dict[int, anyio.CancelScope] = {}
+        live: list[anyio.CancelScope] = []
+        fired = {"own": 0, "own_lock": 0, "random": 0}
+
+        def chaos(scope: anyio.CancelScope, key: RadixKey) -> None:
+            r = rng.random()
+            if r < 0.05:
+                scope.cancel()  # before the call is even made
+            elif r < 0.35:
+                by_key[id(key)] = scope
+            elif r < 0.45:
+                live.append(scope)
+
+        def hook(cmd: Command, result: Any, error: BaseException | None) -> None:
+            history(cmd, result, error)
+            key = getattr(cmd, "key", None)
+            scope = by_key.pop(id(key), None) if key is not None else None
+            if scope is not None and rng.random() < 0.5:
+                scope.cancel()  # the caller is cancelled before it sees this reply
+                fired["own"] += 1
+                if isinstance(cmd, (Match, Lock)) and getattr(cmd, "lock", True):
+                    fired["own_lock"] += 1
+            if live and rng.random() < 0.05:
+                live.pop(rng.randrange(len(live))).cancel()  # a random caller, anywhere
+                fired["random"] += 1
+
+        async with AsyncUnifiedRadixCache(config, max_queued=64, trace=hook) as svc:
+            clients = await run_clients(svc, 256, 60, seed=2, chaos=chaos)
+            await svc.sanity_check({FULL: 0})
+            assert svc.leases_held == 0
+            final_stats = await svc.stats()
+        assert sum(c.cancelled for c in clients) > 100
+        assert fired["own_lock"] > 10 and fired["random"] > 10
+        assert svc.leases_released_at_close == 0
+        check_clean(svc.cache)
+        replayed = replay(config, history)
+        assert replayed.stats() == final_stats
+        assert torch.equal(
+            replayed.all_values_flatten().sort().values,
+            svc.cache.all_values_flatten().sort().values,
+        )
+
+
+@pytest.mark.asyncio
+async def test_release_cancelled_while_queued_is_still_applied() -> None:
+    """A release whose caller is cancelled while it waits in the queue is still applied."""
+    with anyio.fail_after(TIMEOUT):
+        hook = CancelOnApply(Stats)
+        async with AsyncUnifiedRadixCache(small_config(), max_batch=1, trace=hook) as svc:
+            await prepared(svc)
+            lease = (await svc.match(KEY, lock=True)).lease
+            assert lease is not None
+            caught: list[bool] = []
+
+            async def victim() -> None:
+                assert lease is not None
+                with anyio.CancelScope() as scope:
+                    hook.scope = scope
+                    await lease.release()
+                caught.append(scope.cancelled_caught)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(svc.stats)
+                tg.start_soon(victim)
+            await svc.sanity_check({FULL: 0})
+            assert caught == [True] and lease.released and svc.leases_held == 0
+        check_clean(svc.cache)

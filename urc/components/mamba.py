@@ -1,0 +1,616 @@
+"""MAMBA: recurrent (SSM) state slots, one per checkpointed position.
+
+A Mamba layer's state after tokens ``[0, p)`` is one fixed-size slot of the Mamba pool
+(``urc.pools.mamba``), not per-token KV.  The tree keeps such a state only on the node whose
+key ends at ``p`` -- a leaf, or a *checkpoint* node -- so a node's ``value`` is a 1-element
+int64 tensor (the slot) or ``None``.  A match is valid only on a node with state: a request
+resumes from exactly that state, and copy-on-write (``cow_mamba``) gives it its own copy.
+
+Rules (ARCHITECTURE §4):
+
+- A split gives the new upper node no state (the state belongs to the end of the key).
+- Insert: the target node adopts ``InsertParams.mamba_value``'s slot; if it already has state
+  it keeps it and ``InsertResult.mamba_exist`` tells the caller to free its own slot.
+- Eviction walks the Mamba LRU from the oldest end, skipping locked states: an internal node
+  loses only its state (lowest priority, no cascade); a leaf is deleted with every component.
+  A state is refreshed when it is used: the node a match ends on, the target of an insert.
+  Checkpoints a walk merely passes through keep their age.
+- A lock pins only the node's own state, and only where every higher lock on the node pins
+  it too (``full >= swa >= mamba`` per node).  The receipt records the nodes it skipped.
+
+Request state ranges (token positions of a request; ``t = mamba_last_track_seqlen``, ``n`` =
+committed tokens; "ping-pong" = ``Req.mamba_ping_pong_track_buffer``)::
+
+    slot / range                     owner                  freed by
+    req.mamba_pool_idx  state @ n    request (live state)   cleanup of the finished request,
+                                                            unless the tree adopted it
+    buffer[keep]        state @ t    request (snapshot)     finished: cleanup unless adopted;
+                                                            unfinished: donated to the tree
+                                                            (buffer gets a fresh slot), or
+                                                            freed by cleanup if not adopted
+    fork of pool_idx    state @ n    insert (unfinished,    cleanup, if the tree did not
+                                     no ping-pong)          adopt it (mamba_exist)
+    cached key          [0, t)       tree (ping-pong mode:  eviction
+                        [0, n)       no ping-pong mode)
+
+``keep = (mamba_next_track_idx - 1) % len(buffer)`` (the slot written last).  A state can
+only sit where the key ends on a page boundary, so ``t`` must be page-aligned; without
+ping-pong the live state is cached only when ``n`` is.
+
+Units: states (``unit = "states"``): sizes count slots, ``EvictParams.mamba_num`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from urc.components.base import EvictTracker, MatchValidator, TreeComponent
+from urc.errors import (
+    ConfigError,
+    InvalidIndicesError,
+    InvalidInputError,
+    InvalidLockError,
+    OutOfMemoryError,
+)
+from urc.lru import LRUList
+from urc.params import EvictParams, MatchResult
+from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+    from urc.params import (
+        DecLockRefParams,
+        IncLockRefResult,
+        InsertParams,
+        InsertResult,
+        MatchPrefixParams,
+    )
+    from urc.pools.mamba import MambaPool
+    from urc.req import Req
+
+__all__ = ["MambaComponent"]
+
+_FULL = 0
+_M = 2  # ComponentType.MAMBA
+_EVICT_ONE = EvictParams(mamba_num=1)
+
+
+# Module-level predicates: no closure is built per match or per eviction.
+def _has_state(node: TreeNode) -> bool:
+    return node.data[_M].value is not None  # type: ignore[union-attr]
+
+
+def _has_state_any_tier(node: TreeNode) -> bool:
+    cd = node.data[_M]
+    assert cd is not None
+    return cd.value is not None or cd.host_value is not None
+
+
+def _unlocked(node: TreeNode) -> bool:
+    return node.data[_M].lock_ref == 0  # type: ignore[union-attr]
+
+
+class MambaComponent(TreeComponent):
+    """Mamba/SSM state: one pool slot on each leaf or checkpoint node (see module doc)."""
+
+    component_type = ComponentType.MAMBA
+    unit = "states"
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        super().__init__(cache)
+        pool = cache.pools.mamba
+        if pool is None:
+            raise ConfigError("the MAMBA component needs a Mamba pool (CachePools.mamba)")
+        self.pool: MambaPool = pool
+        self.device = pool.device
+        self.page_size = cache.config.page_size
+        self.chunk_size = cache.config.mamba_chunk_size
+        self.is_eagle = cache.config.is_eagle
+        self.lru = LRUList()
+        # node id -> slot of its state (saves a tensor read on every evict and copy).
+        self._slot_of: dict[int, int] = {}
+        # One 1-element index tensor per slot, stored as node values: a view of ``_ids``
+        # made on first use (a slice costs half a ``torch.tensor`` call).  Never handed to
+        # callers, who might modify them in place.
+        self._ids = torch.arange(pool.size, dtype=torch.int64, device=self.device)
+        self._values: list[torch.Tensor | None] = [None] * pool.size
+        # Auxiliary components above Mamba in the lock order (SWA); see _may_lock.
+        self._above = tuple(
+            ct for ct in cache.config.components if ComponentType.FULL < ct < ComponentType.MAMBA
+        )
+        # (params, slot) of the insert validated last, so commit need not read the tensor.
+        self._pending: tuple[InsertParams | None, int] = (None, -1)
+
+    # ------------------------------------------------------------------ node data
+    def value_len(self, data: ComponentData) -> int:
+        return 0 if data.value is None else 1
+
+    def node_has_component_data(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> bool:
+        cd = node.data[_M]
+        assert cd is not None
+        return (cd.value if tier is Tier.DEVICE else cd.host_value) is not None
+
+    def state_slot(self, node: TreeNode) -> int | None:
+        """The pool slot of ``node``'s state, or ``None`` (no state on device)."""
+        return self._slot_of.get(node.id)
+
+    def _slot_value(self, slot: int) -> torch.Tensor:
+        v = self._values[slot]
+        if v is None:
+            v = self._ids[slot : slot + 1]
+            self._values[slot] = v
+        return v
+
+    def _caller_slot(self, t: object, what: str) -> int:
+        """The slot of a caller-held 1-element index tensor; typed error otherwise."""
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != torch.int64
+            or t.device != self.device
+            or t.numel() != 1
+        ):
+            raise InvalidIndicesError(
+                f"{what} must be a 1-element int64 tensor on {self.device}, got {t!r:.80}"
+            )
+        slot = int(t.item())
+        self.pool.check_held(slot, what)
+        return slot
+
+    # ------------------------------------------------------------------ match
+    def validate_match(self, params: MatchPrefixParams) -> None:
+        if not params.cow_mamba:
+            return
+        req = params.req
+        if req is None:
+            raise InvalidInputError("match_prefix with cow_mamba=True needs a request (req)")
+        if req.mamba_pool_idx is not None:
+            self._caller_slot(req.mamba_pool_idx, "req.mamba_pool_idx")
+
+    def create_match_validator(self, match_device_only: bool) -> MatchValidator | None:
+        # A boundary is valid only where a state exists: the request resumes from it.
+        return _has_state if match_device_only else _has_state_any_tier
+
+    def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
+        # Only the state the match ends on is used; ancestors' checkpoints keep their age.
+        if best_len:
+            self.lru.promote(path[best_len - 1])
+
+    def finalize_match_result(
+        self,
+        result: MatchResult,
+        params: MatchPrefixParams,
+        path: Sequence[TreeNode],
+        best_len: int,
+        visited_tokens: int,
+    ) -> MatchResult:
+        """Sets ``mamba_branching_seqlen`` and performs copy-on-write.
+
+        Branching: when the walk went past the best (stateful) node, cached KV continues
+        beyond the hit, so the request should snapshot its state at ``floor(visited /
+        chunk) * chunk`` (page-aligned too); the next request sharing that prefix then hits
+        there.  The value is also stored on ``params.req``.
+
+        Copy-on-write (``cow_mamba``): the request gets the matched state in its own slot
+        (``req.mamba_pool_idx``, allocated if missing -- evicting one state if the pool is
+        full, with the matched node locked meanwhile).  The node keeps its state.  If no
+        slot can be had (every state locked or held), the match degrades to a miss: a hit
+        without its state is useless to the request.
+        """
+        req = params.req
+        branching = None
+        if best_len < len(path):
+            branching = visited_tokens // self.chunk_size * self.chunk_size
+            branching -= branching % self.page_size
+            result = result._replace(mamba_branching_seqlen=branching)
+        if req is not None:
+            req.mamba_branching_seqlen = branching
+        if params.cow_mamba and best_len:
+            assert req is not None  # validate_match
+            node = result.last_device_node
+            src = self._slot_of.get(node.id)
+            if src is not None:
+                idx = req.mamba_pool_idx
+                if idx is None:
+                    dst = self._alloc_slot(node)
+                    if dst is None:
+                        root = self.cache.root
+                        empty = torch.empty(0, dtype=torch.int64, device=self.cache.device)
+                        return MatchResult(
+                            empty, root, root, root, mamba_branching_seqlen=branching
+                        )
+                    req.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
+                else:
+                    dst = int(idx.item())
+                self.pool.copy(src, dst)
+        return result
+
+    def _alloc_slot(self, protect: TreeNode | None) -> int | None:
+        """A caller-held slot, evicting one unlocked state if the pool is full; ``None`` if
+        nothing can be evicted.  ``protect`` (the copy source) is locked during the eviction;
+        the lock is released with its receipt (SWA window locks need it)."""
+        pool = self.pool
+        slot = pool.alloc_slot()
+        if slot is not None or self.evictable_size == 0:
+            return slot
+        cache = self.cache
+        if protect is not None and protect.parent is not None:
+            receipt = cache.inc_lock_ref(protect)
+            try:
+                cache.evict(_EVICT_ONE)
+            finally:
+                cache.dec_lock_ref(protect, receipt.to_dec_params())
+        else:
+            cache.evict(_EVICT_ONE)
+        return pool.alloc_slot()
+
+    # ------------------------------------------------------------------ insert
+    def validate_insert(self, params: InsertParams, key_len: int) -> None:
+        mv = params.mamba_value
+        if mv is None:
+            return
+        slot = self._caller_slot(mv, "mamba_value")
+        if key_len % self.page_size:
+            # The insert would drop the unaligned tail and put the state at the wrong position.
+            raise InvalidInputError(
+                f"a Mamba state needs a page-aligned key: {key_len} tokens, page {self.page_size}"
+            )
+        self._pending = (params, slot)
+
+    def commit_insert_component_data(
+        self,
+        node: TreeNode,
+        is_new_leaf: bool,
+        params: InsertParams,
+        result: InsertResult,
+    ) -> TreeNode:
+        cd = node.data[_M]
+        assert cd is not None
+        if cd.value is not None:
+            # The node keeps its state; the caller still owns (and frees) its slot.
+            result.mamba_exist = True
+            self.lru.promote(node)
+            return node
+        mv = params.mamba_value
+        if mv is None:
+            return node
+        p, slot = self._pending
+        if p is not params:
+            slot = int(mv.item())
+        self._pending = (None, -1)
+        assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
+        cd.value = self._slot_value(slot)
+        self._slot_of[node.id] = slot
+        self.pool.adopt(slot)
+        self.lru.insert_mru(node)
+        self.evictable_size += 1
+        return node
+
+    # ------------------------------------------------------------------ split
+    def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
+        # The state belongs to the end of the key, which stays with ``child``; the new upper
+        # node starts with no state and no lock (``new_data``).  Nothing moves.
+        return None
+
+    # ------------------------------------------------------------------ eviction
+    def evict_request(self, params: EvictParams) -> int:
+        return params.mamba_num
+
+    def drive_eviction(self, params: EvictParams, tracker: EvictTracker) -> None:
+        target = params.mamba_num
+        lru = self.lru
+        cache = self.cache
+        while tracker[_M] < target:
+            node = lru.first_where(_unlocked)
+            if node is None:
+                return
+            if node.children:
+                # Internal: tombstone the state only (lowest priority: no cascade).
+                tracker[_M] += self.evict_component(node, Tier.DEVICE)
+            else:
+                # Leaf: the node goes with every component (or, if its Full data is
+                # locked, every unlocked lower-priority component's data).
+                cache.cascade_evict(node, self, tracker)
+
+    def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
+        assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
+        cd = node.data[_M]
+        assert cd is not None and cd.value is not None and cd.lock_ref == 0, (
+            f"evicting Mamba state of node {node.id}: {cd}"
+        )
+        cd.value = None
+        slot = self._slot_of.pop(node.id)
+        self.lru.remove(node)
+        self.pool.release_tree_slot(slot)
+        self.evictable_size -= 1
+        return 1
+
+    # ------------------------------------------------------------------ locks
+    def _may_lock(self, node: TreeNode, cd: ComponentData) -> bool:
+        # Lock ordering swa >= mamba: where SWA did not lock the node (an SWA tombstone), a
+        # Mamba lock would exceed it.  Skipping is safe: a request runs on its own copy of
+        # the state (copy-on-write), the tree's state is only a cache entry.
+        for ct in self._above:
+            hi = node.data[ct]
+            if hi is None or hi.lock_ref <= cd.lock_ref:
+                return False
+        return True
+
+    def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
+        cd = node.data[_M]
+        assert cd is not None
+        if cd.value is None or (self._above and not self._may_lock(node, cd)):
+            # Record the skip: state adopted later must not be "released" by this receipt.
+            result.skip_lock_node_ids.setdefault(ComponentType.MAMBA, set()).add(node.id)
+            return
+        if cd.lock_ref == 0:
+            self.evictable_size -= 1
+            self.protected_size += 1
+        cd.lock_ref += 1
+
+    def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        cd = node.data[_M]
+        assert cd is not None
+        if params is None:
+            # No receipt: release only what is there (a receipt is needed for exactness).
+            if cd.lock_ref == 0:
+                return
+        else:
+            # ``skip_swa``: an early release already dropped this receipt's Mamba lock.
+            if params.skip_swa and self._above:
+                return
+            skip = params.skip_lock_node_ids.get(ComponentType.MAMBA)
+            if skip is not None and node.id in skip:
+                return
+            if cd.lock_ref <= 0:
+                # Mamba releases first (components are released in reverse order), so
+                # raising here still leaves every lock count unchanged.
+                raise InvalidLockError(f"dec_lock_ref: Mamba state of node {node.id} is not locked")
+        cd.lock_ref -= 1
+        if cd.lock_ref == 0:
+            self.evictable_size += 1
+            self.protected_size -= 1
+
+    def release_lock_early(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        cd = node.data[_M]
+        assert cd is not None
+        if params is not None:
+            skip = params.skip_lock_node_ids.setdefault(ComponentType.MAMBA, set())
+            if params.skip_swa or node.id in skip:
+                return
+            # Shared with the receipt: the final release (and a repeated early one) skips it.
+            skip.add(node.id)
+        if cd.lock_ref == 0:
+            return
+        cd.lock_ref -= 1
+        if cd.lock_ref == 0:
+            self.evictable_size += 1
+            self.protected_size -= 1
+
+    # ------------------------------------------------------------------ request caching
+    def _request_slots(self, req: Req) -> list[int]:
+        """Every slot ``req`` holds (live state, then the ping-pong buffer)."""
+        slots: list[int] = []
+        if req.mamba_pool_idx is not None:
+            slots.append(int(req.mamba_pool_idx.item()))
+        buf = req.mamba_ping_pong_track_buffer
+        if buf is not None:
+            slots.extend(buf.tolist())
+        return slots
+
+    def validate_caching_req(self, req: Req, is_finished: bool) -> None:
+        seen: set[int] = set()
+        if req.mamba_pool_idx is not None:
+            seen.add(self._caller_slot(req.mamba_pool_idx, "req.mamba_pool_idx"))
+        buf = req.mamba_ping_pong_track_buffer
+        if buf is not None:
+            if (
+                not isinstance(buf, torch.Tensor)
+                or buf.dtype != torch.int64
+                or buf.device != self.device
+                or buf.dim() != 1
+                or buf.shape[0] == 0
+            ):
+                raise InvalidIndicesError(
+                    f"mamba_ping_pong_track_buffer must be a non-empty 1-D int64 tensor on "
+                    f"{self.device}, got {buf!r:.80}"
+                )
+            for slot in buf.tolist():
+                self.pool.check_held(slot, "ping-pong buffer slot")
+                if slot in seen:
+                    raise InvalidIndicesError(f"request {req.rid} holds Mamba slot {slot} twice")
+                seen.add(slot)
+            if not 0 <= req.mamba_next_track_idx < buf.shape[0]:
+                raise InvalidInputError(
+                    f"mamba_next_track_idx {req.mamba_next_track_idx} outside the buffer"
+                )
+        t = req.mamba_last_track_seqlen
+        if t is not None and t < 0:
+            raise InvalidInputError(f"mamba_last_track_seqlen must be >= 0, got {t}")
+
+    def _key_len(self, n_tokens: int) -> int:
+        # Tree tokens of ``n_tokens`` ids (EAGLE keys are bigrams, one shorter).
+        return n_tokens - 1 if self.is_eagle and n_tokens > 0 else n_tokens
+
+    def prepare_for_caching_req(
+        self, req: Req, params: InsertParams, token_len: int, is_finished: bool
+    ) -> int | None:
+        """Picks the state slot to insert (``params.mamba_value``) and the key length.
+
+        Ping-pong mode: returns ``t`` (the key is truncated to the last snapshot; ``None``
+        snapshot -> 0, nothing cached).  A finished request offers ``buffer[keep]``; an
+        unfinished one donates it (the buffer gets a fresh slot, evicting one state if
+        needed; no donation when no slot can be had or nothing will be inserted).
+        Otherwise the live state ``req.mamba_pool_idx`` (finished: itself; unfinished: a
+        fork) is offered when the key ends on a page boundary; no truncation.
+        """
+        ps = self.page_size
+        buf = req.mamba_ping_pong_track_buffer
+        if buf is not None:
+            t = req.mamba_last_track_seqlen
+            if t is None:
+                return 0
+            klen = self._key_len(t)
+            if t > token_len or klen % ps:
+                raise InvalidInputError(
+                    f"mamba_last_track_seqlen {t} must be <= {token_len} and page-aligned"
+                )
+            keep = (req.mamba_next_track_idx - 1) % buf.shape[0]
+            slot = int(buf[keep].item())
+            if is_finished:
+                params.mamba_value = torch.tensor([slot], dtype=torch.int64, device=self.device)
+            elif klen > 0 and t >= req.cache_protected_len:
+                fresh = self._alloc_slot(None)
+                if fresh is not None:
+                    buf[keep] = fresh
+                    params.mamba_value = torch.tensor([slot], dtype=torch.int64, device=self.device)
+            return t
+        idx = req.mamba_pool_idx
+        klen = self._key_len(token_len)
+        if idx is None or klen <= 0 or klen % ps:
+            return None
+        slot = int(idx.item())
+        if is_finished:
+            params.mamba_value = torch.tensor([slot], dtype=torch.int64, device=self.device)
+        else:
+            fork = self._alloc_slot(None)
+            if fork is not None:
+                self.pool.copy(slot, fork)
+                params.mamba_value = torch.tensor([fork], dtype=torch.int64, device=self.device)
+        return None
+
+    def cleanup_after_caching_req(
+        self,
+        req: Req,
+        is_finished: bool,
+        insert_result: InsertResult | None,
+        params: InsertParams | None,
+    ) -> None:
+        """Frees what the tree did not adopt.
+
+        The tree adopted ``params.mamba_value`` iff an insert ran and did not report
+        ``mamba_exist``.  Finished: every slot of the request but the adopted one is freed
+        and the request's Mamba fields are cleared.  Unfinished: a donated or forked slot
+        that was not adopted is freed; the snapshot position is reset.
+        """
+        mv = params.mamba_value if params is not None else None
+        adopted: int | None = None
+        offered: int | None = None
+        if mv is not None:
+            offered = int(mv.item())
+            if insert_result is not None and not insert_result.mamba_exist:
+                adopted = offered
+        pool = self.pool
+        if is_finished:
+            slots = self._request_slots(req)
+            if adopted is not None:
+                slots.remove(adopted)
+            if slots:
+                pool.free_slots(slots)
+            req.mamba_pool_idx = None
+            req.mamba_ping_pong_track_buffer = None
+            req.mamba_next_track_idx = 0
+        elif offered is not None and adopted is None:
+            pool.free_slots((offered,))
+        req.mamba_last_track_seqlen = None
+
+    # ------------------------------------------------------------------ request slots
+    def alloc_req_slot(self, req: Req) -> torch.Tensor:
+        """Give ``req`` its live-state slot (``req.mamba_pool_idx``) if it has none, evicting
+        one unlocked state if the pool is full.  Raises :class:`OutOfMemoryError`."""
+        if req.mamba_pool_idx is None:
+            slot = self._alloc_slot(None)
+            if slot is None:
+                raise OutOfMemoryError("no free Mamba slot and no evictable Mamba state")
+            req.mamba_pool_idx = torch.tensor(slot, dtype=torch.int64, device=self.device)
+        return req.mamba_pool_idx
+
+    def alloc_track_buffer(self, req: Req, size: int = 2) -> torch.Tensor:
+        """Give ``req`` a ping-pong tracking buffer of ``size`` fresh slots (replacing none:
+        it must have no buffer).  Raises :class:`OutOfMemoryError` (nothing taken)."""
+        if req.mamba_ping_pong_track_buffer is not None:
+            raise InvalidInputError(f"request {req.rid} already has a tracking buffer")
+        if size <= 0:
+            raise InvalidInputError(f"tracking buffer size must be positive, got {size}")
+        slots: list[int] = []
+        for _ in range(size):
+            slot = self._alloc_slot(None)
+            if slot is None:
+                self.pool.free_slots(slots)
+                raise OutOfMemoryError("no free Mamba slot for the tracking buffer")
+            slots.append(slot)
+        buf = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        req.mamba_ping_pong_track_buffer = buf
+        req.mamba_next_track_idx = 0
+        req.mamba_last_track_seqlen = None
+        return buf
+
+    def free_req_slots(self, req: Req) -> None:
+        """Free every Mamba slot ``req`` holds (an aborted request) and clear its fields.
+
+        Raises :class:`~urc.errors.TreeOwnedSlotError` / :class:`InvalidIndicesError` if one
+        of them is not the request's to free; nothing is freed then.
+        """
+        self.validate_caching_req(req, True)
+        slots = self._request_slots(req)
+        if slots:
+            self.pool.free_slots(slots)
+        req.mamba_pool_idx = None
+        req.mamba_ping_pong_track_buffer = None
+        req.mamba_next_track_idx = 0
+        req.mamba_last_track_seqlen = None
+
+    @staticmethod
+    def num_req_slots(req: Req) -> int:
+        """How many Mamba slots ``req`` holds (for pool conservation checks)."""
+        n = 0 if req.mamba_pool_idx is None else 1
+        buf = req.mamba_ping_pong_track_buffer
+        return n if buf is None else n + int(buf.shape[0])
+
+    # ------------------------------------------------------------------ pools and checks
+    def pool_capacity(self) -> int:
+        return self.pool.size
+
+    def pool_available(self) -> int:
+        return self.pool.available_size()
+
+    def check_node(self, node: TreeNode) -> None:
+        cd = node.data[_M]
+        full = node.data[_FULL]
+        assert cd is not None and full is not None
+        assert full.lock_ref >= cd.lock_ref, (
+            f"node {node.id}: Mamba lock {cd.lock_ref} exceeds Full lock {full.lock_ref}"
+        )
+        slot = self._slot_of.get(node.id)
+        if cd.value is None:
+            assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
+            assert node not in self.lru, f"node {node.id} without state is in the Mamba LRU"
+            assert slot is None, f"node {node.id} without state still maps to slot {slot}"
+            return
+        v = cd.value
+        assert v.dtype == torch.int64 and tuple(v.shape) == (1,), f"node {node.id}: {v!r}"
+        assert slot is not None and int(v.item()) == slot, (
+            f"node {node.id}: state value {v.tolist()} != recorded slot {slot}"
+        )
+        assert self.pool.is_tree_owned(slot), f"node {node.id}: slot {slot} not tree-owned"
+        assert node in self.lru, f"node {node.id} with state is not in the Mamba LRU"
+
+    def check_structures(self, nodes: Sequence[TreeNode]) -> None:
+        with_state = len([n for n in nodes if _has_state(n)])
+        assert len(self.lru) == with_state, f"Mamba LRU {len(self.lru)} != {with_state} states"
+        assert len(self._slot_of) == with_state, (
+            f"{len(self._slot_of)} recorded states != {with_state} nodes with state"
+        )
+        # Each state slot is on exactly one node (a split never duplicates state).
+        assert len(set(self._slot_of.values())) == with_state, "a Mamba slot is on two nodes"
+        owned = self.pool.num_tree_owned()
+        assert owned == with_state, f"pool has {owned} tree-owned slots, tree {with_state}"
+        self.pool.check_consistency()
+
+    def reset(self) -> None:
+        super().reset()
+        self.lru.clear()
+        self._slot_of.clear()
+        self._pending = (None, -1)

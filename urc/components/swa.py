@@ -1,0 +1,537 @@
+"""SWA: sliding-window-attention KV, with tombstones, window locks and tombstone recovery.
+
+A hybrid SWA model keeps, per token, Full KV (every token) and SWA KV (only the last
+``sliding_window_size`` tokens of a request are ever attended to).  The tree keeps Full
+indices on every node; the SWA value of a node is the translation of its Full value through
+the paired allocator (``urc.pools.swa``).  A node whose SWA data was evicted keeps its Full
+data: it is an SWA **tombstone** (``value is None``).
+
+Token ranges of one insert (key positions; ``b`` = ``swa_evicted_seqlen`` rounded up to a
+page, ``p`` = the insert's ``prefix_len``, ``n`` = the key length)::
+
+    [0, p)          existing nodes.  A tombstone among them is recovered from the incoming
+                    slots for its part at positions >= b (three cases, see
+                    ``update_component_on_insert_overlap``); below b the incoming slots are
+                    duplicates and the tree frees them (Full, and SWA if still mapped).
+    [p, max(p, b))  new leaf part below b: an SWA tombstone (split off as its own node).
+                    The request's SWA slots there were (or are now) freed via ``free_swa``.
+    [max(p, b), n)  new leaf part with SWA; capped to one page-aligned window ``cap``: if
+                    longer, split so that the leaf holds exactly ``cap`` tokens (both parts
+                    keep SWA).  A window lock on the leaf then pins ``cap`` SWA tokens while
+                    Full pins the whole path.
+
+Request ranges (token positions of a running request; ``s`` = ``req.swa_evicted_seqlen``,
+``c`` = ``cache_protected_len``)::
+
+    [0, c)          tree-owned (locked through ``last_node``); never freed by the request
+    [c, s)          request-owned; SWA freed by ``free_out_of_window_slots`` (Full kept)
+    [max(c, s), ..) request-owned; Full and SWA allocated
+
+Window lock (receipt = ``swa_uuid_for_lock`` + ``skip_lock_node_ids[SWA]`` +
+``swa_lock_epoch``): acquire walks up from the node, skipping tombstones (recorded), locking
+SWA until ``sliding_window_size`` tokens are locked, and stamps a uuid on the node that fills
+the window.  Release walks the same way and stops at the node carrying that uuid (a split
+moves the uuid to the upper part, which is the last node the lock covers).  A tombstone that
+is recovered while some request holds a lock across it gets a restore stamp newer than that
+lock's epoch, so the release skips it even if the node was split since (the skip set alone
+cannot name the split-off part).
+
+Eviction order: an LRU of nodes holding SWA.  Refresh policy: none on walk-down; on match end
+and insert end the nodes covering one window above the end node are refreshed (ancestor
+first), so old ancestors are tombstoned first and a recently used window stays intact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import count, islice
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from urc.components.base import EvictTracker, MatchValidator, TreeComponent
+from urc.errors import ConfigError, InvalidInputError, InvalidLockError
+from urc.lru import LRUList
+from urc.pools.swa import SWATokenSlotAllocator
+from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+    from urc.params import (
+        DecLockRefParams,
+        EvictParams,
+        IncLockRefResult,
+        InsertParams,
+        InsertResult,
+    )
+    from urc.req import Req
+
+__all__ = ["SWAComponent"]
+
+_FULL = 0
+_SWA = 1
+_UUID = "uuid"
+_RESTORED = "restored"
+# Candidates taken from the LRU end per scan while evicting (rescanned only if all locked).
+_EVICT_BATCH = 64
+
+
+class _SWALRU(LRUList):
+    """The LRU list plus a bounded peek at its oldest entries."""
+
+    __slots__ = ()
+
+    def oldest(self, n: int) -> list[TreeNode]:
+        """Up to ``n`` nodes from the least-recently-used end (a copy: safe to mutate)."""
+        return list(islice(self._od.values(), n))
+
+
+class SWAComponent(TreeComponent):
+    """Sliding-window KV (see the module docstring)."""
+
+    component_type = ComponentType.SWA
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        super().__init__(cache)
+        allocator = cache.pools.token_allocator
+        if not isinstance(allocator, SWATokenSlotAllocator):
+            raise ConfigError("SWA needs an SWATokenSlotAllocator as the token allocator")
+        window = cache.config.sliding_window_size
+        if window is None or window <= 0:
+            raise ConfigError(f"SWA needs sliding_window_size > 0, got {window}")
+        self.allocator = allocator
+        self.window = window
+        ps = cache.page_size
+        self.page_size = ps
+        # Longest SWA span a new leaf keeps: one window, rounded up to whole pages.
+        self.leaf_cap = -(-window // ps) * ps
+        self.lru = _SWALRU()
+        self._od = self.lru._od
+        self._uuids = count(1)
+        # Bumped on every recovery of a Full-locked tombstone (see the module docstring).
+        self._epoch = 0
+
+    def value_len(self, data: ComponentData) -> int:
+        v = data.value
+        return 0 if v is None else v.shape[0]
+
+    def _boundary(self, params: InsertParams) -> int:
+        """``swa_evicted_seqlen`` rounded up to a page: below it there is no SWA data (a
+        partly freed page has no usable SWA page)."""
+        ps = self.page_size
+        return -(-params.swa_evicted_seqlen // ps) * ps
+
+    # ------------------------------------------------------------------ match
+    def create_match_validator(self, match_device_only: bool) -> MatchValidator:
+        window = self.window
+        # Contiguous SWA tokens above (and including) the current node.  Starts satisfied:
+        # a path from the root without tombstones is always a valid boundary.
+        acc = window
+
+        def validate(node: TreeNode) -> bool:
+            nonlocal acc
+            if node.data[_SWA].value is None:  # type: ignore[union-attr]
+                acc = 0
+                return False
+            acc += node.key_len
+            return acc >= window
+
+        return validate
+
+    def _refresh(self, node: TreeNode) -> None:
+        """Move the nodes covering one window above ``node`` (inclusive) to the MRU end,
+        ancestors first; tombstones count toward the window but are not in the list."""
+        window = self.window
+        od = self._od
+        if node.key_len >= window:
+            if node.data[_SWA].value is not None:  # type: ignore[union-attr]
+                od.move_to_end(node.id)
+            return
+        chain: list[TreeNode] = []
+        acc = 0
+        while node.parent is not None and acc < window:
+            if node.data[_SWA].value is not None:  # type: ignore[union-attr]
+                chain.append(node)
+            acc += node.key_len
+            node = node.parent
+        for n in reversed(chain):
+            od.move_to_end(n.id)
+
+    def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
+        if best_len:
+            self._refresh(path[best_len - 1])
+
+    def on_insert_end(self, path: Sequence[TreeNode]) -> None:
+        if path:
+            self._refresh(path[-1])
+
+    # ------------------------------------------------------------------ insert
+    def validate_insert(self, params: InsertParams, key_len: int) -> None:
+        s = params.swa_evicted_seqlen
+        # An EAGLE key is one shorter than the request's token ids.
+        limit = key_len + 1 if self.cache.is_eagle else key_len
+        if not 0 <= s <= limit:
+            raise InvalidInputError(f"swa_evicted_seqlen must be in [0, {limit}], got {s}")
+
+    def _add_swa(self, node: TreeNode) -> None:
+        """Give ``node`` the SWA translation of its Full value (its Full slots map SWA)."""
+        full = node.data[_FULL].value  # type: ignore[union-attr]
+        cd = node.data[_SWA]
+        assert full is not None and cd is not None and cd.value is None
+        cd.value = self.allocator.translate(full)
+        self.evictable_size += node.key_len
+        self._od[node.id] = node
+
+    def commit_insert_component_data(
+        self,
+        node: TreeNode,
+        is_new_leaf: bool,
+        params: InsertParams,
+        result: InsertResult,
+    ) -> TreeNode:
+        if not is_new_leaf:
+            return node
+        cut = self._boundary(params) - result.prefix_len
+        if cut > 0:
+            cache = self.cache
+            if cut >= node.key_len:
+                # Entirely below the boundary: a tombstone leaf that lives on its Full value.
+                self.allocator.free_swa(node.data[_FULL].value)  # type: ignore[union-attr,arg-type]
+                return node
+            upper = cache.split_node(node, cut)
+            self.allocator.free_swa(upper.data[_FULL].value)  # type: ignore[union-attr,arg-type]
+        self._add_swa(node)
+        excess = node.key_len - self.leaf_cap
+        if excess > 0:
+            # The upper part keeps SWA too; only the leaf is what a window lock pins.
+            self.cache.split_node(node, excess)
+        return node
+
+    def update_component_on_insert_overlap(
+        self,
+        node: TreeNode,
+        prefix_len: int,
+        total_prefix_len: int,
+        value_slice: torch.Tensor,
+        params: InsertParams,
+    ) -> int:
+        """Recover an SWA tombstone from the incoming slots where they are in the window.
+
+        With ``start = b - total_prefix_len`` (``b``: the insert's SWA boundary):
+        (1) ``start <= 0``: the whole node is in the window: recover it all;
+        (2) ``0 < start < prefix_len``: split at ``start``; the upper part stays a
+        tombstone, the lower part is recovered;
+        (3) ``start >= prefix_len``: the node is outside the window: nothing to do.
+        Only when every incoming slot is request-owned (``prev_prefix_len <=
+        total_prefix_len``) and still maps SWA.  Recovery of a node whose Full value is
+        unlocked adopts the incoming slots as its Full value (freeing the old ones); when
+        Full is locked its indices stay and only the SWA pages move onto them.
+        """
+        cd = node.data[_SWA]
+        assert cd is not None
+        if cd.value is not None or params.prev_prefix_len > total_prefix_len:
+            return prefix_len
+        start = self._boundary(params) - total_prefix_len
+        if start >= prefix_len:
+            return prefix_len
+        start = max(start, 0)
+        fresh = value_slice[start:] if start else value_slice
+        if not self.allocator.swa_mapped(fresh):
+            return prefix_len
+        if start:
+            self.cache.split_node(node, start)
+        full = node.data[_FULL]
+        assert full is not None and full.value is not None
+        if full.lock_ref == 0:
+            old = full.value
+            full.value = fresh.clone()
+            # ``old`` maps no SWA (cleared when it was tombstoned): this frees Full only.
+            self.allocator.free(old)
+            self._add_swa(node)
+            return start
+        # Full is locked: its indices are in use and must not change.  Move the SWA pages
+        # onto them; the tree then frees the incoming Full slots as duplicates.
+        self.allocator.move_swa(full.value, fresh)
+        self._epoch += 1
+        md = cd.metadata
+        if md is None:
+            md = cd.metadata = {}
+        md[_RESTORED] = self._epoch
+        self._add_swa(node)
+        return prefix_len
+
+    def recover_after_unevict(
+        self, node: TreeNode, total_prefix_len: int, params: InsertParams
+    ) -> None:
+        """A host-only node got fresh Full slots: it gets SWA when it lies wholly in the
+        window and the slots still map SWA; otherwise it stays a tombstone and the SWA pages
+        of the fresh slots are released."""
+        full = node.data[_FULL].value  # type: ignore[union-attr]
+        assert full is not None
+        if self._boundary(params) <= total_prefix_len and self.allocator.swa_mapped(full):
+            self._add_swa(node)
+        else:
+            self.allocator.free_swa(full)
+
+    # ------------------------------------------------------------------ split
+    def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
+        c = child.data[_SWA]
+        p = new_parent.data[_SWA]
+        assert c is not None and p is not None
+        k = new_parent.key_len
+        v = c.value
+        if v is not None:
+            p.value = v[:k]
+            c.value = v[k:]
+            # Parent before child in eviction order: ancestors are tombstoned first.
+            od = self._od
+            od[new_parent.id] = new_parent
+            od.move_to_end(child.id)
+        hv = c.host_value
+        if hv is not None:
+            p.host_value = hv[:k]
+            c.host_value = hv[k:]
+        p.lock_ref = c.lock_ref
+        p.host_lock_ref = c.host_lock_ref
+        md = c.metadata
+        if md:
+            pm: dict[str, Any] = {}
+            # The window-lock boundary is the top of the locked span: the upper part.
+            if _UUID in md:
+                pm[_UUID] = md.pop(_UUID)
+            if _RESTORED in md:
+                pm[_RESTORED] = md[_RESTORED]
+            if pm:
+                p.metadata = pm
+
+    # ------------------------------------------------------------------ eviction
+    def eviction_priority(self, is_leaf: bool) -> int:
+        return 0 if is_leaf else 1
+
+    def evict_request(self, params: EvictParams) -> int:
+        return params.swa_num_tokens
+
+    def drive_eviction(self, params: EvictParams, tracker: EvictTracker) -> None:
+        """Tombstone (internal node) or delete (leaf) nodes from the LRU end, skipping locked
+        ones, until ``swa_num_tokens`` are freed."""
+        target = params.swa_num_tokens
+        od = self._od
+        cache = self.cache
+        batch = _EVICT_BATCH
+        while tracker[_SWA] < target:
+            candidates = self.lru.oldest(batch)
+            progressed = False
+            for node in candidates:
+                if tracker[_SWA] >= target:
+                    return
+                cd = node.data[_SWA]
+                # Gone or tombstoned by an earlier cascade in this batch, or locked.
+                if node.id not in od or cd.lock_ref:  # type: ignore[union-attr]
+                    continue
+                cache.cascade_evict(node, self, tracker)
+                progressed = True
+            if not progressed:
+                if len(candidates) < batch:
+                    return
+                batch *= 2
+
+    def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
+        assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
+        cd = node.data[_SWA]
+        assert cd is not None
+        value = cd.value
+        assert value is not None and cd.lock_ref == 0, (
+            f"evicting SWA of node {node.id}: value={value is not None} lock={cd.lock_ref}"
+        )
+        full = node.data[_FULL].value  # type: ignore[union-attr]
+        assert full is not None, f"node {node.id} has SWA without Full"
+        # Frees the SWA pages and clears the map, so no later free can hit a reused page.
+        self.allocator.free_swa(full)
+        cd.value = None
+        del self._od[node.id]
+        n = int(value.shape[0])
+        self.evictable_size -= n
+        return n
+
+    # ------------------------------------------------------------------ locks
+    def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
+        window = self.window
+        acc = 0
+        delta = 0
+        skipped: set[int] | None = None
+        while node.parent is not None:
+            cd = node.data[_SWA]
+            assert cd is not None
+            if cd.value is None:
+                if skipped is None:
+                    skipped = result.skip_lock_node_ids.setdefault(ComponentType.SWA, set())
+                skipped.add(node.id)
+            else:
+                if cd.lock_ref == 0:
+                    delta += node.key_len
+                cd.lock_ref += 1
+                acc += node.key_len
+                if acc >= window:
+                    md = cd.metadata
+                    if md is None:
+                        md = cd.metadata = {}
+                    uuid = md.get(_UUID)
+                    if uuid is None:
+                        uuid = md[_UUID] = next(self._uuids)
+                    result.swa_uuid_for_lock = uuid
+                    break
+            node = node.parent
+        result.swa_lock_epoch = self._epoch
+        self.evictable_size -= delta
+        self.protected_size += delta
+
+    @staticmethod
+    def _receipt(
+        params: DecLockRefParams | None,
+    ) -> tuple[int | None, set[int] | None, int | None]:
+        """(uuid, skipped node ids, epoch) of a receipt (all ``None`` without one)."""
+        if params is None:
+            return None, None, None
+        return (
+            params.swa_uuid_for_lock,
+            params.skip_lock_node_ids.get(ComponentType.SWA),
+            params.swa_lock_epoch,
+        )
+
+    # A node was locked by a receipt (uuid, skip, epoch) iff it holds SWA, was not skipped at
+    # acquire, and was not recovered after the acquire (restore stamp newer than the epoch).
+    # Both walks below inline that test: they run on every unlock.
+
+    def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        """Raise :class:`InvalidLockError` unless releasing ``params`` from ``node`` walks
+        locked nodes only and ends at the receipt's boundary (or, for a lock that reached
+        the root without filling the window, at the root)."""
+        if params is not None and params.skip_swa:
+            return
+        uuid, skip, epoch = self._receipt(params)
+        window = self.window
+        acc = 0
+        while node.parent is not None:
+            cd = node.data[_SWA]
+            assert cd is not None
+            md = cd.metadata
+            if (
+                cd.value is not None
+                and (skip is None or node.id not in skip)
+                and (epoch is None or md is None or md.get(_RESTORED, 0) <= epoch)
+            ):
+                if cd.lock_ref <= 0:
+                    raise InvalidLockError(f"SWA release on node {node.id}, which is not locked")
+                if uuid is None:
+                    acc += node.key_len
+                    if acc >= window:
+                        # Acquire would have stamped a boundary here: the receipt is missing.
+                        raise InvalidLockError(
+                            "SWA release without the lock's swa_uuid_for_lock receipt"
+                        )
+                elif md is not None and md.get(_UUID) == uuid:
+                    return
+            node = node.parent
+        if uuid is not None:
+            raise InvalidLockError(
+                f"SWA lock receipt {uuid} does not name a window boundary on this path"
+            )
+
+    def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        """Undo the window lock of receipt ``params`` (``check_release`` already passed)."""
+        if params is not None and params.skip_swa:
+            return
+        uuid, skip, epoch = self._receipt(params)
+        delta = 0
+        while node.parent is not None:
+            cd = node.data[_SWA]
+            assert cd is not None
+            md = cd.metadata
+            if (
+                cd.value is not None
+                and (skip is None or node.id not in skip)
+                and (epoch is None or md is None or md.get(_RESTORED, 0) <= epoch)
+            ):
+                assert cd.lock_ref > 0, f"SWA release on unlocked node {node.id}"
+                cd.lock_ref -= 1
+                if cd.lock_ref == 0:
+                    delta += node.key_len
+                if uuid is not None and md is not None and md.get(_UUID) == uuid:
+                    break
+            node = node.parent
+        self.evictable_size += delta
+        self.protected_size -= delta
+
+    # ------------------------------------------------------------------ request caching
+    def prepare_for_caching_req(
+        self, req: Req, params: InsertParams, token_len: int, is_finished: bool
+    ) -> int | None:
+        params.swa_evicted_seqlen = min(req.swa_evicted_seqlen, token_len)
+        return None
+
+    def free_out_of_window_slots(self, req: Req, pre_len: int) -> int:
+        """Free the SWA slots of ``req``'s own tokens that slid out of the window.
+
+        ``pre_len``: the request's sequence length so far.  Frees the SWA side of
+        ``req_to_token[row, start:new)`` with ``start = max(swa_evicted_seqlen,
+        cache_protected_len)`` (below ``cache_protected_len`` the slots are the tree's) and
+        ``new = floor_page(pre_len - max(window, page_size))``, then sets
+        ``req.swa_evicted_seqlen = new``.  Returns the SWA tokens freed.
+        """
+        row = req.req_pool_idx
+        if row is None:
+            raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
+        ps = self.page_size
+        start = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        new = pre_len - max(self.window, ps)
+        new -= new % ps
+        if new <= start:
+            return 0
+        slots = self.cache.req_to_token_pool.read(row, start, new)
+        freed = self.allocator.free_swa(slots)
+        req.swa_evicted_seqlen = new
+        return freed
+
+    # ------------------------------------------------------------------ pools and checks
+    def pool_capacity(self) -> int:
+        return self.allocator.swa_size
+
+    def pool_available(self) -> int:
+        return self.allocator.swa_available_size()
+
+    def check_node(self, node: TreeNode) -> None:
+        cd = node.data[_SWA]
+        full = node.data[_FULL]
+        assert cd is not None and full is not None
+        if cd.value is not None:
+            assert cd.value.shape[0] == node.key_len, (
+                f"node {node.id}: SWA value len {cd.value.shape[0]} != key len {node.key_len}"
+            )
+            assert node.id in self._od, f"node {node.id} holds SWA but is not in the SWA LRU"
+            assert full.value is not None
+            assert torch.equal(cd.value, self.allocator.translate(full.value)), (
+                f"node {node.id}: SWA value is not the translation of its Full value"
+            )
+            assert int(cd.value.min()) >= 0, f"node {node.id}: SWA value has unmapped slots"
+        else:
+            assert cd.lock_ref == 0, f"node {node.id}: SWA tombstone with lock {cd.lock_ref}"
+            assert node.id not in self._od, f"SWA tombstone {node.id} is in the SWA LRU"
+            if full.value is not None:
+                assert self.allocator.num_swa_mapped(full.value) == 0, (
+                    f"SWA tombstone {node.id} still maps SWA pages (leak)"
+                )
+
+    def check_structures(self, nodes: Sequence[TreeNode]) -> None:
+        with_swa = 0
+        for n in nodes:
+            cd = n.data[_SWA]
+            assert cd is not None
+            if cd.value is not None:
+                with_swa += 1
+        assert len(self._od) == with_swa, (
+            f"SWA LRU holds {len(self._od)} nodes, {with_swa} nodes hold SWA"
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.lru.clear()
