@@ -492,35 +492,30 @@ async def test_close_drains_queued_commands() -> None:
 
 async def scenario_actor_failure() -> None:
     with anyio.fail_after(TIMEOUT):
-        outcomes: list[BaseException | int] = []
+        outcomes: list[BaseException] = []
 
-        def boom(cache: UnifiedRadixCache) -> None:
-            raise AssertionError("invariant broken (injected)")
+        def fail_on_first_match(cmd: Command, result: Any, error: BaseException | None) -> None:
+            if isinstance(cmd, Match):
+                raise AssertionError("invariant broken (injected)")
 
-        async with AsyncUnifiedRadixCache(small_config(), max_queued=2) as svc:
-
-            async def failing() -> None:
-                with pytest.raises(ServiceFailedError) as info:
-                    await svc.call(boom)
-                assert isinstance(info.value.__cause__, AssertionError)
+        config = small_config()
+        async with AsyncUnifiedRadixCache(config, max_queued=2, trace=fail_on_first_match) as svc:
 
             async def waiter() -> None:
                 try:
-                    outcomes.append((await svc.match([1, 2])).prefix_len)
+                    await svc.match([1, 2])
                 except ServiceFailedError as exc:
-                    assert isinstance(exc.__cause__, AssertionError)
                     outcomes.append(exc)
 
             async with anyio.create_task_group() as tg:
-                tg.start_soon(failing)
                 for _ in range(10):  # more than max_queued: some wait to send
                     tg.start_soon(waiter)
             assert svc.state is ServiceState.FAILED
             assert isinstance(svc.failure, AssertionError)
             with pytest.raises(ServiceFailedError):
                 await svc.stats()
-        assert len(outcomes) == 10
-        assert any(isinstance(o, ServiceFailedError) for o in outcomes)
+        assert len(outcomes) == 10  # the failing caller, the queued, the blocked, the late
+        assert all(isinstance(o.__cause__, AssertionError) for o in outcomes)
 
 
 @pytest.mark.asyncio

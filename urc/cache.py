@@ -400,7 +400,7 @@ class UnifiedRadixCache:
         for a, b in free_ranges:
             # A copy: the allocator keeps what it is given, and the caller may overwrite its
             # tensor (cache_unfinished_req rewrites the req_to_token row it passed).
-            self._free_full(value[a:b].clone())
+            self._free_full(value[a:b])
         prefix_len = pos
         if pos < n:
             self.counters.inserted_tokens += n - pos
@@ -637,7 +637,7 @@ class UnifiedRadixCache:
                 result = self.insert(params)
             keep = max(aligned, protected)
         if keep < allocated:
-            self._free_full(kv[keep:allocated].clone())
+            self._free_full(kv[keep:allocated])
         self._release_req_lock(req)
         for c in self._cleanup_hooks:
             c.cleanup_after_caching_req(req, True, result, params)

@@ -123,7 +123,8 @@ class TokenSlotAllocator:
         except IndexError:
             raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
         state[host] = 0
-        self._released.append(pages)
+        # Keep our own copy: the caller's tensor may be a view it later overwrites.
+        self._released.append(pages.clone() if pages is indices else pages)
         self._num_free_pages += pages.shape[0]
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
