@@ -188,10 +188,10 @@ def run_phases(
     ep = EvictParams(num_tokens=per_call)
     while cache.total_size() > 0:
         t0 = clock()
-        r = cache.evict(ep)
+        er = cache.evict(ep)
         lat.append(clock() - t0)
-        freed += r.num_tokens_evicted
-        if r.num_tokens_evicted == 0:
+        freed += er.num_tokens_evicted
+        if er.num_tokens_evicted == 0:
             break
     evict = _phase(lat, freed)
     cache.sanity_check()
@@ -258,9 +258,9 @@ def run_scaling(
         ep = EvictParams(num_tokens=chunk_len)
         for _ in range(samples):
             t0 = clock()
-            r = cache.evict(ep)
+            er = cache.evict(ep)
             ev_time += clock() - t0
-            ev_tokens += r.num_tokens_evicted
+            ev_tokens += er.num_tokens_evicted
         out[str(size)] = {
             "insert_us": round(statistics.median(ins) * 1e6, 2),
             "match_us": round(statistics.median(mat) * 1e6, 2),
