@@ -21,8 +21,8 @@ from urc import (
     RadixKey,
     UnifiedRadixCache,
     build_cache,
+    tiering,
 )
-from urc import tiering
 from urc.tiers import WritePolicy
 
 FULL = ComponentType.FULL
