@@ -43,6 +43,7 @@ from urc.params import (
 )
 from urc.req import Req
 from urc.stats import CacheCounters, CacheStats, ComponentStats
+from urc.tiers import HostTier, WritePolicy
 from urc.tree import NUM_COMPONENT_TYPES, ComponentData, ComponentType, Tier, TreeNode
 
 __all__ = ["UnifiedRadixCache"]
@@ -74,6 +75,13 @@ class UnifiedRadixCache:
         self.num_nodes = 0
         self._clock = 0
         self.counters = CacheCounters()
+        # HiCache (``attach_host_tier``): nodes may then live on device, host, or both.
+        self.host_tier: HostTier | None = None
+        self.write_policy: WritePolicy | None = None
+        self._backup_threshold: int | None = None
+        # Nodes whose hit count reached the write-through threshold, waiting for a backup.
+        self.pending_backups: dict[int, TreeNode] = {}
+        self.backups_in_flight: set[int] = set()
         self.components: list[TreeComponent] = [
             component_class(ct)(self) for ct in config.components
         ]
@@ -234,14 +242,25 @@ class UnifiedRadixCache:
         if n == 0:
             return self._result_at_root()
         validators: list[MatchValidator] = []
+        host_validators: list[MatchValidator] | None = None
         for c in self._validating:
             v = c.create_match_validator(True)
             if v is not None:
                 validators.append(v)
+        tiered = self.host_tier is not None
+        if tiered:
+            host_validators = []
+            for c in self._validating:
+                v = c.create_match_validator(False)
+                if v is not None:
+                    host_validators.append(v)
+        threshold = self._backup_threshold
         path: list[TreeNode] = []
         node = root
         pos = 0
         best = 0
+        best_any = 0
+        on_device = True
         clock = self._clock
         ns = params.key.extra_key
         ck = self._first_key(tokens, 0)
@@ -259,19 +278,33 @@ class UnifiedRadixCache:
                 if m == 0:
                     break
                 child = self.split_node(child, m)
-            if child.data[_FULL].value is None:  # type: ignore[union-attr]
-                break
+            fcd = child.data[_FULL]
+            assert fcd is not None
+            if fcd.value is None:
+                if not tiered or fcd.host_value is None:
+                    break
+                on_device = False  # the device hit ends above the first host-only node
             clock += 1
             child.last_access_time = clock
             child.hit_count += 1
+            if threshold is not None and child.hit_count >= threshold:
+                self._note_hit(child)
             path.append(child)
             pos += m
-            ok = True
-            for validate in validators:
-                if not validate(child):
-                    ok = False
-            if ok:
-                best = len(path)
+            if on_device:
+                ok = True
+                for validate in validators:
+                    if not validate(child):
+                        ok = False
+                if ok:
+                    best = len(path)
+            if host_validators is not None:
+                ok = True
+                for validate in host_validators:
+                    if not validate(child):
+                        ok = False
+                if ok:
+                    best_any = len(path)
             if m < klen or pos >= n:
                 break
             node = child
@@ -286,6 +319,14 @@ class UnifiedRadixCache:
             last = path[best - 1]
             values = [p.data[_FULL].value for p in path[:best]]  # type: ignore[union-attr]
             result = MatchResult(torch.cat(values), last, last, last)  # type: ignore[arg-type]
+        if best_any > best:
+            host_node = path[best_any - 1]
+            host_len = 0
+            for p in path[best:best_any]:
+                host_len += p.key_len
+            result = result._replace(
+                last_host_node=host_node, best_match_node=host_node, host_hit_length=host_len
+            )
         for c in self._match_end_hooks:
             c.on_match_end(path, best)
         for c in self._finalize_hooks:
@@ -370,6 +411,8 @@ class UnifiedRadixCache:
                 child.priority = priority
             if not params.chunked:
                 child.hit_count += 1
+                if self._backup_threshold is not None:
+                    self._note_hit(child)
             fcd = child.data[_FULL]
             assert fcd is not None
             if fcd.value is None:
@@ -405,6 +448,10 @@ class UnifiedRadixCache:
         if pos < n:
             self.counters.inserted_tokens += n - pos
             target = self._add_leaf(node, tokens[pos:], value[pos:n].clone(), ns, priority)
+            if not params.chunked:
+                target.hit_count = 1
+                if self._backup_threshold is not None:
+                    self._note_hit(target)
             path.append(target)
             is_new_leaf = True
         else:
@@ -451,13 +498,41 @@ class UnifiedRadixCache:
                 evicted[k] = evicted.get(k, 0) + n
         return EvictResult(tracker[0], tracker[1], tracker[2])
 
-    def evict_device_leaf(self, node: TreeNode, tracker: list[int]) -> None:
-        """Evict every component's device data of the leaf ``node`` and delete it (and any
-        ancestors left with no data).  Caller checked that nothing on it is locked."""
+    def evict_device_leaf(self, node: TreeNode, tracker: list[int]) -> bool:
+        """Evict every component's device data of the device leaf ``node``.
+
+        Without a host copy the node is deleted (and any ancestors left with no data); with
+        one it is demoted to a host-only node.  Under write-back a node without a host copy is
+        backed up first; if that fails (host full), nothing happens and False is returned.
+        Caller checked that nothing on it is locked.
+        """
+        fcd = node.data[_FULL]
+        assert fcd is not None
+        if self.host_tier is not None and fcd.host_value is None:
+            if self.write_policy is WritePolicy.WRITE_BACK:
+                from urc.tiering import write_backup
+
+                if not write_backup(self, node):
+                    return False
+            elif node.children:
+                return False  # host-only children need this node's structure: keep it
         for c in self._components_rev:
             if c.node_has_component_data(node):
                 tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
-        self._drop_if_empty(node, tracker)
+        if fcd.host_value is not None:
+            self._demoted(node)
+            return True
+        self.drop_if_empty(node, tracker)
+        return True
+
+    def _demoted(self, node: TreeNode) -> None:
+        """``node`` just lost its device data but keeps its host copy."""
+        if not node.children:
+            self.full.note_host_leaf(node)
+        parent = node.parent
+        assert parent is not None
+        if not parent.in_heap and self.full.is_device_leaf(parent):
+            self.full.note_leaf(parent)
 
     def cascade_evict(self, node: TreeNode, trigger: TreeComponent, tracker: list[int]) -> None:
         """Evict ``trigger``'s device data on ``node`` and, by priority, the data of every
@@ -466,8 +541,9 @@ class UnifiedRadixCache:
         lower-priority data is a bug (assertion)."""
         is_leaf = not node.children
         if is_leaf and not node.data[_FULL].lock_ref:  # type: ignore[union-attr]
-            self.evict_device_leaf(node, tracker)
-            return
+            if self.evict_device_leaf(node, tracker):
+                return
+            is_leaf = False  # it could not go (write-back with a full host): tombstone it
         trigger_prio = trigger.eviction_priority(False)
         p = trigger.eviction_priority(is_leaf)
         for c in reversed(self.components):
@@ -482,9 +558,9 @@ class UnifiedRadixCache:
                 )
                 continue
             tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
-        self._drop_if_empty(node, tracker)
+        self.drop_if_empty(node, tracker)
 
-    def _drop_if_empty(self, node: TreeNode, tracker: list[int]) -> None:
+    def drop_if_empty(self, node: TreeNode, tracker: list[int]) -> None:
         """Delete ``node`` and then each ancestor that is left childless with no data on any
         tier; a childless ancestor that still has Full on device becomes an evictable leaf."""
         full = self.full
@@ -496,6 +572,8 @@ class UnifiedRadixCache:
                     full.note_leaf(node)
                 return
             if cd.host_value is not None:
+                if not node.in_host_heap and self.full.is_host_leaf(node):
+                    self.full.note_host_leaf(node)
                 return
             assert cd.lock_ref == 0, f"node {node.id} without data is locked ({cd.lock_ref})"
             for c in reversed(self.components):
@@ -506,6 +584,68 @@ class UnifiedRadixCache:
             node = parent
         if node.parent is not None and not node.in_heap and full.is_device_leaf(node):
             full.note_leaf(node)
+
+    # ================================================================== host tier (HiCache)
+    def attach_host_tier(self, tier: HostTier, policy: WritePolicy) -> None:
+        """Give the cache a host tier: from now on device leaves with a host copy are demoted
+        instead of deleted, matches report host hits, and ``policy`` decides backups."""
+        self.host_tier = tier
+        self.write_policy = policy
+        self._backup_threshold = policy.hit_threshold
+
+    def _note_hit(self, node: TreeNode) -> None:
+        threshold = self._backup_threshold
+        cd = node.data[_FULL]
+        if (
+            threshold is not None
+            and node.hit_count >= threshold
+            and cd is not None
+            and cd.host_value is None
+            and cd.value is not None
+        ):
+            self.pending_backups[node.id] = node
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        """Back ``node`` up to host now (with its ancestors that lack a copy); returns the
+        tokens backed up, 0 when impossible.  (``write_back`` is accepted for SGLang.)"""
+        from urc.tiering import write_backup
+
+        return write_backup(self, node)
+
+    def load_back(self, node: TreeNode, threshold: int = 0) -> int:
+        """Load the host-only part of the path to ``node`` to device now; returns tokens
+        loaded (0 when below ``threshold`` or no device memory could be found)."""
+        from urc.tiering import load_back
+
+        return load_back(self, node, threshold)
+
+    def evict_host(
+        self, num_tokens: int, component_type: ComponentType = ComponentType.FULL
+    ) -> int:
+        """Free host-only leaves (no host lock), oldest first; returns Full tokens freed."""
+        from urc.tiering import evict_host
+
+        return evict_host(self, num_tokens)
+
+    def evict_host_leaf(self, node: TreeNode, tracker: list[int]) -> None:
+        """Free every host copy of the host-only leaf ``node`` and delete it."""
+        from urc.tiering import evict_host_leaf
+
+        evict_host_leaf(self, node, tracker)
+
+    def inc_host_lock_ref(self, node: TreeNode) -> None:
+        """Pin ``node``'s host copy against host eviction."""
+        from urc.tiering import host_lock
+
+        if node.parent is not None:
+            host_lock(self, node, 1)
+
+    def dec_host_lock_ref(self, node: TreeNode) -> None:
+        """Release :meth:`inc_host_lock_ref` (``InvalidLockError`` if not host-locked)."""
+        from urc.tiering import host_lock
+
+        if node.parent is not None:
+            host_lock(self, node, -1)
 
     # ================================================================== locks
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
@@ -777,6 +917,19 @@ class UnifiedRadixCache:
             )
             for c in self.components
         )
+        if self.host_tier is not None:
+            comps += tuple(
+                ComponentStats(
+                    component=c.component_type,
+                    tier=Tier.HOST,
+                    unit=c.unit,
+                    evictable=c.host_evictable_size,
+                    protected=c.host_protected_size,
+                    capacity=c.host_capacity(),
+                    available=c.host_available(),
+                )
+                for c in self.components
+            )
         k = self.counters
         return CacheStats(
             components=comps,
@@ -845,6 +998,8 @@ class UnifiedRadixCache:
         assert len(nodes) == self.num_nodes, f"{len(nodes)} nodes, counter {self.num_nodes}"
         evictable = [0] * NUM_COMPONENT_TYPES
         protected = [0] * NUM_COMPONENT_TYPES
+        host_evictable = [0] * NUM_COMPONENT_TYPES
+        host_protected = [0] * NUM_COMPONENT_TYPES
         for node in nodes:
             parent = node.parent
             assert parent is not None and not node.deleted, f"node {node.id} detached"
@@ -855,9 +1010,18 @@ class UnifiedRadixCache:
             assert node.key_len % self.page_size == 0, f"node {node.id} len {node.key_len}"
             full = node.data[_FULL]
             assert full is not None
-            assert full.value is not None or full.host_value is not None or node.children, (
-                f"node {node.id} holds no Full data on any tier and has no children"
+            assert full.value is not None or full.host_value is not None, (
+                f"node {node.id} holds no Full data on any tier"
             )
+            if (
+                full.host_value is not None
+                and parent.parent is not None
+                and self.write_policy is not WritePolicy.WRITE_BACK
+            ):
+                pfull = parent.data[_FULL]
+                assert pfull is not None and pfull.host_value is not None, (
+                    f"node {node.id} has a host copy but its parent {parent.id} does not"
+                )
             prev_lock = None
             for c in self.components:
                 cd = node.data[c.component_type]
@@ -879,21 +1043,38 @@ class UnifiedRadixCache:
                     protected[c.component_type] += n
                 else:
                     evictable[c.component_type] += n
+                h = c.host_len(cd)
+                if cd.host_lock_ref:
+                    host_protected[c.component_type] += h
+                else:
+                    host_evictable[c.component_type] += h
         for c in self.components:
             ct = c.component_type
             assert (c.evictable_size, c.protected_size) == (evictable[ct], protected[ct]), (
                 f"{ct.name} sizes: counters evictable={c.evictable_size} "
                 f"protected={c.protected_size}, recomputed {evictable[ct]}/{protected[ct]}"
             )
+            host = (c.host_evictable_size, c.host_protected_size)
+            assert host == (host_evictable[ct], host_protected[ct]), (
+                f"{ct.name} host sizes: counters {host}, recomputed "
+                f"{host_evictable[ct]}/{host_protected[ct]}"
+            )
             c.check_structures(nodes)
         check = getattr(self.token_to_kv_pool_allocator, "check_consistency", None)
         if check is not None:
             check()
 
-    def check_pools(self, held: Mapping[ComponentType, int] | None = None) -> None:
+    def check_pools(
+        self,
+        held: Mapping[ComponentType, int] | None = None,
+        host_held: Mapping[ComponentType, int] | None = None,
+    ) -> None:
         """Assert ``free + evictable + protected + held == capacity`` for every component's
-        pool (``held``: units owned by live requests, in each component's unit)."""
+        device pool, and its host pool when a host tier is attached (``held`` /
+        ``host_held``: units owned outside the tree -- live requests, transfers in flight --
+        in each component's unit)."""
         held = held or {}
+        host_held = host_held or {}
         for c in self.components:
             ct = c.component_type
             total = c.pool_available() + c.evictable_size + c.protected_size + held.get(ct, 0)
@@ -901,6 +1082,15 @@ class UnifiedRadixCache:
                 f"{ct.name} pool: free {c.pool_available()} + evictable {c.evictable_size} + "
                 f"protected {c.protected_size} + held {held.get(ct, 0)} = {total} "
                 f"!= capacity {c.pool_capacity()}"
+            )
+            if self.host_tier is None:
+                continue
+            h = host_held.get(ct, 0)
+            total = c.host_available() + c.host_evictable_size + c.host_protected_size + h
+            assert total == c.host_capacity(), (
+                f"{ct.name} host pool: free {c.host_available()} + evictable "
+                f"{c.host_evictable_size} + protected {c.host_protected_size} + held {h} = "
+                f"{total} != capacity {c.host_capacity()}"
             )
 
     def pretty_print(self) -> str:

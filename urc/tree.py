@@ -79,6 +79,7 @@ class TreeNode:
         "hit_count",
         "id",
         "in_heap",
+        "in_host_heap",
         "key",
         "key_len",
         "last_access_time",
@@ -107,6 +108,7 @@ class TreeNode:
         self.priority = 0
         self.id = next(_ids)
         self.in_heap = False
+        self.in_host_heap = False
         self.deleted = False
         self.hash_value: list[str] | None = None
 

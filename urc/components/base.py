@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         MatchResult,
     )
     from urc.req import Req
+    from urc.tiers import TransferItem
 
 __all__ = ["EvictTracker", "MatchValidator", "TreeComponent"]
 
@@ -55,6 +56,9 @@ class TreeComponent(ABC):
         # Device sizes in this component's unit: data on unlocked / locked nodes.
         self.evictable_size = 0
         self.protected_size = 0
+        # Host sizes: host copies without / with a host lock.
+        self.host_evictable_size = 0
+        self.host_protected_size = 0
 
     # ------------------------------------------------------------------ node data
     def new_data(self) -> ComponentData:
@@ -222,6 +226,127 @@ class TreeComponent(ABC):
     ) -> None:
         """Release request-owned resources the tree did not take (after the insert)."""
 
+    # ------------------------------------------------------------------ host tier (HiCache)
+    def host_len(self, data: ComponentData) -> int:
+        """Size of ``data``'s host copy in this component's unit (0 when there is none)."""
+        hv = data.host_value
+        return 0 if hv is None else int(hv.shape[0])
+
+    def backup_source(self, node: TreeNode) -> torch.Tensor | None:
+        """Device slots (in this component's own pool) to copy to host when ``node`` is
+        backed up, or ``None`` when there is nothing to back up.  Default: the device value,
+        if it has no host copy yet."""
+        cd = node.data[self.component_type]
+        assert cd is not None
+        return cd.value if cd.host_value is None else None
+
+    def commit_backup(self, pieces: Sequence[TreeNode], host: torch.Tensor) -> None:
+        """The copy of ``backup_source`` finished: attach ``host`` to ``pieces`` (the node,
+        possibly split since the backup started; top-down).  Default for per-token data:
+        slice by piece length; a piece that lost its device data or already has a host copy
+        gets none (its host slots are freed)."""
+        tier = self.cache.host_tier
+        assert tier is not None
+        ct = self.component_type
+        pos = 0
+        for piece in pieces:
+            cd = piece.data[ct]
+            assert cd is not None
+            n = piece.key_len
+            part = host[pos : pos + n]
+            pos += n
+            if cd.value is None or cd.host_value is not None:
+                tier.host_free(ct, part)
+                continue
+            cd.host_value = part
+            self._add_host(cd, n)
+
+    def _add_host(self, cd: ComponentData, n: int) -> None:
+        if cd.host_lock_ref:
+            self.host_protected_size += n
+        else:
+            self.host_evictable_size += n
+
+    def load_target(self, node: TreeNode, full_device: torch.Tensor) -> TransferItem | None:
+        """The copy that restores ``node``'s data on load-back: host slots to read and device
+        slots to fill (allocate them here if this component has a pool of its own), or
+        ``None`` when there is nothing to load.  ``full_device`` are the Full slots reserved
+        for the node.  Default: per-token data addressed by Full slots."""
+        from urc.tiers import TransferItem
+
+        cd = node.data[self.component_type]
+        assert cd is not None
+        if cd.host_value is None or cd.value is not None:
+            return None
+        return TransferItem(self.component_type, full_device, cd.host_value)
+
+    def commit_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
+        """The load-back copy into ``device`` finished: it becomes the device value of
+        ``pieces`` (the node, possibly split since; top-down).  Default for per-token data:
+        slice by piece length; a piece that got device data meanwhile keeps it."""
+        pos = 0
+        for piece in pieces:
+            cd = piece.data[self.component_type]
+            assert cd is not None
+            n = piece.key_len
+            part = device[pos : pos + n]
+            pos += n
+            if cd.value is not None:
+                self.release_load_slots(part)
+                continue
+            cd.value = part
+            if cd.lock_ref:
+                self.protected_size += self.value_len(cd)
+            else:
+                self.evictable_size += self.value_len(cd)
+
+    def abort_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
+        """A load-back was dropped: free the slots ``load_target`` reserved."""
+        self.release_load_slots(device)
+
+    def release_load_slots(self, device: torch.Tensor) -> None:
+        """Free load-back slots that will not be used (Full frees its token slots)."""
+
+    def host_lock(self, node: TreeNode, delta: int) -> None:
+        """Add ``delta`` (+1/-1) to ``node``'s host lock, moving host sizes accordingly."""
+        cd = node.data[self.component_type]
+        assert cd is not None
+        before = cd.host_lock_ref
+        cd.host_lock_ref = before + delta
+        assert cd.host_lock_ref >= 0, f"node {node.id} host lock below zero"
+        n = self.host_len(cd)
+        if before == 0 and delta > 0:
+            self.host_evictable_size -= n
+            self.host_protected_size += n
+        elif cd.host_lock_ref == 0 and delta < 0:
+            self.host_evictable_size += n
+            self.host_protected_size -= n
+
+    def evict_host(self, node: TreeNode) -> int:
+        """Free ``node``'s host copy of this component (it must not be host-locked)."""
+        cd = node.data[self.component_type]
+        assert cd is not None and cd.host_value is not None and cd.host_lock_ref == 0
+        tier = self.cache.host_tier
+        assert tier is not None
+        n = self.host_len(cd)
+        tier.host_free(self.component_type, cd.host_value)
+        cd.host_value = None
+        self.host_evictable_size -= n
+        return n
+
+    def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
+        """This component's device data buffers as ``(tensor, slot dim)`` pairs, for a host
+        mirror (``None``: no data to mirror)."""
+        return None
+
+    def host_capacity(self) -> int:
+        tier = self.cache.host_tier
+        return 0 if tier is None else tier.host_capacity(self.component_type)
+
+    def host_available(self) -> int:
+        tier = self.cache.host_tier
+        return 0 if tier is None else tier.host_available(self.component_type)
+
     # ------------------------------------------------------------------ pools and checks
     def pool_capacity(self) -> int:
         """Capacity of this component's device pool, in its unit."""
@@ -241,3 +366,5 @@ class TreeComponent(ABC):
         """Forget all eviction structures (the tree is being cleared)."""
         self.evictable_size = 0
         self.protected_size = 0
+        self.host_evictable_size = 0
+        self.host_protected_size = 0

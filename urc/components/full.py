@@ -23,6 +23,8 @@ from urc.errors import InvalidLockError
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
+    import torch
+
     from urc.cache import UnifiedRadixCache
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
 
@@ -51,6 +53,8 @@ class FullComponent(TreeComponent):
         self.allocator = cache.pools.token_allocator
         self._key = _policy_key(cache.config.eviction_policy)
         self._heap: list[tuple[Any, int, TreeNode]] = []
+        # Host-only leaves (HiCache), same lazy rules with ``node.in_host_heap``.
+        self._host_heap: list[tuple[Any, int, TreeNode]] = []
 
     def value_len(self, data: ComponentData) -> int:
         v = data.value
@@ -103,17 +107,55 @@ class FullComponent(TreeComponent):
         heap = self._heap
         key = self._key
         cache = self.cache
+        skipped: dict[int, TreeNode] = {}
         while tracker[_FULL] < target and heap:
             k, nid, node = heapq.heappop(heap)
             node.in_heap = False
-            if not self.is_device_leaf(node):
+            if nid in skipped or not self.is_device_leaf(node):
                 continue
             nk = key(node)
             if nk != k:
                 node.in_heap = True
                 heapq.heappush(heap, (nk, nid, node))
                 continue
-            cache.evict_device_leaf(node, tracker)
+            if not cache.evict_device_leaf(node, tracker):
+                skipped[nid] = node  # could not be demoted (host full): keep it this call
+        for node in skipped.values():
+            if self.is_device_leaf(node):
+                self.note_leaf(node)
+
+    # ------------------------------------------------------------------ host eviction
+    def note_host_leaf(self, node: TreeNode) -> None:
+        """Make sure ``node`` (which may have become an evictable host leaf) has an entry."""
+        if not node.in_host_heap:
+            node.in_host_heap = True
+            heapq.heappush(self._host_heap, (self._key(node), node.id, node))
+
+    def is_host_leaf(self, node: TreeNode) -> bool:
+        """A childless node with Full data only on host and no host lock on any component."""
+        if node.deleted or node.parent is None or node.children:
+            return False
+        cd = node.data[_FULL]
+        assert cd is not None
+        if cd.value is not None or cd.host_value is None:
+            return False
+        return not any(d is not None and d.host_lock_ref for d in node.data)
+
+    def drive_host_eviction(self, num_tokens: int, tracker: EvictTracker) -> None:
+        """Free host-only leaves, oldest first, until ``tracker[FULL] >= num_tokens``."""
+        heap = self._host_heap
+        key = self._key
+        while tracker[_FULL] < num_tokens and heap:
+            k, nid, node = heapq.heappop(heap)
+            node.in_host_heap = False
+            if not self.is_host_leaf(node):
+                continue
+            nk = key(node)
+            if nk != k:
+                node.in_host_heap = True
+                heapq.heappush(heap, (nk, nid, node))
+                continue
+            self.cache.evict_host_leaf(node, tracker)
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
@@ -133,6 +175,13 @@ class FullComponent(TreeComponent):
         """Current evictable leaves, next victim first (for tests; O(n log n))."""
         live = [e for e in self._heap if self.is_device_leaf(e[2])]
         return [e[2] for e in sorted(live, key=lambda e: (self._key(e[2]), e[1]))]
+
+    def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
+        kv = self.cache.pools.kv_pool
+        return None if kv is None else kv.slot_buffers()
+
+    def release_load_slots(self, device: torch.Tensor) -> None:
+        self.cache.free_full(device)
 
     # ------------------------------------------------------------------ locks
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
@@ -225,12 +274,22 @@ class FullComponent(TreeComponent):
                 )
         else:
             assert cd.lock_ref == 0, f"node {node.id}: Full tombstone with lock {cd.lock_ref}"
+        if cd.host_value is not None:
+            assert cd.host_value.shape[0] == node.key_len, (
+                f"node {node.id}: Full host value len {cd.host_value.shape[0]} != {node.key_len}"
+            )
 
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
         for node in nodes:
-            if self.is_device_leaf(node):
+            d_leaf = self.is_device_leaf(node)
+            h_leaf = self.is_host_leaf(node)
+            assert not (d_leaf and h_leaf), f"node {node.id} is both a device and a host leaf"
+            if d_leaf:
                 assert node.in_heap, f"evictable leaf {node.id} is not in the eviction heap"
+            if h_leaf:
+                assert node.in_host_heap, f"host leaf {node.id} is not in the host heap"
 
     def reset(self) -> None:
         super().reset()
         self._heap = []
+        self._host_heap = []

@@ -1,0 +1,306 @@
+"""HiCache orchestration inside the core: backups, load-backs and host eviction.
+
+Functions over a :class:`~urc.cache.UnifiedRadixCache` with a host tier attached; the cache
+exposes them as methods (``write_backup``, ``load_back``, ``evict_host``, ...).  Transfers are
+two-phase (see :mod:`urc.tiers`): ``start_*`` and ``finish_*`` run where the tree is owned (the
+actor), ``copy_*`` only moves bytes and may run in a worker thread.
+
+Pins, so that nothing in flight is ever freed::
+
+    backup     device data of the chain pinned by a Full lock on its lowest node, from
+               start_backup until finish_backup; the reserved host slots belong to the ticket
+    load-back  the Full host copies of the host-only nodes pinned by host locks, and their
+               first device ancestor by a Full lock, from start_load_back until
+               finish_load_back; the reserved device slots belong to the ticket
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from urc.errors import InvalidLockError
+from urc.params import EvictParams
+from urc.tiers import BackupTicket, LoadTicket, TransferItem
+from urc.tree import NUM_COMPONENT_TYPES, ComponentType, Tier, TreeNode
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+
+__all__ = [
+    "copy_backup",
+    "copy_load_back",
+    "evict_host",
+    "finish_backup",
+    "finish_load_back",
+    "load_back",
+    "start_backup",
+    "start_load_back",
+    "take_pending_backups",
+    "write_backup",
+]
+
+_FULL = 0
+
+
+def pieces_of(node: TreeNode, length: int) -> list[TreeNode]:
+    """The nodes that now cover the span ``node`` had when it was ``length`` long (top-down).
+
+    Splits keep the original node object as the lowest piece, so the span is ``node`` plus
+    the ancestors that were split off above it.
+    """
+    pieces = [node]
+    total = node.key_len
+    while total < length:
+        parent = node.parent
+        assert parent is not None and parent.parent is not None, f"span of {node.id} lost"
+        node = parent
+        pieces.append(node)
+        total += node.key_len
+    assert total == length, f"pieces of node {pieces[0].id} cover {total} != {length}"
+    pieces.reverse()
+    return pieces
+
+
+def _host_alloc(cache: UnifiedRadixCache, ct: ComponentType, n: int) -> torch.Tensor | None:
+    """Reserve ``n`` host units of ``ct``, evicting host-only leaves if needed."""
+    tier = cache.host_tier
+    assert tier is not None
+    while tier.host_available(ct) < n:
+        if evict_host(cache, n - tier.host_available(ct)) == 0:
+            break
+    return tier.host_alloc(ct, n)
+
+
+# ---------------------------------------------------------------------- backup
+def take_pending_backups(cache: UnifiedRadixCache, limit: int) -> list[TreeNode]:
+    """Up to ``limit`` nodes due for backup that still need one (removed from the queue)."""
+    out: list[TreeNode] = []
+    pending = cache.pending_backups
+    while pending and len(out) < limit:
+        _, node = pending.popitem()
+        cd = node.data[_FULL]
+        assert cd is not None
+        if not node.deleted and cd.value is not None and cd.host_value is None:
+            out.append(node)
+    return out
+
+
+def start_backup(cache: UnifiedRadixCache, node: TreeNode) -> BackupTicket | None:
+    """Reserve host slots for ``node`` and every ancestor without a host copy (parents are
+    backed up before children) and pin them on device.
+
+    Returns ``None`` when nothing needs backing up, an ancestor's backup is still in flight
+    (try again after it finishes), or the host tier is full even after host eviction.
+    """
+    if node.deleted or node.parent is None:
+        return None
+    in_flight = cache.backups_in_flight
+    chain: list[TreeNode] = []
+    walk = node
+    while walk.parent is not None:
+        cd = walk.data[_FULL]
+        assert cd is not None
+        if cd.host_value is not None:
+            break
+        if walk.id in in_flight or cd.value is None:
+            return None
+        chain.append(walk)
+        walk = walk.parent
+    if not chain:
+        return None
+    chain.reverse()
+    receipt = cache.inc_lock_ref(chain[-1])  # pin the chain's device data during the copy
+    items: list[tuple[int, TransferItem]] = []
+    for i, n in enumerate(chain):
+        for c in cache.components:
+            src = c.backup_source(n)
+            if src is None or src.shape[0] == 0:
+                continue
+            host = _host_alloc(cache, c.component_type, int(src.shape[0]))
+            if host is None:
+                tier = cache.host_tier
+                assert tier is not None
+                for _, item in items:
+                    tier.host_free(item.component, item.host)
+                cache.dec_lock_ref(chain[-1], receipt.to_dec_params())
+                return None
+            items.append((i, TransferItem(c.component_type, src, host)))
+    for n in chain:
+        in_flight.add(n.id)
+    tokens = sum(n.key_len for n in chain)
+    return BackupTicket(chain, [n.key_len for n in chain], items, receipt, tokens)
+
+
+def copy_backup(cache: UnifiedRadixCache, ticket: BackupTicket) -> None:
+    """Copy the ticket's device bytes to host (no tree access: safe in a worker thread)."""
+    tier = cache.host_tier
+    assert tier is not None
+    for _, item in ticket.items:
+        tier.backup(item.component, item.device, item.host)
+
+
+def finish_backup(cache: UnifiedRadixCache, ticket: BackupTicket, ok: bool = True) -> int:
+    """Commit (``ok``) or drop the ticket's host copies and unpin; returns tokens backed up."""
+    tier = cache.host_tier
+    assert tier is not None
+    for i, item in ticket.items:
+        if ok:
+            pieces = pieces_of(ticket.nodes[i], ticket.lengths[i])
+            cache.component(item.component).commit_backup(pieces, item.host)
+        else:
+            tier.host_free(item.component, item.host)
+    for n in ticket.nodes:
+        cache.backups_in_flight.discard(n.id)
+    cache.dec_lock_ref(ticket.nodes[-1], ticket.receipt.to_dec_params())
+    if not ok:
+        return 0
+    cache.counters.backed_up_tokens += ticket.tokens
+    return ticket.tokens
+
+
+def write_backup(cache: UnifiedRadixCache, node: TreeNode) -> int:
+    """Back ``node`` (and its ancestors without a host copy) up synchronously; returns the
+    tokens backed up (0 when impossible)."""
+    ticket = start_backup(cache, node)
+    if ticket is None:
+        return 0
+    copy_backup(cache, ticket)
+    return finish_backup(cache, ticket)
+
+
+# ---------------------------------------------------------------------- load-back
+def start_load_back(
+    cache: UnifiedRadixCache, node: TreeNode, threshold: int = 0
+) -> LoadTicket | None:
+    """Reserve device slots for the host-only nodes from ``node`` up to the first node on
+    device, and pin them (host copies) and that anchor (device).
+
+    Returns ``None`` when there is nothing to load, fewer than ``threshold`` tokens, or device
+    memory cannot be found even after evicting unlocked device data.
+    """
+    nodes: list[TreeNode] = []
+    walk = node
+    while walk.parent is not None:
+        cd = walk.data[_FULL]
+        assert cd is not None
+        if cd.value is not None:
+            break
+        if cd.host_value is None:
+            return None
+        nodes.append(walk)
+        walk = walk.parent
+    if not nodes:
+        return None
+    nodes.reverse()
+    tokens = sum(n.key_len for n in nodes)
+    if tokens < max(threshold, 1):
+        return None
+    full = cache.full
+    for n in nodes:
+        full.host_lock(n, 1)
+    anchor = walk
+    receipt = cache.inc_lock_ref(anchor)
+    alloc = cache.token_to_kv_pool_allocator
+    device = alloc.alloc(tokens)
+    if device is None:
+        cache.evict(EvictParams(num_tokens=tokens - alloc.available_size()))
+        device = alloc.alloc(tokens)
+    if device is None:
+        for n in nodes:
+            full.host_lock(n, -1)
+        cache.dec_lock_ref(anchor, receipt.to_dec_params())
+        return None
+    items: list[tuple[int, TransferItem]] = []
+    pos = 0
+    for i, n in enumerate(nodes):
+        part = device[pos : pos + n.key_len]
+        pos += n.key_len
+        for c in cache.components:
+            item = c.load_target(n, part)
+            if item is not None:
+                items.append((i, item))
+    return LoadTicket(nodes, [n.key_len for n in nodes], items, anchor, receipt, device, tokens)
+
+
+def copy_load_back(cache: UnifiedRadixCache, ticket: LoadTicket) -> None:
+    """Copy the ticket's host bytes to device (no tree access: safe in a worker thread)."""
+    tier = cache.host_tier
+    assert tier is not None
+    for _, item in ticket.items:
+        tier.load(item.component, item.host, item.device)
+
+
+def finish_load_back(cache: UnifiedRadixCache, ticket: LoadTicket, ok: bool = True) -> int:
+    """Commit (``ok``) or drop the loaded device slots, unpin; returns tokens loaded."""
+    full = cache.full
+    for i, item in ticket.items:
+        comp = cache.component(item.component)
+        pieces = pieces_of(ticket.nodes[i], ticket.lengths[i])
+        if ok:
+            comp.commit_load(pieces, item.device)
+        else:
+            comp.abort_load(pieces, item.device)
+    for i, n in enumerate(ticket.nodes):
+        for piece in pieces_of(n, ticket.lengths[i]):
+            full.host_lock(piece, -1)
+    cache.dec_lock_ref(ticket.anchor, ticket.anchor_receipt.to_dec_params())
+    bottom = ticket.nodes[-1]
+    if not bottom.in_heap and full.is_device_leaf(bottom):
+        full.note_leaf(bottom)
+    if not ok:
+        return 0
+    cache.counters.loaded_back_tokens += ticket.tokens
+    return ticket.tokens
+
+
+def load_back(cache: UnifiedRadixCache, node: TreeNode, threshold: int = 0) -> int:
+    """Load the host-only part of the path to ``node`` back to device synchronously; returns
+    the tokens loaded (0 when skipped)."""
+    ticket = start_load_back(cache, node, threshold)
+    if ticket is None:
+        return 0
+    copy_load_back(cache, ticket)
+    return finish_load_back(cache, ticket)
+
+
+# ---------------------------------------------------------------------- host eviction
+def evict_host(cache: UnifiedRadixCache, num_tokens: int) -> int:
+    """Free host-only leaves without host locks, oldest first, cascading to ancestors left
+    empty, until ``num_tokens`` Full host tokens are freed; returns the tokens freed."""
+    if num_tokens <= 0:
+        return 0
+    tracker = [0] * NUM_COMPONENT_TYPES
+    cache.full.drive_host_eviction(num_tokens, tracker)
+    evicted = cache.counters.evicted
+    for c in cache.components:
+        n = tracker[c.component_type]
+        if n:
+            key = (c.component_type, Tier.HOST)
+            evicted[key] = evicted.get(key, 0) + n
+    return tracker[_FULL]
+
+
+def evict_host_leaf(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]) -> None:
+    """Free every host copy of the host-only leaf ``node`` and delete it."""
+    for c in cache.components:
+        cd = node.data[c.component_type]
+        assert cd is not None
+        if cd.host_value is not None:
+            tracker[c.component_type] += c.evict_host(node)
+    parent = node.parent
+    assert parent is not None
+    cache.delete_leaf(node)
+    cache.drop_if_empty(parent, tracker)
+
+
+def host_lock(cache: UnifiedRadixCache, node: TreeNode, delta: int) -> None:
+    """Add ``delta`` to ``node``'s Full host lock (pins its host copy against eviction)."""
+    cd = node.data[_FULL]
+    assert cd is not None
+    if delta < 0 and cd.host_lock_ref + delta < 0:
+        raise InvalidLockError(f"dec_host_lock_ref on node {node.id}, which is not host-locked")
+    cache.full.host_lock(node, delta)
+    if delta < 0 and not node.in_host_heap and cache.full.is_host_leaf(node):
+        cache.full.note_host_leaf(node)
