@@ -187,7 +187,7 @@ def test_host_eviction_never_frees_a_host_copy_pinned_by_a_load_in_flight() -> N
     assert cache.evict_host(1000) == 0  # pinned
     cache.evict(EvictParams(num_tokens=1000))  # device eviction while the load runs
     check(cache, held=8)
-    tiering.copy_load_back(cache, ticket)
+    tiering.copy_load_back(cache.host_tier, ticket)  # type: ignore[arg-type]
     assert tiering.finish_load_back(cache, ticket) == 8
     check(cache)
     assert match(cache, tokens).device_indices.shape[0] == 8
@@ -203,7 +203,7 @@ def test_a_backup_in_flight_survives_a_split_and_device_eviction() -> None:
     check(cache, host_held=8)
     match(cache, tokens[:4])  # splits the node being copied
     assert cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0  # pinned
-    tiering.copy_backup(cache, ticket)
+    tiering.copy_backup(cache.host_tier, ticket)  # type: ignore[arg-type]
     assert tiering.finish_backup(cache, ticket) == 8
     check(cache)
     upper = match(cache, tokens[:4]).last_device_node

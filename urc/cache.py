@@ -14,7 +14,7 @@ Not thread-safe: one owner mutates it (the async service's actor task, or a sche
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +82,8 @@ class UnifiedRadixCache:
         # Nodes whose hit count reached the write-through threshold, waiting for a backup.
         self.pending_backups: dict[int, TreeNode] = {}
         self.backups_in_flight: set[int] = set()
+        # Called (from the tree's owner) when a node becomes due for backup.
+        self.backup_listener: Callable[[], None] | None = None
         self.components: list[TreeComponent] = [
             component_class(ct)(self) for ct in config.components
         ]
@@ -604,6 +606,8 @@ class UnifiedRadixCache:
             and cd.value is not None
         ):
             self.pending_backups[node.id] = node
+            if self.backup_listener is not None:
+                self.backup_listener()
 
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
         """Back ``node`` up to host now (with its ancestors that lack a copy); returns the

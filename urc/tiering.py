@@ -22,7 +22,7 @@ import torch
 
 from urc.errors import InvalidLockError
 from urc.params import EvictParams
-from urc.tiers import BackupTicket, LoadTicket, TransferItem
+from urc.tiers import BackupTicket, HostTier, LoadTicket, TransferItem
 from urc.tree import NUM_COMPONENT_TYPES, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -133,10 +133,8 @@ def start_backup(cache: UnifiedRadixCache, node: TreeNode) -> BackupTicket | Non
     return BackupTicket(chain, [n.key_len for n in chain], items, receipt, tokens)
 
 
-def copy_backup(cache: UnifiedRadixCache, ticket: BackupTicket) -> None:
+def copy_backup(tier: HostTier, ticket: BackupTicket) -> None:
     """Copy the ticket's device bytes to host (no tree access: safe in a worker thread)."""
-    tier = cache.host_tier
-    assert tier is not None
     for _, item in ticket.items:
         tier.backup(item.component, item.device, item.host)
 
@@ -166,7 +164,8 @@ def write_backup(cache: UnifiedRadixCache, node: TreeNode) -> int:
     ticket = start_backup(cache, node)
     if ticket is None:
         return 0
-    copy_backup(cache, ticket)
+    assert cache.host_tier is not None
+    copy_backup(cache.host_tier, ticket)
     return finish_backup(cache, ticket)
 
 
@@ -224,10 +223,8 @@ def start_load_back(
     return LoadTicket(nodes, [n.key_len for n in nodes], items, anchor, receipt, device, tokens)
 
 
-def copy_load_back(cache: UnifiedRadixCache, ticket: LoadTicket) -> None:
+def copy_load_back(tier: HostTier, ticket: LoadTicket) -> None:
     """Copy the ticket's host bytes to device (no tree access: safe in a worker thread)."""
-    tier = cache.host_tier
-    assert tier is not None
     for _, item in ticket.items:
         tier.load(item.component, item.host, item.device)
 
@@ -261,7 +258,8 @@ def load_back(cache: UnifiedRadixCache, node: TreeNode, threshold: int = 0) -> i
     ticket = start_load_back(cache, node, threshold)
     if ticket is None:
         return 0
-    copy_load_back(cache, ticket)
+    assert cache.host_tier is not None
+    copy_load_back(cache.host_tier, ticket)
     return finish_load_back(cache, ticket)
 
 

@@ -1,0 +1,201 @@
+"""``HiCacheController``: the background coroutines of the host tier, inside the async service.
+
+It is a background worker of :class:`~urc.service.AsyncUnifiedRadixCache` and talks to the tree
+only through ``svc.call`` (a command applied by the actor).  Byte copies run in worker threads
+(``anyio.to_thread``) so the event loop never blocks on a copy.
+
+- **backup**: woken when nodes become due (write-through policies); takes a batch, reserves
+  host slots and pins the nodes (actor), copies (thread), commits ``host_value`` (actor).
+- **host eviction**: woken after backups commit; keeps host usage at or below the high
+  watermark by evicting down to the low watermark (host-only leaves without host locks,
+  oldest first).
+- **load-back**: on demand (:meth:`load_back`), for a match whose hit continues on host.
+
+Every transfer is atomic with respect to cancellation: once slots are reserved, the copy and
+the commit (or the abort) run shielded, so a cancelled caller or a closing service never
+leaves pinned nodes or reserved slots behind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
+
+from hicache.config import HiCacheConfig
+from hicache.tier import HostMemoryTier
+from urc import tiering
+from urc.cache import UnifiedRadixCache
+from urc.key import RadixKey
+from urc.observer import ServiceObserver, TransferKind
+from urc.params import MatchPrefixParams
+from urc.tiers import BackupTicket, LoadTicket
+from urc.tree import ComponentType
+
+if TYPE_CHECKING:
+    from urc.service import AsyncUnifiedRadixCache
+
+__all__ = ["HiCacheController"]
+
+T = TypeVar("T")
+
+
+class HiCacheController:
+    """Backup, host eviction and load-back for one cache (see the module docstring).
+
+    Build it after :func:`~hicache.tier.attach_hicache` and pass it to the service as a
+    worker: ``AsyncUnifiedRadixCache(cache, workers=[controller])``.
+    """
+
+    def __init__(
+        self,
+        cache: UnifiedRadixCache,
+        tier: HostMemoryTier,
+        config: HiCacheConfig,
+        observer: ServiceObserver | None = None,
+    ) -> None:
+        self.cache = cache
+        self.tier = tier
+        self.config = config
+        self.observer = observer
+        self._backup_due = anyio.Event()
+        self._host_pressure = anyio.Event()
+        self._limiter = anyio.CapacityLimiter(config.max_in_flight)
+        self.in_flight = 0
+        self.backed_up_tokens = 0
+        self.loaded_back_tokens = 0
+        cache.backup_listener = self._backup_due.set
+
+    # ------------------------------------------------------------------ worker entry point
+    async def run(self, svc: AsyncUnifiedRadixCache) -> None:
+        """The background coroutines; runs until cancelled (by the service's close)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._backup_loop, svc)
+            tg.start_soon(self._host_eviction_loop, svc)
+
+    async def _backup_loop(self, svc: AsyncUnifiedRadixCache) -> None:
+        while True:
+            await self._backup_due.wait()
+            self._backup_due = anyio.Event()
+            self.cache.backup_listener = self._backup_due.set
+            while await self._backup_batch(svc):
+                pass
+
+    async def _backup_batch(self, svc: AsyncUnifiedRadixCache) -> bool:
+        """Back up one batch of due nodes; False when there was nothing to start."""
+        batch = self.config.backup_batch
+
+        def start(cache: UnifiedRadixCache) -> list[BackupTicket]:
+            tickets = []
+            retry = []
+            for node in tiering.take_pending_backups(cache, batch):
+                ticket = tiering.start_backup(cache, node)
+                if ticket is not None:
+                    tickets.append(ticket)
+                elif node.id not in cache.backups_in_flight and not node.deleted:
+                    cd = node.data[0]
+                    if cd is not None and cd.host_value is None and cd.value is not None:
+                        retry.append(node)  # an ancestor is in flight, or the host is full
+            # Nodes that could not start wait for the next wake-up (no busy loop).
+            for node in retry:
+                cache.pending_backups[node.id] = node
+            return tickets
+
+        tickets = await svc.call(start)
+        if not tickets:
+            return False
+        with anyio.CancelScope(shield=True):
+            await self._transfer(
+                svc, tickets, tiering.copy_backup, tiering.finish_backup, TransferKind.BACKUP
+            )
+        self._host_pressure.set()
+        if self.cache.pending_backups:
+            self._backup_due.set()
+        return True
+
+    async def _transfer(
+        self,
+        svc: AsyncUnifiedRadixCache,
+        tickets: list[T],
+        copy: Callable[[HostMemoryTier, T], None],
+        finish: Callable[[UnifiedRadixCache, T, bool], int],
+        kind: TransferKind,
+    ) -> int:
+        """Copy every ticket in a thread, then commit them (or abort them if a copy failed)."""
+        tier = self.tier
+        ok = True
+        t0 = time.perf_counter()
+        self.in_flight += len(tickets)
+        try:
+            async with self._limiter:
+
+                def copy_all() -> None:
+                    for t in tickets:
+                        copy(tier, t)
+
+                await anyio.to_thread.run_sync(copy_all)
+        except Exception:
+            ok = False
+            raise
+        finally:
+            self.in_flight -= len(tickets)
+            seconds = time.perf_counter() - t0
+
+            def commit(cache: UnifiedRadixCache) -> int:
+                return sum(finish(cache, t, ok) for t in tickets)
+
+            with anyio.CancelScope(shield=True):
+                tokens = await svc.call(commit)
+        if kind is TransferKind.BACKUP:
+            self.backed_up_tokens += tokens
+        else:
+            self.loaded_back_tokens += tokens
+        if self.observer is not None and tokens:
+            nbytes = tokens * self.tier.pools[ComponentType.FULL].bytes_per_slot
+            self.observer.on_transfer(kind, tokens, nbytes, seconds)
+        return tokens
+
+    async def _host_eviction_loop(self, svc: AsyncUnifiedRadixCache) -> None:
+        config = self.config
+        tier = self.tier
+        while True:
+            await self._host_pressure.wait()
+            self._host_pressure = anyio.Event()
+            if tier.usage() <= config.high_watermark:
+                continue
+            pool = tier.pools[ComponentType.FULL]
+            target = int(pool.size * (1.0 - config.low_watermark))
+
+            def evict(cache: UnifiedRadixCache) -> int:
+                return cache.evict_host(max(0, target - pool.allocator.available_size()))
+
+            await svc.call(evict)
+
+    # ------------------------------------------------------------------ load-back
+    async def load_back(self, svc: AsyncUnifiedRadixCache, key: RadixKey) -> int:
+        """Load the host part of ``key``'s cached prefix back to device; returns the tokens
+        loaded (0 when the host hit is below the threshold, or no device memory was found).
+
+        Afterwards ``svc.match(key)`` returns the longer device hit.
+        """
+        threshold = self.config.load_back_threshold
+
+        def start(cache: UnifiedRadixCache) -> LoadTicket | None:
+            m = cache.match_prefix(MatchPrefixParams(key=key))
+            if m.host_hit_length == 0:
+                return None
+            return tiering.start_load_back(cache, m.best_match_node, threshold)
+
+        ticket = await svc.call(start)
+        if ticket is None:
+            return 0
+        with anyio.CancelScope(shield=True):
+            return await self._transfer(
+                svc,
+                [ticket],
+                tiering.copy_load_back,
+                tiering.finish_load_back,
+                TransferKind.LOAD_BACK,
+            )
