@@ -4,15 +4,18 @@ Usage::
 
     python -m metrics.bench                                  # 1 and 16 clients, 5 repetitions
     python -m metrics.bench --clients 1 --num-seqs 500 --repeats 3
+    python -m metrics.bench --modes off null on direct       # also time the DIRECT write path
 
 Workload: the service benchmark's (``urc.service_bench``): ``urc.bench``'s seeded reference
 sequences; on a fresh cache per run, insert every sequence (values allocated before timing),
 match every sequence, match-and-lock every sequence then release every lease, then evict in
 per-sequence-sized calls -- each phase split round-robin over N client coroutines.  Each
-repetition runs the workload once with ``observer=None`` (metrics off) and once with a
-:class:`~metrics.exporter.CacheMetrics` on a fresh registry (metrics on), alternating which
-goes first; the report gives the median wall time of each and ``overhead`` = on / off - 1
-(target <= 0.10).  The "on" runs also check that every command was observed.
+repetition runs the workload once per mode, rotating which goes first: ``off``
+(``observer=None``), ``null`` (an observer doing nothing: the service's own share), ``on`` (a
+:class:`~metrics.exporter.CacheMetrics` on a fresh registry, default mode: SCRAPE in a single
+process) and, when asked for, ``direct`` (``ExportMode.DIRECT``, the multiprocess write path).
+The report gives the median wall time and the best CPU time of each, and ``overhead`` = on /
+off - 1 (target <= 0.10).  The metrics runs also check that every command was observed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import anyio
 import torch
 from prometheus_client import CollectorRegistry
 
-from metrics.exporter import CacheMetrics
+from metrics.exporter import CacheMetrics, ExportMode, MetricsConfig
 from urc.bench import generate_sequences
 from urc.commands import CommandKind
 from urc.config import CacheConfig, build_cache
@@ -73,14 +76,15 @@ class _NullObserver:
 
 
 MODES = ("off", "null", "on")
+ALL_MODES = (*MODES, "direct")
 
 
 async def run_once(
     seqs: list[list[int]], n_clients: int, mode: str
 ) -> tuple[float, float, dict[str, float]]:
     """One run of the workload with metrics ``mode`` (off: ``observer=None``; null: an observer
-    doing nothing; on: :class:`CacheMetrics`).  Returns (wall seconds, CPU seconds, wall
-    seconds per phase) over the timed phases."""
+    doing nothing; on: :class:`CacheMetrics`; direct: one in ``ExportMode.DIRECT``).  Returns
+    (wall seconds, CPU seconds, wall seconds per phase) over the timed phases."""
     total_tokens = sum(len(s) for s in seqs)
     cache = build_cache(CacheConfig(kv_size=total_tokens + 1024, max_num_reqs=4, max_context_len=8))
     values = []
@@ -93,6 +97,8 @@ async def run_once(
     observer: ServiceObserver | None = None
     if mode == "on":
         observer = CacheMetrics(registry)
+    elif mode == "direct":
+        observer = CacheMetrics(registry, MetricsConfig(mode=ExportMode.DIRECT))
     elif mode == "null":
         observer = _NullObserver()
     phases: dict[str, float] = {}
@@ -125,7 +131,7 @@ async def run_once(
         await _burst(n_clients, [(lambda: svc.evict(per_call))] * len(seqs))
         phases["evict"] = _clock() - t
         cpu = time.process_time() - cpu
-    if mode == "on":
+    if mode in ("on", "direct"):
         observed = 0
         for fam in registry.collect():
             for sample in fam.samples:
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    ap.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     seqs = generate_sequences(args.num_seqs, args.chunk_len, args.seed)
@@ -161,29 +168,38 @@ def main(argv: list[str] | None = None) -> None:
     }
     anyio.run(run_once, seqs[: min(50, len(seqs))], 1, "on", backend=args.backend)  # warm-up
     commands = 5 * args.num_seqs
+    modes = tuple(dict.fromkeys(["off", *args.modes]))  # "off" is the reference
     for n in args.clients:
-        wall: dict[str, list[float]] = {m: [] for m in MODES}
-        cpu: dict[str, list[float]] = {m: [] for m in MODES}
+        wall: dict[str, list[float]] = {m: [] for m in modes}
+        cpu: dict[str, list[float]] = {m: [] for m in modes}
         for rep in range(args.repeats):
             # Rotate the order so drift (thermal, other load) does not favour one mode.
-            for i in range(len(MODES)):
-                mode = MODES[(i + rep) % len(MODES)]
+            for i in range(len(modes)):
+                mode = modes[(i + rep) % len(modes)]
                 w, c, _ = anyio.run(run_once, seqs, n, mode, backend=args.backend)
                 wall[mode].append(w)
                 cpu[mode].append(c)
-        med = {m: statistics.median(wall[m]) for m in MODES}
-        best_cpu = {m: min(cpu[m]) for m in MODES}
-        report["clients"][str(n)] = {
-            "wall_us_per_command": {m: round(med[m] / commands * 1e6, 2) for m in MODES},
-            "cpu_us_per_command": {m: round(best_cpu[m] / commands * 1e6, 2) for m in MODES},
-            # on vs off: the whole cost of metrics; null vs off: the service's share
-            # (timestamps, a stats() snapshot per batch); on vs null: the exporter's share.
-            "overhead_wall": round(med["on"] / med["off"] - 1, 4),
-            "overhead_cpu": round(best_cpu["on"] / best_cpu["off"] - 1, 4),
-            "service_share_cpu": round(best_cpu["null"] / best_cpu["off"] - 1, 4),
-            "exporter_share_cpu": round((best_cpu["on"] - best_cpu["null"]) / best_cpu["off"], 4),
-            "wall_runs": {m: [round(x, 4) for x in wall[m]] for m in MODES},
+        med = {m: statistics.median(wall[m]) for m in modes}
+        best_cpu = {m: min(cpu[m]) for m in modes}
+        entry: dict[str, Any] = {
+            "wall_us_per_command": {m: round(med[m] / commands * 1e6, 2) for m in modes},
+            "cpu_us_per_command": {m: round(best_cpu[m] / commands * 1e6, 2) for m in modes},
         }
+        # on vs off: the whole cost of metrics; null vs off: the service's share (timestamps,
+        # a stats() snapshot per batch); on vs null: the exporter's share.
+        for m in ("on", "direct"):
+            if m in modes:
+                suffix = "" if m == "on" else "_direct"
+                entry[f"overhead_wall{suffix}"] = round(med[m] / med["off"] - 1, 4)
+                entry[f"overhead_cpu{suffix}"] = round(best_cpu[m] / best_cpu["off"] - 1, 4)
+                if "null" in modes:
+                    share = (best_cpu[m] - best_cpu["null"]) / best_cpu["off"]
+                    entry[f"exporter_share_cpu{suffix}"] = round(share, 4)
+        if "null" in modes:
+            entry["service_share_cpu"] = round(best_cpu["null"] / best_cpu["off"] - 1, 4)
+        entry["wall_runs"] = {m: [round(x, 4) for x in wall[m]] for m in modes}
+        entry["cpu_runs"] = {m: [round(x, 4) for x in cpu[m]] for m in modes}
+        report["clients"][str(n)] = entry
     print(json.dumps(report, indent=2))
 
 

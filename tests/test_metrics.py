@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,12 +22,13 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 import urc
 from metrics import (
     COMMAND_BUCKETS,
     CacheMetrics,
+    ExportMode,
     GaugeMultiprocessMode,
     MetricsConfig,
     make_observer,
@@ -198,13 +200,20 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
+@pytest.fixture(params=[ExportMode.SCRAPE, ExportMode.DIRECT], ids=["scrape", "direct"])
+def mode(request: pytest.FixtureRequest) -> ExportMode:
+    """Both write paths: scrape-time collection (default) and direct writes (multiprocess)."""
+    m: ExportMode = request.param
+    return m
+
+
 # ---------------------------------------------------------------------------- scripted cache
 @pytest.mark.parametrize("components", list(COMPONENT_SETS))
 def test_scripted_sequence_gauges_counters_histograms(
-    registry: CollectorRegistry, components: str
+    registry: CollectorRegistry, mode: ExportMode, components: str
 ) -> None:
     cache = build(components)
-    exporter = CacheMetrics(registry)
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
     assert isinstance(exporter, ServiceObserver)
     actor = Actor(cache, exporter)
 
@@ -251,9 +260,9 @@ def test_scripted_sequence_gauges_counters_histograms(
     cache.sanity_check()
 
 
-def test_counter_deltas_across_snapshots(registry: CollectorRegistry) -> None:
+def test_counter_deltas_across_snapshots(registry: CollectorRegistry, mode: ExportMode) -> None:
     cache = build()
-    exporter = CacheMetrics(registry)
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
     actor = Actor(cache, exporter)
     actor.insert(seq(0, 64))
     before = {
@@ -309,9 +318,11 @@ def _stats(
     )
 
 
-def test_host_tier_and_mamba_units_from_snapshots(registry: CollectorRegistry) -> None:
+def test_host_tier_and_mamba_units_from_snapshots(
+    registry: CollectorRegistry, mode: ExportMode
+) -> None:
     """Whatever (component, tier) entries a snapshot has are exported, each in its unit."""
-    exporter = CacheMetrics(registry)
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
     comps = (
         ComponentStats(FULL, Tier.DEVICE, "tokens", 10, 5, 100, 80),
         ComponentStats(FULL, Tier.HOST, "tokens", 300, 7, 1000, 690),
@@ -361,8 +372,10 @@ def test_host_tier_and_mamba_units_from_snapshots(registry: CollectorRegistry) -
             assert s.labels.get("tier", "device") in {"device", "host", "storage"}
 
 
-def test_counter_going_backwards_counts_as_reset(registry: CollectorRegistry) -> None:
-    exporter = CacheMetrics(registry)
+def test_counter_going_backwards_counts_as_reset(
+    registry: CollectorRegistry, mode: ExportMode
+) -> None:
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
     exporter.on_batch(_stats(match_requests=10, hit_tokens={"device": 5}), 0)
     exporter.on_batch(_stats(match_requests=12, hit_tokens={"device": 9}), 0)
     assert value(registry, "urc_match_requests_total") == 12
@@ -374,8 +387,8 @@ def test_counter_going_backwards_counts_as_reset(registry: CollectorRegistry) ->
     assert value(registry, "urc_match_requests_total") == 16
 
 
-def test_gauges_follow_decreases_and_queue(registry: CollectorRegistry) -> None:
-    exporter = CacheMetrics(registry)
+def test_gauges_follow_decreases_and_queue(registry: CollectorRegistry, mode: ExportMode) -> None:
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
     dev = {"component": "full", "tier": "device"}
     for ev, queued in ((10, 3), (4, 0), (0, 7), (0, 7)):
         comps = (ComponentStats(FULL, Tier.DEVICE, "tokens", ev, 0, 64, 64 - ev),)
@@ -386,8 +399,8 @@ def test_gauges_follow_decreases_and_queue(registry: CollectorRegistry) -> None:
         assert value(registry, "urc_service_queued_commands") == queued
 
 
-def test_transfers_and_in_flight(registry: CollectorRegistry) -> None:
-    exporter = CacheMetrics(registry)
+def test_transfers_and_in_flight(registry: CollectorRegistry, mode: ExportMode) -> None:
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
     exporter.on_transfer(TransferKind.STORAGE_READ, 64, 4096, 2e-3)
     exporter.on_transfer(TransferKind.STORAGE_READ, 32, 2048, 5e-4)
     exporter.on_transfer(TransferKind.STORAGE_WRITE, 16, 1024, 1e-3)
@@ -421,9 +434,11 @@ def test_transfers_and_in_flight(registry: CollectorRegistry) -> None:
     assert value(registry, "urc_transfers_in_flight", kind="load_back") == 3
 
 
-def test_command_histogram_buckets_are_microsecond_scale(registry: CollectorRegistry) -> None:
+def test_command_histogram_buckets_are_microsecond_scale(
+    registry: CollectorRegistry, mode: ExportMode
+) -> None:
     assert COMMAND_BUCKETS[0] == 1e-6 and COMMAND_BUCKETS[-1] == 1.0
-    exporter = CacheMetrics(registry)
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
     exporter.on_command(CommandKind.MATCH, 2e-6, 3e-6, None)
     exporter.on_command(CommandKind.MATCH, 0.0, 0.2, None)
     exporter.on_command(CommandKind.INSERT, -1e-9, -1e-9, None)  # clamped, never negative
@@ -435,8 +450,8 @@ def test_command_histogram_buckets_are_microsecond_scale(registry: CollectorRegi
     assert value(registry, "urc_command_queue_wait_seconds_bucket", le="2.5e-06") == 3
 
 
-def test_error_types_are_capped(registry: CollectorRegistry) -> None:
-    exporter = CacheMetrics(registry, MetricsConfig(max_error_types=2))
+def test_error_types_are_capped(registry: CollectorRegistry, mode: ExportMode) -> None:
+    exporter = CacheMetrics(registry, MetricsConfig(max_error_types=2, mode=mode))
     errors: list[BaseException] = [KeyError(), ValueError(), TypeError(), OSError(), KeyError()]
     for e in errors:
         exporter.on_command(CommandKind.CALL, 0.0, 0.0, e)
@@ -448,10 +463,13 @@ def test_error_types_are_capped(registry: CollectorRegistry) -> None:
 
 
 # ---------------------------------------------------------------------------- registries
-def test_two_caches_with_separate_registries_do_not_collide() -> None:
+def test_two_caches_with_separate_registries_do_not_collide(mode: ExportMode) -> None:
     r1, r2 = CollectorRegistry(), CollectorRegistry()
     c1, c2 = build(), build(kv_size=512)
-    a1, a2 = Actor(c1, CacheMetrics(r1)), Actor(c2, CacheMetrics(r2))
+    a1, a2 = (
+        Actor(c1, CacheMetrics(r1, MetricsConfig(mode=mode))),
+        Actor(c2, CacheMetrics(r2, MetricsConfig(mode=mode))),
+    )
     a1.insert(seq(0, 100))
     a2.insert(seq(0, 30))
     a2.insert(seq(50, 20))
@@ -467,14 +485,16 @@ def test_two_caches_with_separate_registries_do_not_collide() -> None:
     assert value(r2, "urc_pool_capacity_tokens", **dev) == 512
 
 
-def test_same_registry_twice_is_refused_until_unregistered(registry: CollectorRegistry) -> None:
-    first = CacheMetrics(registry)
+def test_same_registry_twice_is_refused_until_unregistered(
+    registry: CollectorRegistry, mode: ExportMode
+) -> None:
+    first = CacheMetrics(registry, MetricsConfig(mode=mode))
     with pytest.raises(ValueError, match="Duplicated"):
-        CacheMetrics(registry)
+        CacheMetrics(registry, MetricsConfig(mode=mode))
     first.unregister()
     first.unregister()  # idempotent
     assert not [f for f in registry.collect() if f.name.startswith("urc_")]
-    second = CacheMetrics(registry)
+    second = CacheMetrics(registry, MetricsConfig(mode=mode))
     second.on_batch(build().stats(), 0)
     assert registry.get_sample_value("urc_tree_nodes") == 0
 
@@ -524,9 +544,11 @@ def test_config_validation(kwargs: dict[str, Any]) -> None:
         MetricsConfig(**kwargs)
 
 
-def test_custom_buckets_and_gauge_mode(registry: CollectorRegistry) -> None:
+def test_custom_buckets_and_gauge_mode(registry: CollectorRegistry, mode: ExportMode) -> None:
     cfg = MetricsConfig(
-        command_buckets=(1e-3, 1.0), gauge_multiprocess_mode=GaugeMultiprocessMode.MOSTRECENT
+        command_buckets=(1e-3, 1.0),
+        gauge_multiprocess_mode=GaugeMultiprocessMode.MOSTRECENT,
+        mode=mode,
     )
     exporter = CacheMetrics(registry, cfg)
     exporter.on_command(CommandKind.STATS, 0.0, 5e-4, None)
@@ -539,10 +561,127 @@ def test_custom_buckets_and_gauge_mode(registry: CollectorRegistry) -> None:
     )
 
 
+# ---------------------------------------------------------------------------- export modes
+def test_mode_selection(registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    assert MetricsConfig().mode is ExportMode.AUTO
+    assert ExportMode.AUTO.resolve() is ExportMode.SCRAPE
+    default = CacheMetrics(registry)
+    assert default.mode is ExportMode.SCRAPE and isinstance(default, CacheMetrics)
+    default.unregister()
+    direct = CacheMetrics(registry, MetricsConfig(mode=ExportMode.DIRECT))
+    assert direct.mode is ExportMode.DIRECT and isinstance(direct, ServiceObserver)
+    direct.unregister()
+    # In multiprocess mode a scrape-time collector would only see the scraping process.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
+    assert ExportMode.AUTO.resolve() is ExportMode.DIRECT
+    assert ExportMode.SCRAPE.resolve() is ExportMode.SCRAPE  # an explicit choice stands
+    auto = CacheMetrics(registry)
+    assert auto.mode is ExportMode.DIRECT
+    auto.unregister()
+    assert not [f for f in registry.collect() if f.name.startswith("urc_")]
+
+
+def _feed(exporter: CacheMetrics) -> None:
+    comps = (
+        ComponentStats(FULL, Tier.DEVICE, "tokens", 10, 5, 100, 80),
+        ComponentStats(FULL, Tier.HOST, "tokens", 300, 7, 1000, 690),
+        ComponentStats(MAMBA, Tier.DEVICE, "states", 3, 1, 16, 12),
+    )
+    for i in range(3):
+        exporter.on_batch(
+            _stats(
+                comps,
+                num_nodes=9 + i,
+                match_requests=4 + i,
+                query_tokens=100 + 10 * i,
+                hit_tokens={"device": 40 + i, "host": 20},
+                inserted_tokens=5,
+                evicted={(FULL, Tier.DEVICE): 50, (MAMBA, Tier.DEVICE): 2 + i},
+                backed_up_tokens=70,
+                loaded_back_tokens=20,
+            ),
+            queued=5 - i,
+        )
+    for i, kind in enumerate(CommandKind):
+        exporter.on_command(kind, 1e-6 * i, 3e-6 * i, KeyError() if i % 3 == 0 else None)
+    exporter.on_command(CommandKind.MATCH, 0.3, 2.0, ValueError())
+    for k in TransferKind:
+        exporter.on_transfer(k, 10, 100, 1e-4)
+    exporter.transfer_started(TransferKind.BACKUP)
+    exporter.set_transfers_in_flight(TransferKind.LOAD_BACK, 3)
+
+
+def test_modes_expose_identical_text() -> None:
+    """Same events, same exposition (names, HELP, TYPE, labels, buckets, values, order); only
+    the ``_created`` timestamps may differ."""
+    texts = []
+    for mode in (ExportMode.SCRAPE, ExportMode.DIRECT):
+        registry = CollectorRegistry()
+        _feed(CacheMetrics(registry, MetricsConfig(mode=mode)))
+        text = generate_latest(registry).decode()
+        texts.append(re.sub(r"^(\S+_created(?:\{[^}]*\})?) \S+$", r"\1 T", text, flags=re.M))
+    assert texts[0] == texts[1]
+    assert "urc_command_duration_seconds_created" in texts[0]
+
+
+def test_scrapes_from_another_thread_see_whole_updates(registry: CollectorRegistry) -> None:
+    """A scrape in another thread never sees half an observation (bucket, count and sum of
+    both command histograms agree) while the actor thread keeps observing."""
+    exporter = CacheMetrics(registry)
+    assert exporter.mode is ExportMode.SCRAPE
+    v = 2.0**-17  # exact sums
+    stop = threading.Event()
+    torn: list[tuple[float, ...]] = []
+    scrapes = 0
+
+    def scraper() -> None:
+        nonlocal scrapes
+        while not stop.is_set():
+            fams = {f.name: f for f in registry.collect()}
+            lat = {
+                s.name: s.value
+                for s in fams["urc_command_duration_seconds"].samples
+                if s.labels.get("kind") == "match"
+            }
+            wait = {s.name: s.value for s in fams["urc_command_queue_wait_seconds"].samples}
+            n = lat["urc_command_duration_seconds_count"]
+            figures = (
+                n,
+                lat["urc_command_duration_seconds_sum"] / v,
+                wait["urc_command_queue_wait_seconds_count"],
+                wait["urc_command_queue_wait_seconds_sum"] / v,
+                lat["urc_command_duration_seconds_bucket"],  # le=+Inf: the last one wins
+            )
+            if any(x != n for x in figures):
+                torn.append(figures)
+            scrapes += 1
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        observed = 0
+        while (scrapes < 30 or observed < 20_000) and time.monotonic() < deadline:
+            for _ in range(1000):
+                exporter.on_command(CommandKind.MATCH, v, v, None)
+            observed += 1000
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old_interval)
+    assert scrapes >= 30
+    assert torn == []
+    assert value(registry, "urc_command_duration_seconds_count", kind="match") == observed
+
+
 # ---------------------------------------------------------------------------- multiprocess mode
 _MP_SCRIPT = r"""
 import json
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 import urc
 from metrics import CacheMetrics
@@ -562,6 +701,7 @@ merged = CollectorRegistry()
 MultiProcessCollector(merged)
 dev = {"component": "full", "tier": "device"}
 print(json.dumps({
+    "mode": m.mode.value,
     "evictable": merged.get_sample_value("urc_cache_evictable_tokens", dev),
     "expected_evictable": cache.evictable_size(),
     "free": merged.get_sample_value("urc_pool_free_tokens", dev),
@@ -594,6 +734,7 @@ def test_multiprocess_mode(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["mode"] == "direct"  # AUTO picks the write path the multiprocess collector reads
     assert out["evictable"] == out["expected_evictable"] == 40
     assert out["free"] == out["expected_free"]
     assert out["queued"] == 2

@@ -39,7 +39,6 @@ from urc.commands import (
     Command,
     CommandKind,
     Evict,
-    Free,
     Insert,
     InsertOutcome,
     Lock,
@@ -712,4 +711,3 @@ def test_replay_detects_divergence() -> None:
     history.entries[0] = (Alloc(4), torch.tensor([9, 9, 9, 9]), None)
     with pytest.raises(AssertionError):
         replay(config, history)
-    _ = Free  # Free is exercised by clients' cleanup

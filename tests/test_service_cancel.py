@@ -288,3 +288,28 @@ async def test_release_cancelled_while_queued_is_still_applied() -> None:
             await svc.sanity_check({FULL: 0})
             assert caught == [True] and lease.released and svc.leases_held == 0
         check_clean(svc.cache)
+
+
+async def scenario_host_scope_cancelled() -> None:
+    with anyio.fail_after(TIMEOUT):
+        with anyio.CancelScope() as outer:
+            async with AsyncUnifiedRadixCache(small_config()) as svc:
+                await prepared(svc)
+                lease = (await svc.match(KEY, lock=True)).lease
+                outer.cancel()  # cancels the body and the actor task alike
+                await anyio.Event().wait()
+        assert outer.cancelled_caught
+        assert svc.state.value == "closed"
+        assert lease is not None and lease.released
+        assert svc.leases_released_at_close == 1
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_host_scope_cancelled_closes_cleanly() -> None:
+    """Cancelling the scope around ``async with`` stops the actor and releases leases."""
+    await scenario_host_scope_cancelled()
+
+
+def test_host_scope_cancelled_closes_cleanly_trio() -> None:
+    anyio.run(scenario_host_scope_cancelled, backend="trio")

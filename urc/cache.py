@@ -985,7 +985,10 @@ class UnifiedRadixCache:
             for c in reversed(self.components):
                 if c.node_has_component_data(node):
                     c.evict_component(node, Tier.DEVICE)
+                if c.node_has_component_data(node, Tier.HOST):
+                    c.evict_host(node)
             node.deleted = True
+        self.pending_backups.clear()
         for c in self.components:
             c.reset()
         self.num_nodes = 0

@@ -146,7 +146,7 @@ def finish_backup(cache: UnifiedRadixCache, ticket: BackupTicket, ok: bool = Tru
     for i, item in ticket.items:
         if ok:
             pieces = pieces_of(ticket.nodes[i], ticket.lengths[i])
-            cache.component(item.component).commit_backup(pieces, item.host)
+            cache.component(item.component).commit_backup(pieces, item.host, item.device)
         else:
             tier.host_free(item.component, item.host)
     for n in ticket.nodes:
@@ -204,7 +204,10 @@ def start_load_back(
     alloc = cache.token_to_kv_pool_allocator
     device = alloc.alloc(tokens)
     if device is None:
-        cache.evict(EvictParams(num_tokens=tokens - alloc.available_size()))
+        params = EvictParams(num_tokens=max(0, tokens - alloc.available_size()))
+        for c in cache.components:
+            params = c.add_alloc_shortfall(params, tokens)
+        cache.evict(params)
         device = alloc.alloc(tokens)
     if device is None:
         for n in nodes:

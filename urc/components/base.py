@@ -20,11 +20,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
-    import torch
-
     from urc.cache import UnifiedRadixCache
     from urc.params import (
         DecLockRefParams,
@@ -240,11 +240,15 @@ class TreeComponent(ABC):
         assert cd is not None
         return cd.value if cd.host_value is None else None
 
-    def commit_backup(self, pieces: Sequence[TreeNode], host: torch.Tensor) -> None:
-        """The copy of ``backup_source`` finished: attach ``host`` to ``pieces`` (the node,
-        possibly split since the backup started; top-down).  Default for per-token data:
-        slice by piece length; a piece that lost its device data or already has a host copy
-        gets none (its host slots are freed)."""
+    def commit_backup(
+        self, pieces: Sequence[TreeNode], host: torch.Tensor, source: torch.Tensor
+    ) -> None:
+        """The copy of ``source`` (what ``backup_source`` returned) into ``host`` finished:
+        attach ``host`` to ``pieces`` (the node, possibly split since the backup started;
+        top-down).  Default for per-token data: slice by piece length; a piece whose device
+        data is no longer ``source``'s (lost, or replaced: a backup pins only what a lock on
+        the chain's lowest node pins) or that already has a host copy gets none (its host
+        slots are freed)."""
         tier = self.cache.host_tier
         assert tier is not None
         ct = self.component_type
@@ -254,8 +258,9 @@ class TreeComponent(ABC):
             assert cd is not None
             n = piece.key_len
             part = host[pos : pos + n]
+            src = source[pos : pos + n]
             pos += n
-            if cd.value is None or cd.host_value is not None:
+            if cd.value is None or cd.host_value is not None or not torch.equal(cd.value, src):
                 tier.host_free(ct, part)
                 continue
             cd.host_value = part
@@ -299,6 +304,13 @@ class TreeComponent(ABC):
                 self.protected_size += self.value_len(cd)
             else:
                 self.evictable_size += self.value_len(cd)
+
+    def add_alloc_shortfall(self, params: EvictParams, num_tokens: int) -> EvictParams:
+        """Allocating Full slots for ``num_tokens`` tokens (a load-back) failed; ``params``
+        asks for the Full shortfall.  Returns ``params`` plus what this component must evict
+        from device so that the allocation can succeed (a paired allocator also takes this
+        component's slots).  Default: ``params``."""
+        return params
 
     def abort_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
         """A load-back was dropped: free the slots ``load_target`` reserved."""

@@ -57,6 +57,7 @@ from urc.errors import (
 )
 from urc.lru import LRUList
 from urc.params import EvictParams, MatchResult
+from urc.tiers import TransferItem
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -84,9 +85,13 @@ def _has_state(node: TreeNode) -> bool:
 
 
 def _has_state_any_tier(node: TreeNode) -> bool:
+    # Host pass: a host-only node's host state counts (a load-back restores it); a node on
+    # device counts only with state on device (a load-back leaves it as it is).
     cd = node.data[_M]
     assert cd is not None
-    return cd.value is not None or cd.host_value is not None
+    if cd.value is not None:
+        return True
+    return cd.host_value is not None and node.data[_FULL].value is None  # type: ignore[union-attr]
 
 
 def _unlocked(node: TreeNode) -> bool:
@@ -326,6 +331,65 @@ class MambaComponent(TreeComponent):
         self.pool.release_tree_slot(slot)
         self.evictable_size -= 1
         return 1
+
+    # ------------------------------------------------------------------ host tier (HiCache)
+    # A state is one host slot (host pool page 1).  It lives on the node whose key ends at
+    # its position: after a split, the lowest piece (the original node object).
+    def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
+        return [(self.pool.conv, 0), (self.pool.temporal, 0)]
+
+    def commit_backup(
+        self, pieces: Sequence[TreeNode], host: torch.Tensor, source: torch.Tensor
+    ) -> None:
+        """Attach the host copy to the bottom piece, unless its state changed meanwhile
+        (evicted: only the lowest node's state is pinned by the backup's lock; or replaced)
+        or it already has a host copy; then the host slot is freed."""
+        node = pieces[-1]
+        cd = node.data[_M]
+        assert cd is not None
+        if (
+            cd.value is None
+            or cd.host_value is not None
+            or self._slot_of.get(node.id) != int(source.item())
+        ):
+            tier = self.cache.host_tier
+            assert tier is not None
+            tier.host_free(ComponentType.MAMBA, host)
+            return
+        cd.host_value = host
+        self._add_host(cd, 1)
+
+    def load_target(self, node: TreeNode, full_device: torch.Tensor) -> TransferItem | None:
+        """A held slot for the node's host state (evicting one unlocked state if the pool is
+        full).  Without one the node comes back without state (a Mamba tombstone)."""
+        cd = node.data[_M]
+        assert cd is not None
+        if cd.host_value is None or cd.value is not None:
+            return None
+        slot = self._alloc_slot(None)
+        if slot is None:
+            return None
+        return TransferItem(ComponentType.MAMBA, self._slot_value(slot), cd.host_value)
+
+    def commit_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
+        """The loaded slot becomes the tree's, on the bottom piece; if that piece got a
+        state meanwhile (an insert adopted one) it keeps it and the slot is freed."""
+        node = pieces[-1]
+        cd = node.data[_M]
+        assert cd is not None
+        slot = int(device.item())
+        if cd.value is not None or node.data[_FULL].value is None:  # type: ignore[union-attr]
+            self.pool.free_slots((slot,))
+            return
+        assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
+        self.pool.adopt(slot)
+        cd.value = self._slot_value(slot)
+        self._slot_of[node.id] = slot
+        self.lru.insert_mru(node)
+        self.evictable_size += 1
+
+    def release_load_slots(self, device: torch.Tensor) -> None:
+        self.pool.free_slots(device.tolist())
 
     # ------------------------------------------------------------------ locks
     def _may_lock(self, node: TreeNode, cd: ComponentData) -> bool:
@@ -588,7 +652,9 @@ class MambaComponent(TreeComponent):
             assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
             assert node not in self.lru, f"node {node.id} without state is in the Mamba LRU"
             assert slot is None, f"node {node.id} without state still maps to slot {slot}"
+            self._check_host(node, cd, full)
             return
+        self._check_host(node, cd, full)
         v = cd.value
         assert v.dtype == torch.int64 and tuple(v.shape) == (1,), f"node {node.id}: {v!r}"
         assert slot is not None and int(v.item()) == slot, (
@@ -596,6 +662,13 @@ class MambaComponent(TreeComponent):
         )
         assert self.pool.is_tree_owned(slot), f"node {node.id}: slot {slot} not tree-owned"
         assert node in self.lru, f"node {node.id} with state is not in the Mamba LRU"
+
+    @staticmethod
+    def _check_host(node: TreeNode, cd: ComponentData, full: ComponentData) -> None:
+        hv = cd.host_value
+        if hv is not None:
+            assert tuple(hv.shape) == (1,), f"node {node.id}: Mamba host value {hv!r}"
+            assert full.host_value is not None, f"node {node.id}: Mamba on host without Full"
 
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
         with_state = len([n for n in nodes if _has_state(n)])

@@ -44,6 +44,7 @@ first), so old ancestors are tombstoned first and a recently used window stays i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import count, islice
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ from urc.components.base import EvictTracker, MatchValidator, TreeComponent
 from urc.errors import ConfigError, InvalidInputError, InvalidLockError
 from urc.lru import LRUList
 from urc.pools.swa import SWATokenSlotAllocator
+from urc.tiers import TransferItem
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -136,7 +138,24 @@ class SWAComponent(TreeComponent):
             acc += node.key_len
             return acc >= window
 
-        return validate
+        if match_device_only:
+            return validate
+
+        def validate_any_tier(node: TreeNode) -> bool:
+            # Host pass: a host-only node's SWA host copy is data (a load-back restores it);
+            # a node on device counts only with SWA on device (a load-back leaves it as is).
+            nonlocal acc
+            cd = node.data[_SWA]
+            assert cd is not None
+            if cd.value is None and (
+                cd.host_value is None or node.data[_FULL].value is not None  # type: ignore[union-attr]
+            ):
+                acc = 0
+                return False
+            acc += node.key_len
+            return acc >= window
+
+        return validate_any_tier
 
     def _refresh(self, node: TreeNode) -> None:
         """Move the nodes covering one window above ``node`` (inclusive) to the MRU end,
@@ -263,15 +282,34 @@ class SWAComponent(TreeComponent):
     def recover_after_unevict(
         self, node: TreeNode, total_prefix_len: int, params: InsertParams
     ) -> None:
-        """A host-only node got fresh Full slots: it gets SWA when it lies wholly in the
-        window and the slots still map SWA; otherwise it stays a tombstone and the SWA pages
-        of the fresh slots are released."""
+        """A host-only node (an SWA tombstone on device) just adopted the insert's slots as
+        its Full value.  Same three cases as ``update_component_on_insert_overlap`` with
+        ``start = b - total_prefix_len``: the part at ``start`` and below gets SWA when those
+        slots still map SWA pages (split off first when ``0 < start``); the rest stays a
+        tombstone and the SWA pages of its slots are released, so nothing leaks."""
         full = node.data[_FULL].value  # type: ignore[union-attr]
         assert full is not None
-        if self._boundary(params) <= total_prefix_len and self.allocator.swa_mapped(full):
-            self._add_swa(node)
-        else:
-            self.allocator.free_swa(full)
+        alloc = self.allocator
+        start = max(self._boundary(params) - total_prefix_len, 0)
+        if start >= node.key_len or not alloc.swa_mapped(full[start:]):
+            alloc.free_swa(full)
+            return
+        if start:
+            upper = self.cache.split_node(node, start)
+            alloc.free_swa(upper.data[_FULL].value)  # type: ignore[union-attr,arg-type]
+        self._restored(node)
+
+    def _restored(self, node: TreeNode) -> None:
+        """Give the tombstone ``node`` SWA (its Full slots map SWA pages) and stamp it, so a
+        window lock taken while it was a tombstone never releases it (module docstring)."""
+        self._epoch += 1
+        cd = node.data[_SWA]
+        assert cd is not None
+        md = cd.metadata
+        if md is None:
+            md = cd.metadata = {}
+        md[_RESTORED] = self._epoch
+        self._add_swa(node)
 
     # ------------------------------------------------------------------ split
     def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
@@ -462,6 +500,52 @@ class SWAComponent(TreeComponent):
         self.evictable_size += delta
         self.protected_size -= delta
 
+    # ------------------------------------------------------------------ host tier (HiCache)
+    # Backup uses the defaults: the source is the SWA value (SWA slots), per token; a
+    # tombstone has nothing to back up.  Load-back: the Full slots the load reserved come
+    # from the paired allocator, so they already map fresh SWA pages.
+    def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
+        swa = self.cache.pools.swa
+        return None if swa is None else swa.kv_pool.slot_buffers()
+
+    def load_target(self, node: TreeNode, full_device: torch.Tensor) -> TransferItem | None:
+        """Restore the SWA host copy into the SWA pages of ``full_device``; without one the
+        node comes back as an SWA tombstone and those pages are released now."""
+        cd = node.data[_SWA]
+        assert cd is not None and cd.value is None
+        alloc = self.allocator
+        if cd.host_value is None or not alloc.swa_mapped(full_device):
+            alloc.free_swa(full_device)
+            return None
+        return TransferItem(ComponentType.SWA, alloc.translate(full_device), cd.host_value)
+
+    def commit_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
+        """Pieces whose Full value is the load's slots (their translation is ``device``) get
+        SWA.  A piece that got device data meanwhile (an insert adopted it) keeps its own:
+        Full already freed the load's slots with their SWA pages."""
+        alloc = self.allocator
+        pos = 0
+        for piece in pieces:
+            n = piece.key_len
+            part = device[pos : pos + n]
+            pos += n
+            cd = piece.data[_SWA]
+            full = piece.data[_FULL].value  # type: ignore[union-attr]
+            assert cd is not None
+            if cd.value is not None or full is None or not torch.equal(alloc.translate(full), part):
+                continue
+            self._restored(piece)
+
+    # ``release_load_slots`` stays a no-op: Full frees the load's slots and with them every
+    # SWA page they still map.
+
+    def add_alloc_shortfall(self, params: EvictParams, num_tokens: int) -> EvictParams:
+        ps = self.page_size
+        need = -(-num_tokens // ps) * ps - self.allocator.swa_available_size()
+        if need <= params.swa_num_tokens:
+            return params
+        return replace(params, swa_num_tokens=need)
+
     # ------------------------------------------------------------------ request caching
     def prepare_for_caching_req(
         self, req: Req, params: InsertParams, token_len: int, is_finished: bool
@@ -520,6 +604,11 @@ class SWAComponent(TreeComponent):
                 assert self.allocator.num_swa_mapped(full.value) == 0, (
                     f"SWA tombstone {node.id} still maps SWA pages (leak)"
                 )
+        if cd.host_value is not None:
+            assert cd.host_value.shape[0] == node.key_len, (
+                f"node {node.id}: SWA host value len {cd.host_value.shape[0]} != {node.key_len}"
+            )
+            assert full.host_value is not None, f"node {node.id}: SWA on host without Full"
 
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
         with_swa = 0
