@@ -160,18 +160,17 @@ class HiCacheController:
     async def _host_eviction_loop(self, svc: AsyncUnifiedRadixCache) -> None:
         config = self.config
         tier = self.tier
+        pool = tier.pools[ComponentType.FULL]
+        target = int(pool.size * (1.0 - config.low_watermark))  # free slots to reach
+
+        def evict(cache: UnifiedRadixCache) -> int:
+            return cache.evict_host(max(0, target - pool.allocator.available_size()))
+
         while True:
             await self._host_pressure.wait()
             self._host_pressure = anyio.Event()
-            if tier.usage() <= config.high_watermark:
-                continue
-            pool = tier.pools[ComponentType.FULL]
-            target = int(pool.size * (1.0 - config.low_watermark))
-
-            def evict(cache: UnifiedRadixCache) -> int:
-                return cache.evict_host(max(0, target - pool.allocator.available_size()))
-
-            await svc.call(evict)
+            if tier.usage() > config.high_watermark:
+                await svc.call(evict)
 
     # ------------------------------------------------------------------ load-back
     async def load_back(self, svc: AsyncUnifiedRadixCache, key: RadixKey) -> int:
@@ -192,10 +191,11 @@ class HiCacheController:
         if ticket is None:
             return 0
         with anyio.CancelScope(shield=True):
-            return await self._transfer(
+            loaded = await self._transfer(
                 svc,
                 [ticket],
                 tiering.copy_load_back,
                 tiering.finish_load_back,
                 TransferKind.LOAD_BACK,
             )
+        return loaded
