@@ -11,8 +11,10 @@ core never imports ``prometheus_client``.  Typical use::
     async with MetricsServer(registry) as server:   # http://127.0.0.1:<port>/metrics
         ...
 
-See :mod:`metrics.exporter` for the metric names and units, :mod:`metrics.http` for the
-endpoint, and ``examples/grafana-dashboard.json`` for a dashboard.
+See :mod:`metrics.exporter` for the metric names and units and the two write paths
+(:class:`ExportMode`: scrape-time collection by default, direct writes in ``prometheus_client``
+multiprocess mode), :mod:`metrics.http` for the endpoint, and
+``examples/grafana-dashboard.json`` for a dashboard.
 """
 
 from __future__ import annotations

@@ -587,13 +587,19 @@ class _ScrapeMetrics(CacheMetrics):
         for _ in range(_MAX_READ_TRIES):
             gen = self._gen
             if not gen & 1:
-                latency = [(k, tuple(h)) for k, h in list(self._latency.items())]
-                wait = tuple(self._wait)
-                errors = dict(self._errors)
+                copies = self._copy_commands()
                 if self._gen == gen:
-                    return latency, wait, errors
+                    return copies
             time.sleep(0)  # the actor (another thread) is mid-update: let it finish
-        return latency, wait, errors
+        return self._copy_commands()  # unreachable in practice: take what is there
+
+    def _copy_commands(
+        self,
+    ) -> tuple[list[tuple[str, tuple[float, ...]]], tuple[float, ...], dict[tuple[str, str], int]]:
+        # Each list/dict copy is one C call (atomic under the GIL); ``list(items())`` guards
+        # against a kind added meanwhile.
+        latency = [(k, tuple(h)) for k, h in list(self._latency.items())]
+        return latency, tuple(self._wait), dict(self._errors)
 
     def _counter_value(self, key: Hashable, raw: int) -> int:
         """``raw`` plus what earlier incarnations of the source counted (reset detection)."""
@@ -612,13 +618,15 @@ class _ScrapeMetrics(CacheMetrics):
 
     def collect(self) -> list[Metric]:
         """Every family, built from the latest snapshot and the accumulated numbers."""
-        stats, queued = self._latest
-        latency, wait, errors = self._read_commands()
         with self._tlock:
             transfers = {k: tuple(v) for k, v in self._transfers.items()}
             transfer_hists = {k: tuple(v) for k, v in self._transfer_hists.items()}
             in_flight = dict(self._in_flight)
+        # Under the scrape lock: concurrent scrapes must take snapshots in order, or an older
+        # one processed last would look like a counter reset.
         with self._scrape_lock:
+            stats, queued = self._latest
+            latency, wait, errors = self._read_commands()
             return self._families(stats, queued, latency, wait, errors, transfers,
                                   transfer_hists, in_flight)  # fmt: skip
 
@@ -633,7 +641,7 @@ class _ScrapeMetrics(CacheMetrics):
         transfer_hists: Mapping[str, tuple[float, ...]],
         in_flight: Mapping[str, int],
     ) -> list[Metric]:
-        created = self._created if _client_metrics._use_created else None
+        created = self._created if getattr(_client_metrics, "_use_created", True) else None
         scalars = (0, 0, 0, 0, 0)
         num_nodes = 0
         if stats is not None:

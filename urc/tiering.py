@@ -7,7 +7,8 @@ actor), ``copy_*`` only moves bytes and may run in a worker thread.
 
 Pins, so that nothing in flight is ever freed::
 
-    backup     device data of the chain pinned by a Full lock on its lowest node, from
+    backup     device data of the chain pinned by a lock on each of its nodes (Full needs
+               only the lowest one's; SWA and Mamba lock only near the locked node), from
                start_backup until finish_backup; the reserved host slots belong to the ticket
     load-back  the Full host copies of the host-only nodes pinned by host locks, and their
                first device ancestor by a Full lock, from start_load_back until
@@ -27,6 +28,7 @@ from urc.tree import NUM_COMPONENT_TYPES, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
+    from urc.params import IncLockRefResult
 
 __all__ = [
     "copy_backup",
@@ -111,7 +113,10 @@ def start_backup(cache: UnifiedRadixCache, node: TreeNode) -> BackupTicket | Non
     if not chain:
         return None
     chain.reverse()
-    receipt = cache.inc_lock_ref(chain[-1])  # pin the chain's device data during the copy
+    # Pin the chain's device data during the copy: Full through the lowest node's lock;
+    # auxiliary data (locked only near the locked node) through a lock on every node.
+    receipt = cache.inc_lock_ref(chain[-1])
+    pins = [cache.inc_lock_ref(n) for n in chain[:-1]]
     items: list[tuple[int, TransferItem]] = []
     for i, n in enumerate(chain):
         for c in cache.components:
@@ -124,13 +129,24 @@ def start_backup(cache: UnifiedRadixCache, node: TreeNode) -> BackupTicket | Non
                 assert tier is not None
                 for _, item in items:
                     tier.host_free(item.component, item.host)
-                cache.dec_lock_ref(chain[-1], receipt.to_dec_params())
+                _unpin(cache, chain, receipt, pins)
                 return None
             items.append((i, TransferItem(c.component_type, src, host)))
     for n in chain:
         in_flight.add(n.id)
     tokens = sum(n.key_len for n in chain)
-    return BackupTicket(chain, [n.key_len for n in chain], items, receipt, tokens)
+    return BackupTicket(chain, [n.key_len for n in chain], items, receipt, tokens, pins)
+
+
+def _unpin(
+    cache: UnifiedRadixCache,
+    chain: list[TreeNode],
+    receipt: IncLockRefResult,
+    pins: list[IncLockRefResult],
+) -> None:
+    cache.dec_lock_ref(chain[-1], receipt.to_dec_params())
+    for n, pin in zip(chain, pins, strict=False):
+        cache.dec_lock_ref(n, pin.to_dec_params())
 
 
 def copy_backup(tier: HostTier, ticket: BackupTicket) -> None:
@@ -151,7 +167,7 @@ def finish_backup(cache: UnifiedRadixCache, ticket: BackupTicket, ok: bool = Tru
             tier.host_free(item.component, item.host)
     for n in ticket.nodes:
         cache.backups_in_flight.discard(n.id)
-    cache.dec_lock_ref(ticket.nodes[-1], ticket.receipt.to_dec_params())
+    _unpin(cache, ticket.nodes, ticket.receipt, ticket.pins)
     if not ok:
         return 0
     cache.counters.backed_up_tokens += ticket.tokens

@@ -10,7 +10,7 @@ that the byte copy can run off the event loop: ``start_*`` reserves slots and pi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -69,16 +69,19 @@ class TransferItem:
 
 @dataclass(slots=True, eq=False)
 class BackupTicket:
-    """A backup in flight: ``nodes`` (top-down; their device data pinned by ``receipt``) are
-    being copied into the host slots reserved in ``items`` (``(node index, item)`` pairs).
-    ``lengths`` are the nodes' lengths when it started: a match may split a node meanwhile,
-    and the node object always stays the lowest piece of its span."""
+    """A backup in flight: ``nodes`` (top-down) are being copied into the host slots
+    reserved in ``items`` (``(node index, item)`` pairs).  Their device data is pinned by
+    locks: ``receipt`` on the lowest node, ``pins`` on each node above it (a lock pins Full
+    up to the root but auxiliary data only near its node: SWA one window, Mamba the node's
+    own state).  ``lengths`` are the nodes' lengths when it started: a match may split a
+    node meanwhile, and the node object always stays the lowest piece of its span."""
 
     nodes: list[TreeNode]
     lengths: list[int]
     items: list[tuple[int, TransferItem]]
     receipt: IncLockRefResult
     tokens: int = 0
+    pins: list[IncLockRefResult] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
