@@ -61,11 +61,14 @@ def test_double_free_and_foreign_indices_are_errors_and_change_nothing(ps: int) 
     a.check_consistency()
 
 
-def test_a_slot_repeated_in_one_free_is_caught_by_the_consistency_check() -> None:
+def test_a_slot_repeated_in_one_free_is_caught() -> None:
     a = TokenSlotAllocator(8)
-    x = a.alloc(2)
+    x = a.alloc(4)
     assert x is not None
-    a.free(torch.cat([x, x[:1]]))
+    with pytest.raises(DoubleFreeError):  # more pages than are allocated: refused up front
+        a.free(torch.cat([x, x, x[:1]]))
+    a.check_consistency()
+    a.free(torch.cat([x[:2], x[:1]]))  # fits: caught by the consistency check
     with pytest.raises(AssertionError):
         a.check_consistency()
 

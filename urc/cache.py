@@ -75,6 +75,8 @@ class UnifiedRadixCache:
         self.num_nodes = 0
         self._clock = 0
         self.counters = CacheCounters()
+        self._stats_figs: list[int] = []
+        self._stats_comps: tuple[ComponentStats, ...] = ()
         # HiCache (``attach_host_tier``): nodes may then live on device, host, or both.
         self.host_tier: HostTier | None = None
         self.write_policy: WritePolicy | None = None
@@ -84,6 +86,11 @@ class UnifiedRadixCache:
         self.backups_in_flight: set[int] = set()
         # Called (from the tree's owner) when a node becomes due for backup.
         self.backup_listener: Callable[[], None] | None = None
+        # Lower tiers (L3 storage): called from the tree's owner with the lowest node of a
+        # chain whose host copies were just committed, and with a host-only leaf just before
+        # host eviction frees its host copies (the listener must copy what it needs now).
+        self.host_commit_listener: Callable[[TreeNode], None] | None = None
+        self.host_evict_listener: Callable[[TreeNode], None] | None = None
         self.components: list[TreeComponent] = [
             component_class(ct)(self) for ct in config.components
         ]
@@ -425,9 +432,7 @@ class UnifiedRadixCache:
                 for c in overlap_hooks:
                     consumed = min(
                         consumed,
-                        c.update_component_on_insert_overlap(
-                            child, m, pos, value[pos : pos + m], params
-                        ),
+                        c.update_component_on_insert_overlap(child, m, pos, value, params),
                     )
                 start = pos + max(0, prev - pos)
                 end = pos + consumed
@@ -636,6 +641,14 @@ class UnifiedRadixCache:
         from urc.tiering import evict_host_leaf
 
         evict_host_leaf(self, node, tracker)
+
+    def insert_host(self, key: RadixKey, host_value: torch.Tensor, start: int) -> int:
+        """Attach host data read from a lower tier (L3 storage) for ``key[start:start + n]``
+        (``host_value``: ``n`` Full host slots, owned by the tree from now on); returns the
+        tokens placed on new host-only nodes.  See :func:`urc.tiering.insert_host`."""
+        from urc.tiering import insert_host
+
+        return insert_host(self, key, host_value, start)
 
     def inc_host_lock_ref(self, node: TreeNode) -> None:
         """Pin ``node``'s host copy against host eviction."""
@@ -908,7 +921,34 @@ class UnifiedRadixCache:
         return False
 
     def stats(self) -> CacheStats:
-        """A snapshot of sizes (per component, device tier) and cumulative counters; O(1)."""
+        """A snapshot of sizes (per component and tier) and cumulative counters; O(1).
+
+        The per-component part is rebuilt only when a size changed (the service takes a
+        snapshot after every batch, and most batches change no size)."""
+        tiered = self.host_tier is not None
+        figs: list[int] = []
+        for c in self.components:
+            figs += (c.evictable_size, c.protected_size, c.pool_available())
+            if tiered:
+                figs += (c.host_evictable_size, c.host_protected_size, c.host_available())
+        if figs != self._stats_figs:
+            self._stats_figs = figs
+            self._stats_comps = self._component_stats()
+        comps = self._stats_comps
+        k = self.counters
+        return CacheStats(
+            components=comps,
+            num_nodes=self.num_nodes,
+            match_requests=k.match_requests,
+            query_tokens=k.query_tokens,
+            hit_tokens=dict(k.hit_tokens),
+            inserted_tokens=k.inserted_tokens,
+            evicted=dict(k.evicted),
+            backed_up_tokens=k.backed_up_tokens,
+            loaded_back_tokens=k.loaded_back_tokens,
+        )
+
+    def _component_stats(self) -> tuple[ComponentStats, ...]:
         comps = tuple(
             ComponentStats(
                 component=c.component_type,
@@ -934,18 +974,7 @@ class UnifiedRadixCache:
                 )
                 for c in self.components
             )
-        k = self.counters
-        return CacheStats(
-            components=comps,
-            num_nodes=self.num_nodes,
-            match_requests=k.match_requests,
-            query_tokens=k.query_tokens,
-            hit_tokens=dict(k.hit_tokens),
-            inserted_tokens=k.inserted_tokens,
-            evicted=dict(k.evicted),
-            backed_up_tokens=k.backed_up_tokens,
-            loaded_back_tokens=k.loaded_back_tokens,
-        )
+        return comps
 
     # ================================================================== whole-tree operations
     def _nodes(self) -> list[TreeNode]:

@@ -50,9 +50,12 @@ class CacheCounters:
     loaded_back_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CacheStats:
-    """A consistent snapshot: per-(component, tier) sizes, node count and counters."""
+    """A consistent snapshot: per-(component, tier) sizes, node count and counters.
+
+    Treat it as read-only (it is not frozen only because building frozen dataclasses costs
+    about a microsecond, paid after every batch of service commands)."""
 
     components: tuple[ComponentStats, ...]
     num_nodes: int

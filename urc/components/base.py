@@ -118,15 +118,17 @@ class TreeComponent(ABC):
         node: TreeNode,
         prefix_len: int,
         total_prefix_len: int,
-        value_slice: torch.Tensor,
+        value: torch.Tensor,
         params: InsertParams,
     ) -> int:
         """Called for every existing node an insert walks through.
 
-        ``value_slice`` is the incoming Full value for the node's span (``prefix_len``
-        tokens, starting at key position ``total_prefix_len``).  Returns ``consumed_from``:
-        the component took ownership of ``value_slice[consumed_from:]``; the tree frees the
-        duplicates ``value_slice[dup_start:min(consumed_from)]``.  Default: nothing consumed.
+        The node covers ``prefix_len`` tokens at key position ``total_prefix_len``; its
+        incoming Full slots are ``value[total_prefix_len : total_prefix_len + prefix_len]``
+        (``value`` is the whole incoming value: slice only when needed -- a tensor slice costs
+        more than most of these calls).  Returns ``consumed_from`` (relative to the node): the
+        component took ownership of the node's incoming slots from there on; the tree frees
+        the duplicates ``[dup_start, min(consumed_from))``.  Default: nothing consumed.
         """
         return prefix_len
 

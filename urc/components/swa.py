@@ -231,7 +231,7 @@ class SWAComponent(TreeComponent):
         node: TreeNode,
         prefix_len: int,
         total_prefix_len: int,
-        value_slice: torch.Tensor,
+        value: torch.Tensor,
         params: InsertParams,
     ) -> int:
         """Recover an SWA tombstone from the incoming slots where they are in the window.
@@ -254,7 +254,7 @@ class SWAComponent(TreeComponent):
         if start >= prefix_len:
             return prefix_len
         start = max(start, 0)
-        fresh = value_slice[start:] if start else value_slice
+        fresh = value[total_prefix_len + start : total_prefix_len + prefix_len]
         if not self.allocator.swa_mapped(fresh):
             return prefix_len
         if start:

@@ -4,13 +4,13 @@ Slots are token indices ``[0, size)``; page ``p`` owns tokens ``[p * page_size, 
 page_size)``.  ``alloc(n)`` takes ``ceil(n / page_size)`` pages and returns the first ``n``
 token indices of them, so an unaligned request still owns whole pages.
 
-Freeing is O(1) amortised torch calls: freed pages are appended to a list and merged into the
-free tensor only when an allocation runs short (SGLang's allocator concatenates the whole free
-list on every free, which dominated its insert and evict phases).  A per-page state counter
-makes double frees and frees of never-allocated slots an error instead of silent corruption.
-The state lives in host memory (numpy) because per-call torch dispatch costs more than the
-check itself; a slot repeated inside one ``free`` call is caught by :meth:`check_consistency`
-(run by ``sanity_check``) rather than on every free, to keep ``free`` at a few microseconds.
+Freeing costs O(freed pages), independent of the pool size (SGLang's allocator concatenates
+the whole free list on every free, which dominated its insert and evict phases).  A per-page
+state makes double frees and frees of never-allocated slots an error instead of silent
+corruption.  State and free stack live in host memory (numpy) because per-call torch dispatch
+costs more than the bookkeeping itself; a slot repeated inside one ``free`` call is caught by
+:meth:`check_consistency` (run by ``sanity_check``) rather than on every free, to keep
+``free`` at a few microseconds.
 """
 
 from __future__ import annotations
@@ -35,15 +35,18 @@ class TokenSlotAllocator:
     ``free(indices)`` accepts any concatenation of page-prefix runs, each starting on a page
     boundary (what a request or a tree node owns): the page of every run's first token is
     freed.  Sizes (``size``, ``available_size()``) are in tokens.
+
+    Free pages sit on a host-side stack (numpy): ``free`` is one state check and one copy
+    onto the stack, ``alloc`` one slice off it -- O(pages) memory moves, no torch dispatch
+    beyond building the returned tensor.
     """
 
     __slots__ = (
         "_arange",
-        "_free",
-        "_free_pos",
-        "_num_free_pages",
-        "_released",
+        "_shift",
+        "_stack",
         "_state",
+        "_top",
         "device",
         "num_pages",
         "page_size",
@@ -56,6 +59,7 @@ class TokenSlotAllocator:
             raise ConfigError(f"size must be a positive multiple of page_size, got {size}")
         self.size = size
         self.page_size = page_size
+        self._shift = page_size.bit_length() - 1
         self.device = torch.device(device)
         self.num_pages = size // page_size
         self._arange = torch.arange(page_size, dtype=torch.int64, device=self.device)
@@ -65,15 +69,14 @@ class TokenSlotAllocator:
 
     def clear(self) -> None:
         """Mark every slot free (drops all outstanding allocations)."""
-        self._free = torch.arange(self.num_pages, dtype=torch.int64, device=self.device)
-        self._free_pos = 0
-        self._released: list[torch.Tensor] = []
-        self._num_free_pages = self.num_pages
+        # Reversed so that a fresh allocator hands out ascending pages.
+        self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = self.num_pages
         self._state[:] = 0
 
     def available_size(self) -> int:
         """Number of free token slots."""
-        return self._num_free_pages * self.page_size
+        return self._top * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` slots (whole pages); ``None`` when not enough are free."""
@@ -81,21 +84,22 @@ class TokenSlotAllocator:
             raise InvalidIndicesError(f"cannot allocate a negative number of slots: {num_tokens}")
         ps = self.page_size
         need = -(-num_tokens // ps)
-        if need > self._num_free_pages:
+        top = self._top
+        if need > top:
             return None
-        if need == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        if self._free.shape[0] - self._free_pos < need:
-            self._free = torch.cat([self._free[self._free_pos :], *self._released])
-            self._free_pos = 0
-            self._released.clear()
-        pages = self._free[self._free_pos : self._free_pos + need]
-        self._free_pos += need
-        self._num_free_pages -= need
-        self._state[_host(pages)] = 1
+        pages = self._stack[top - need : top][::-1].copy()
+        self._top = top - need
+        self._state[pages] = 1
+        out = torch.from_numpy(pages)
+        if self.device.type != "cpu":
+            out = out.to(self.device)
         if ps == 1:
-            return pages.clone()
-        return (pages.unsqueeze(1) * ps + self._arange).reshape(-1)[:num_tokens]
+            return out
+        return (out.unsqueeze(1) * ps + self._arange).reshape(-1)[:num_tokens]
+
+    def _pages_of(self, indices: torch.Tensor) -> np.ndarray:
+        host = _host(indices)
+        return host if self.page_size == 1 else host[:: self.page_size] >> self._shift
 
     def free(self, indices: torch.Tensor) -> None:
         """Free the pages owned by ``indices``.
@@ -104,36 +108,35 @@ class TokenSlotAllocator:
         outside ``[0, size)``, and :class:`DoubleFreeError` when a page is not allocated; in
         both cases nothing is freed.
         """
-        n = indices.shape[0]
-        if n == 0:
+        k = indices.shape[0]
+        if k == 0:
             return
         if indices.dtype != torch.int64 or indices.device != self.device:
             raise InvalidIndicesError(
                 f"indices must be int64 on {self.device}, got {indices.dtype} on {indices.device}"
             )
-        ps = self.page_size
-        pages = indices if ps == 1 else torch.div(indices[::ps], ps, rounding_mode="floor")
-        host = _host(pages)
+        pages = self._pages_of(indices)
         state = self._state
         try:
-            if host.min() < 0:
+            if pages.min() < 0:
                 raise IndexError
-            if state[host].min() != 1:
+            if not state[pages].all():
                 raise DoubleFreeError("freeing a slot that is not allocated")
         except IndexError:
             raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
-        state[host] = 0
-        # Keep our own copy: the caller's tensor may be a view it later overwrites.
-        self._released.append(pages.clone() if pages is indices else pages)
-        self._num_free_pages += pages.shape[0]
+        top = self._top
+        n = pages.shape[0]
+        if top + n > self.num_pages:
+            raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
+        state[pages] = 0
+        self._stack[top : top + n] = pages  # a copy: the caller may reuse its tensor
+        self._top = top + n
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
         """True when every page owned by ``indices`` is currently allocated."""
         if indices.shape[0] == 0:
             return True
-        ps = self.page_size
-        pages = indices if ps == 1 else torch.div(indices[::ps], ps, rounding_mode="floor")
-        return bool((self._state[_host(pages)] == 1).all())
+        return bool((self._state[self._pages_of(indices)] == 1).all())
 
     def check_owned(self, indices: torch.Tensor) -> None:
         """Raise :class:`InvalidIndicesError` unless ``indices`` is a valid allocated span.
@@ -154,17 +157,14 @@ class TokenSlotAllocator:
             raise InvalidIndicesError("value holds slots that are not allocated")
 
     def check_consistency(self) -> None:
-        """Assert that the free list and the page states agree (O(size); for sanity checks)."""
-        free = torch.cat([self._free[self._free_pos :], *self._released])
-        n_free = int(free.shape[0])
-        assert n_free == self._num_free_pages, (
-            f"free list holds {n_free} pages, counter says {self._num_free_pages}"
-        )
+        """Assert that the free stack and the page states agree (O(size); for sanity checks).
+
+        Also catches a page freed twice within one ``free`` call (listed twice)."""
+        free = self._stack[: self._top]
         n_state_free = int((self._state == 0).sum())
-        assert n_state_free == n_free, f"{n_state_free} pages marked free, {n_free} listed"
-        host = _host(free)
-        assert (self._state[host] == 0).all(), "a listed free page is marked allocated"
-        assert np.unique(host).shape[0] == n_free, "a page is listed free twice"
+        assert n_state_free == self._top, f"{n_state_free} pages marked free, {self._top} listed"
+        assert (self._state[free] == 0).all(), "a listed free page is marked allocated"
+        assert np.unique(free).shape[0] == self._top, "a page is listed free twice"
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
