@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from urc.errors import ConfigError
 from urc.tiers import WritePolicy
 
-__all__ = ["HiCacheConfig"]
+__all__ = [
+    "HiCacheConfig",
+    "PrefetchStopPolicy",
+    "StorageBackupPolicy",
+    "StorageConfig",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +53,51 @@ class HiCacheConfig:
         """Host slots for a device pool of ``device_size`` (rounded up to whole pages)."""
         n = self.host_tokens if self.host_tokens is not None else int(device_size * self.host_ratio)
         return max(page_size, -(-n // page_size) * page_size)
+
+
+class StorageBackupPolicy(Enum):
+    """When host pages are written to the L3 storage tier."""
+
+    OFF = "off"  # never: storage is only read (another instance fills it)
+    WRITE_THROUGH = "write_through"  # as soon as a node's pages land on host
+    ON_HOST_EVICTION = "on_host_eviction"  # when host eviction frees a node's pages
+
+
+class PrefetchStopPolicy(Enum):
+    """When a prefetch from storage stops reading and commits what arrived."""
+
+    BEST_EFFORT = "best_effort"  # when the caller's ``stop`` event fires (or the timeout)
+    WAIT_COMPLETE = "wait_complete"  # every page the store reported (backend timeouts only)
+    TIMEOUT = "timeout"  # after ``timeout_base_s + pages * timeout_per_page_s``
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """L3 storage tier configuration (see ``hicache.storage_worker``).
+
+    Prefetches read pages in batches of ``batch_pages``; a key whose uncached part is shorter
+    than ``prefetch_threshold_pages`` pages is not looked up.  ``max_pending_writes`` bounds
+    the nodes waiting for a write-through put and ``max_pending_bytes`` the page bytes staged
+    for puts on host eviction; work beyond either bound is dropped (and counted).
+    """
+
+    backup_policy: StorageBackupPolicy = StorageBackupPolicy.WRITE_THROUGH
+    prefetch_policy: PrefetchStopPolicy = PrefetchStopPolicy.TIMEOUT
+    timeout_base_s: float = 1.0
+    timeout_per_page_s: float = 0.25
+    prefetch_threshold_pages: int = 1
+    batch_pages: int = 16
+    max_pending_writes: int = 1024
+    max_pending_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.timeout_base_s <= 0 or self.timeout_per_page_s < 0:
+            raise ConfigError(f"invalid prefetch timeouts in {self}")
+        if min(self.prefetch_threshold_pages, self.batch_pages, self.max_pending_writes) < 1:
+            raise ConfigError(f"invalid storage bounds in {self}")
+        if self.max_pending_bytes < 0:
+            raise ConfigError(f"max_pending_bytes must be >= 0, got {self.max_pending_bytes}")
+
+    def prefetch_timeout(self, pages: int) -> float:
+        """Seconds a ``TIMEOUT`` prefetch of ``pages`` pages may take."""
+        return self.timeout_base_s + pages * self.timeout_per_page_s

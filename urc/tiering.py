@@ -17,11 +17,12 @@ Pins, so that nothing in flight is ever freed::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from urc.errors import InvalidLockError
+from urc.key import RadixKey
 from urc.params import EvictParams
 from urc.tiers import BackupTicket, HostTier, LoadTicket, TransferItem
 from urc.tree import NUM_COMPONENT_TYPES, ComponentType, Tier, TreeNode
@@ -34,6 +35,9 @@ __all__ = [
     "copy_backup",
     "copy_load_back",
     "evict_host",
+    "host_prefix",
+    "host_unlock_pieces",
+    "insert_host",
     "finish_backup",
     "finish_load_back",
     "load_back",
@@ -171,6 +175,8 @@ def finish_backup(cache: UnifiedRadixCache, ticket: BackupTicket, ok: bool = Tru
     if not ok:
         return 0
     cache.counters.backed_up_tokens += ticket.tokens
+    if cache.host_commit_listener is not None and not ticket.nodes[-1].deleted:
+        cache.host_commit_listener(ticket.nodes[-1])
     return ticket.tokens
 
 
@@ -260,7 +266,7 @@ def finish_load_back(cache: UnifiedRadixCache, ticket: LoadTicket, ok: bool = Tr
             comp.abort_load(pieces, item.device)
     for i, n in enumerate(ticket.nodes):
         for piece in pieces_of(n, ticket.lengths[i]):
-            full.host_lock(piece, -1)
+            host_lock(cache, piece, -1)  # an unpinned host-only leaf is evictable again
     cache.dec_lock_ref(ticket.anchor, ticket.anchor_receipt.to_dec_params())
     bottom = ticket.nodes[-1]
     if not bottom.in_heap and full.is_device_leaf(bottom):
@@ -301,6 +307,8 @@ def evict_host(cache: UnifiedRadixCache, num_tokens: int) -> int:
 
 def evict_host_leaf(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]) -> None:
     """Free every host copy of the host-only leaf ``node`` and delete it."""
+    if cache.host_evict_listener is not None:
+        cache.host_evict_listener(node)
     for c in cache.components:
         cd = node.data[c.component_type]
         assert cd is not None
@@ -321,3 +329,120 @@ def host_lock(cache: UnifiedRadixCache, node: TreeNode, delta: int) -> None:
     cache.full.host_lock(node, delta)
     if delta < 0 and not node.in_host_heap and cache.full.is_host_leaf(node):
         cache.full.note_host_leaf(node)
+
+
+def host_unlock_pieces(cache: UnifiedRadixCache, node: TreeNode, length: int) -> None:
+    """Release a host lock taken on ``node`` when it was ``length`` long (a split since then
+    copied the lock onto every piece of the span)."""
+    for piece in pieces_of(node, length):
+        host_lock(cache, piece, -1)
+
+
+# ---------------------------------------------------------------------- lower tiers (L3)
+def _walk(cache: UnifiedRadixCache, tokens: list[Any], ns: Any, pos: int, node: TreeNode) -> Any:
+    """The child key under ``node`` of the page of ``tokens`` at ``pos``."""
+    from urc.cache import _NS
+
+    ck = cache._first_key(tokens, pos)
+    return (_NS, ns, ck) if node.parent is None and ns is not None else ck
+
+
+def host_prefix(cache: UnifiedRadixCache, key: RadixKey) -> tuple[int, TreeNode]:
+    """The longest page-aligned prefix of ``key`` whose tokens all have Full host copies, and
+    the deepest node it reaches (the root when none).  Read-only: nothing is split, no access
+    time or counter changes (the prefix may end inside the returned node)."""
+    tokens = cache._prepare_tokens(key)
+    n = len(tokens)
+    node = cache.root
+    pos = 0
+    while pos < n:
+        child = node.children.get(_walk(cache, tokens, key.extra_key, pos, node))
+        if child is None:
+            break
+        cd = child.data[_FULL]
+        assert cd is not None
+        if cd.host_value is None:
+            break
+        m = cache._match_len(child.key, tokens, pos)
+        if m == 0:
+            break
+        pos += m
+        node = child
+        if m < child.key_len:
+            break
+    return pos, node
+
+
+def insert_host(
+    cache: UnifiedRadixCache, key: RadixKey, host_value: torch.Tensor, start: int
+) -> int:
+    """Attach Full host data read from a lower tier for the tokens ``[start, end)`` of
+    ``key`` (``end = start + len(host_value)``, both page-aligned); the tree owns
+    ``host_value``'s slots from now on.
+
+    Walks the path like an insert (splitting nodes at ``start`` and where the key diverges).
+    Host copies must form a chain from the root, so only a path whose nodes above ``start``
+    all hold host copies takes the data: a node there without one (the tree changed since
+    the caller looked) stops the walk and the rest is freed.  Past ``start``, a node with a
+    host copy already keeps it (the duplicate slots are freed), a node only on device adopts
+    the slots as its host copy (same key, same bytes), and the remainder becomes one new
+    host-only leaf.  Other components get no data (their tombstones stay).  Returns the
+    tokens placed on the new leaf.
+    """
+    tier = cache.host_tier
+    assert tier is not None, "insert_host needs a host tier"
+    ps = cache.page_size
+    end = start + int(host_value.shape[0])
+    tokens = cache._prepare_tokens(key)
+    assert start % ps == 0 and end % ps == 0 and end <= len(tokens), (start, end, len(tokens))
+    tokens = tokens[:end]
+    ns = key.extra_key
+    full = cache.full
+    node = cache.root
+    pos = 0
+    done = start  # tokens of host_value[: done - start] are placed or freed
+
+    def release(a: int, b: int) -> None:
+        if a < b:
+            tier.host_free(ComponentType.FULL, host_value[a - start : b - start])
+
+    while pos < end:
+        child = node.children.get(_walk(cache, tokens, ns, pos, node))
+        if child is None:
+            break
+        m = cache._match_len(child.key, tokens, pos)
+        if m == 0:
+            break
+        if m < child.key_len:
+            child = cache.split_node(child, m)
+        if pos < start < pos + m:
+            child = cache.split_node(child, start - pos)
+            m = start - pos
+        cd = child.data[_FULL]
+        assert cd is not None
+        if pos < start:
+            if cd.host_value is None:
+                break  # the host chain is broken above our data
+        elif cd.host_value is not None:
+            release(pos, pos + m)
+            done = pos + m
+        else:
+            assert cd.value is not None, f"node {child.id} holds no Full data"
+            cd.host_value = host_value[pos - start : pos + m - start]
+            full._add_host(cd, m)
+            done = pos + m
+        pos += m
+        node = child
+    if pos < end and pos >= start and done == pos:
+        cache._clock += 1
+        leaf = TreeNode(tokens[pos:end], node, cache._new_data(), ns, cache._clock)
+        cd = leaf.data[_FULL]
+        assert cd is not None
+        cd.host_value = host_value[pos - start :]
+        full._add_host(cd, end - pos)
+        node.children[cache._child_key_of(leaf)] = leaf
+        cache.num_nodes += 1
+        full.note_host_leaf(leaf)
+        return end - pos
+    release(done, end)
+    return 0
