@@ -34,7 +34,7 @@ class HostMemoryTier:
             if buffers is None:
                 raise ConfigError(f"{c.component_type.name} has no device buffers to mirror")
             page = cache.page_size if c.unit == "tokens" else 1
-            size = config.host_size(c.pool_capacity(), page)
+            size = config.host_size(c.pool_capacity(), page, c.unit)
             pools[c.component_type] = HostPool(buffers, size, page)
         return cls(pools)
 

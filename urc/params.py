@@ -108,12 +108,15 @@ class IncLockRefResult:
     component skipped at acquire time (tombstones), so release skips exactly those.
     ``node_id`` is the locked node: releasing another node with this receipt is refused.
     ``swa_lock_epoch`` tells SWA release which tombstones were recovered after the acquire.
+    ``full_start_id`` is the first node the Full lock covers when the locked node and the
+    nodes above it were host-only (release starts there, whatever was loaded back since).
     (A plain slotted class: it is built on every lock, and a dataclass with a dict
     default factory costs more than the lock walk itself.)
     """
 
     __slots__ = (
         "delta",
+        "full_start_id",
         "node_id",
         "skip_lock_node_ids",
         "swa_lock_epoch",
@@ -129,8 +132,10 @@ class IncLockRefResult:
         skip_lock_node_ids: dict[ComponentType, set[int]] | None = None,
         node_id: int | None = None,
         swa_lock_epoch: int | None = None,
+        full_start_id: int | None = None,
     ) -> None:
         self.delta = delta
+        self.full_start_id = full_start_id
         self.swa_uuid_for_lock = swa_uuid_for_lock
         self.swa_uuid_for_host_lock = swa_uuid_for_host_lock
         self.skip_lock_node_ids: dict[ComponentType, set[int]] = (
@@ -152,6 +157,7 @@ class IncLockRefResult:
             skip_lock_node_ids=self.skip_lock_node_ids,
             node_id=self.node_id,
             swa_lock_epoch=self.swa_lock_epoch,
+            full_start_id=self.full_start_id,
         )
 
 
@@ -167,6 +173,8 @@ class DecLockRefParams:
     skip_swa: bool = False
     # SWA recovery epoch at acquire: a tombstone recovered later was not locked by this receipt.
     swa_lock_epoch: int | None = None
+    # First node the Full lock covers, when the locked node itself was host-only.
+    full_start_id: int | None = None
 
 
 class DecLockRefResult(NamedTuple):

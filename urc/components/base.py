@@ -248,9 +248,8 @@ class TreeComponent(ABC):
         """The copy of ``source`` (what ``backup_source`` returned) into ``host`` finished:
         attach ``host`` to ``pieces`` (the node, possibly split since the backup started;
         top-down).  Default for per-token data: slice by piece length; a piece whose device
-        data is no longer ``source``'s (lost, or replaced: a backup pins only what a lock on
-        the chain's lowest node pins) or that already has a host copy gets none (its host
-        slots are freed)."""
+        data is no longer ``source``'s (lost or replaced despite the backup's locks) or that
+        already has a host copy gets none (its host slots are freed)."""
         tier = self.cache.host_tier
         assert tier is not None
         ct = self.component_type

@@ -185,14 +185,16 @@ class FullComponent(TreeComponent):
 
     # ------------------------------------------------------------------ locks
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
-        # Host-only nodes at the bottom of the path hold no device data: skip (and record)
-        # them so release skips exactly the same nodes even if they are loaded back later.
-        skipped: set[int] | None = None
+        # Host-only nodes at the bottom of the path hold no device data: skip them, and record
+        # where the lock starts so release starts there too, even if they are loaded back
+        # (and split) meanwhile.  A split keeps the original node as the lower piece, so the
+        # recorded id stays the lowest locked node.
+        skipped = False
         while node.parent is not None and node.data[_FULL].value is None:  # type: ignore[union-attr]
-            if skipped is None:
-                skipped = result.skip_lock_node_ids.setdefault(ComponentType.FULL, set())
-            skipped.add(node.id)
+            skipped = True
             node = node.parent
+        if skipped:
+            result.full_start_id = node.id
         delta = 0
         while node.parent is not None:
             cd = node.data[_FULL]
@@ -205,10 +207,13 @@ class FullComponent(TreeComponent):
         result.delta = delta
 
     def _first_locked(self, node: TreeNode, params: DecLockRefParams | None) -> TreeNode:
-        skip = params.skip_lock_node_ids.get(ComponentType.FULL) if params is not None else None
-        if skip:
-            while node.parent is not None and node.id in skip:
-                node = node.parent
+        start = params.full_start_id if params is not None else None
+        if start is not None:
+            while node.id != start:
+                parent = node.parent
+                if parent is None:
+                    raise InvalidLockError(f"the receipt's lock start {start} is not above it")
+                node = parent
         return node
 
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:

@@ -342,8 +342,8 @@ class MambaComponent(TreeComponent):
         self, pieces: Sequence[TreeNode], host: torch.Tensor, source: torch.Tensor
     ) -> None:
         """Attach the host copy to the bottom piece, unless its state changed meanwhile
-        (evicted: only the lowest node's state is pinned by the backup's lock; or replaced)
-        or it already has a host copy; then the host slot is freed."""
+        (evicted or replaced despite the backup's locks: a lock skips a state where SWA is a
+        tombstone) or it already has a host copy; then the host slot is freed."""
         node = pieces[-1]
         cd = node.data[_M]
         assert cd is not None

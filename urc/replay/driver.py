@@ -1,0 +1,519 @@
+"""The serving loop of ``urc replay``: requests through the async service, the way a server would.
+
+For each request, in workload order, with up to ``concurrency`` in flight (one task each):
+
+1. take a ``req_to_token`` row (``svc.call``);
+2. ``match_req`` (locks the device hit on the request's behalf; Mamba: copy-on-write of the
+   matched state).  If the match continues on host and a host tier runs, the controller loads
+   that span back to device (``controller.load_back``) and the request re-matches (one
+   ``svc.call``) so its lock and prefix cover the loaded tokens;
+3. prefill the uncached tail in chunks of ``chunk_size`` tokens on the chunk grid (Mamba: a
+   chunk also ends at the match's ``mamba_branching_seqlen``, so a state is checkpointed where
+   the cached prefix branches): ``svc.alloc`` the chunk's slots (the service evicts when
+   full), write them into the request's row (``svc.call``), ``cache_unfinished_req``.  The
+   last prompt chunk allocates the output tokens' slots too (one allocation keeps the row's
+   pages contiguous; decode then needs no cache call);
+4. decode: the output token ids are deterministic (``OUTPUT_TOKEN_BASE + (index << 24) + i``,
+   never equal to a prompt token), then ``cache_finished_req``.  With ``prefill_only`` the
+   request finishes right after its last prompt chunk and only prompts are cached.
+
+Memory: if an allocation fails even after eviction (every evictable token is gone and the rest
+is locked by requests in flight), the request waits for another request to finish and retries,
+like a server's admission queue.  When every other request in flight is waiting too (or none
+is), waiting could deadlock, so the request is rejected instead: it gives back what it holds
+(``cache_finished_req(is_insert=False)``; chunks it already cached stay cached) and counts as
+rejected.  Nothing crashes on memory pressure.
+
+Latencies are measured in the client around each await (queueing in the actor included).
+After the run the service is closed (background work stopped, pins released) and the core's
+``sanity_check`` and pool conservation check run on it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import AsyncExitStack, aclosing, suppress
+from dataclasses import asdict, dataclass
+from functools import partial
+from time import perf_counter
+from typing import TypeVar, cast
+
+import anyio
+import torch
+from prometheus_client import CollectorRegistry
+from tqdm import tqdm
+
+from hicache.config import HiCacheConfig, StorageConfig
+from hicache.controller import HiCacheController
+from hicache.storage.file import FileStorage
+from hicache.storage_worker import StorageWorker
+from hicache.tier import attach_hicache
+from metrics.exporter import CacheMetrics
+from metrics.http import MetricsServer, MetricsServerConfig
+from urc.cache import UnifiedRadixCache
+from urc.components.mamba import MambaComponent
+from urc.components.swa import SWAComponent
+from urc.config import build_cache
+from urc.errors import ConfigError, InvalidInputError, OutOfMemoryError, ServiceError
+from urc.key import RadixKey
+from urc.params import MatchPrefixParams
+from urc.replay.config import ModelProfile, ReplayConfig
+from urc.replay.report import TIERS, LatencyRecorder, ReplayReport
+from urc.replay.source import WorkloadSummary, aiter_requests, summarize
+from urc.req import Req
+from urc.service import AsyncUnifiedRadixCache, BackgroundWorker
+from urc.tree import ComponentType
+from urc.workloads import TraceRequest
+
+__all__ = ["OUTPUT_TOKEN_BASE", "MetricsHook", "output_token_ids", "run_replay"]
+
+T = TypeVar("T")
+
+OUTPUT_TOKEN_BASE = 1 << 40
+"""Generated token ids start here: above every prompt token id (trace ids are < 2**31)."""
+
+# Called with the /metrics URL once the endpoint and the service are up.
+MetricsHook = Callable[[str], Awaitable[None]]
+
+
+def output_token_ids(index: int, length: int) -> list[int]:
+    """The deterministic output token ids of request ``index``."""
+    base = OUTPUT_TOKEN_BASE + (index << 24)
+    return list(range(base, base + length))
+
+
+# ---------------------------------------------------------------------- actor-side steps
+# Run inside the actor through ``svc.call``: each raises a URCError before changing anything,
+# or succeeds.
+
+
+@dataclass(frozen=True, slots=True)
+class _AllocRow:
+    req: Req
+
+    def __call__(self, cache: UnifiedRadixCache) -> int:
+        row = cache.req_to_token_pool.alloc()
+        if row is None:
+            raise OutOfMemoryError("no free request row")
+        self.req.req_pool_idx = row
+        return row
+
+
+@dataclass(frozen=True, slots=True)
+class _AllocMambaSlot:
+    req: Req
+
+    def __call__(self, cache: UnifiedRadixCache) -> torch.Tensor:
+        mamba = cast(MambaComponent, cache.component(ComponentType.MAMBA))
+        return mamba.alloc_req_slot(self.req)
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteRow:
+    """Write ``slots`` into the request's row after what it holds; commit up to ``committed``.
+    The first write also stores the matched prefix's indices at the row's start."""
+
+    req: Req
+    slots: torch.Tensor
+    committed: int
+
+    def __call__(self, cache: UnifiedRadixCache) -> None:
+        req = self.req
+        row = req.req_pool_idx
+        assert row is not None
+        pool = cache.req_to_token_pool
+        prefix = req.cache_protected_len
+        start = max(req.kv_allocated_len, prefix)
+        end = start + int(self.slots.shape[0])
+        if end > pool.max_context_len:
+            raise InvalidInputError(f"request {req.rid}: {end} tokens exceed the row")
+        if req.kv_allocated_len < prefix:
+            pool.write(row, 0, req.prefix_indices)
+        pool.write(row, start, self.slots)
+        req.kv_allocated_len = end
+        req.kv_committed_len = self.committed
+
+
+@dataclass(frozen=True, slots=True)
+class _Rematch:
+    """Match the request again after a load-back and move its lock to the longer hit."""
+
+    req: Req
+    cow_mamba: bool
+
+    def __call__(self, cache: UnifiedRadixCache) -> int:
+        req = self.req
+        res = cache.match_prefix(
+            MatchPrefixParams(RadixKey(req.fill_ids, req.extra_key), self.cow_mamba, req)
+        )
+        node = res.last_device_node
+        receipt = cache.inc_lock_ref(node)  # lock the new end before unlocking the old one
+        old, old_receipt = req.last_node, req.lock_receipt
+        if old is not None and old.parent is not None and old_receipt is not None:
+            cache.dec_lock_ref(old, old_receipt.to_dec_params())
+        req.last_node = node
+        req.lock_receipt = receipt
+        req.prefix_indices = res.device_indices
+        req.cache_protected_len = int(res.device_indices.shape[0])
+        req.mamba_branching_seqlen = res.mamba_branching_seqlen
+        return req.cache_protected_len
+
+
+@dataclass(frozen=True, slots=True)
+class _SlideWindow:
+    """SWA: free the SWA slots of the request's own tokens that slid out of the window."""
+
+    req: Req
+    seq_len: int
+
+    def __call__(self, cache: UnifiedRadixCache) -> int:
+        swa = cast(SWAComponent, cache.component(ComponentType.SWA))
+        return swa.free_out_of_window_slots(self.req, self.seq_len)
+
+
+# ---------------------------------------------------------------------- memory admission
+class _MemoryGate:
+    """Requests that could not get memory wait here for another request to finish."""
+
+    __slots__ = ("_event", "active", "waiting")
+
+    def __init__(self) -> None:
+        self.active = 0  # requests holding a row
+        self.waiting = 0
+        self._event = anyio.Event()
+
+    def released(self) -> None:
+        """A request finished or gave up: memory may be free; wake every waiter."""
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> bool:
+        """Wait for the next release; ``False`` (at once) when no other request could
+        release anything (every other one in flight waits too)."""
+        if self.waiting + 1 >= self.active:
+            return False
+        self.waiting += 1
+        try:
+            await self._event.wait()
+        finally:
+            self.waiting -= 1
+        return True
+
+
+# ---------------------------------------------------------------------- the loop
+class _ServingLoop:
+    def __init__(
+        self,
+        config: ReplayConfig,
+        svc: AsyncUnifiedRadixCache,
+        controller: HiCacheController | None,
+        storage: StorageWorker | None,
+        device_tokens: int,
+        bar: tqdm[None],
+    ) -> None:
+        self.config = config
+        self.svc = svc
+        self.controller = controller
+        self.storage = storage
+        self.device_tokens = device_tokens
+        self.bar = bar
+        self.mamba = config.model is ModelProfile.MAMBA
+        self.swa = config.model is ModelProfile.SWA
+        self.gate = _MemoryGate()
+        self.latency = LatencyRecorder()
+        self.hits = dict.fromkeys(TIERS, 0)
+        self.requests = self.done = self.rejected = 0
+        self.input_tokens = self.output_tokens = 0
+        self.oom_waits = 0
+
+    async def run(self, requests: AsyncGenerator[TraceRequest, None]) -> None:
+        sem = anyio.Semaphore(self.config.concurrency)
+        speed = self.config.speed
+        async with anyio.create_task_group() as tg, aclosing(requests):
+            start = anyio.current_time()
+            async for tr in requests:
+                if speed > 0:
+                    await anyio.sleep_until(start + tr.timestamp_ms / 1000.0 / speed)
+                await sem.acquire()
+                tg.start_soon(self._serve, tr, sem, name=f"urc-replay-{tr.index}")
+
+    async def _timed(self, kind: str, aw: Awaitable[T]) -> T:
+        t0 = perf_counter()
+        result = await aw
+        self.latency.add(kind, perf_counter() - t0)
+        return result
+
+    async def _serve(self, tr: TraceRequest, sem: anyio.Semaphore) -> None:
+        try:
+            await self._serve_one(tr)
+        finally:
+            sem.release()
+            self.gate.released()
+            bar = self.bar
+            bar.update(1)
+            if self.requests % 64 == 0 and self.input_tokens:
+                bar.set_postfix_str(
+                    f"hit {sum(self.hits.values()) / self.input_tokens:.1%}", refresh=False
+                )
+
+    async def _serve_one(self, tr: TraceRequest) -> None:
+        svc = self.svc
+        req = Req(f"r{tr.index}", list(tr.input_ids), extra_key=tr.namespace)
+        await self._timed("alloc_row", svc.call(_AllocRow(req)))
+        self.gate.active += 1
+        try:
+            ok = await self._run(req, tr)
+        except BaseException:
+            # Cancelled, or the service failed: hand back what the request still holds.
+            with anyio.CancelScope(shield=True):
+                if req.req_pool_idx is not None:
+                    with suppress(ServiceError):
+                        await svc.cache_finished_req(req, is_insert=False)
+            raise
+        finally:
+            self.gate.active -= 1
+        if ok:
+            self.done += 1
+        else:
+            self.rejected += 1
+
+    async def _with_memory(self, kind: str, op: Callable[[], Awaitable[T]]) -> T | None:
+        """``await op()``, waiting for other requests to free memory while it raises
+        OutOfMemoryError; ``None`` when no wait can help (the request is rejected)."""
+        controller = self.controller
+        spins = 0
+        while True:
+            t0 = perf_counter()
+            try:
+                result = await op()
+            except OutOfMemoryError:
+                self.oom_waits += 1
+                if await self.gate.wait():
+                    continue
+                if controller is not None and controller.in_flight and spins < 1000:
+                    # Transfers pin nodes while they copy; they finish within milliseconds.
+                    spins += 1
+                    await anyio.sleep(0.001)
+                    continue
+                return None
+            self.latency.add(kind, perf_counter() - t0)
+            return result
+
+    async def _run(self, req: Req, tr: TraceRequest) -> bool:
+        """Serve one request; ``False`` if it was rejected for lack of memory."""
+        svc = self.svc
+        config = self.config
+        n_in = tr.input_length
+        self.requests += 1
+        self.input_tokens += n_in
+        m = await self._timed("match_req", svc.match_req(req, cow_mamba=self.mamba))
+        device_hit = m.prefix_len
+        host_hit = m.host_hit_length
+        controller = self.controller
+        storage = self.storage
+        from_storage = 0
+        key = RadixKey(req.origin_input_ids, req.extra_key)
+        if storage is not None and device_hit + host_hit + config.page_size <= n_in:
+            # Pages past the host hit may be in L3: bring them to host first.
+            from_storage = await self._timed("storage_prefetch", storage.prefetch(svc, key))
+        if controller is not None and host_hit + from_storage > 0:
+            loaded = await self._timed("load_back", controller.load_back(svc, key))
+            if loaded > 0:
+                await self._timed("rematch", svc.call(_Rematch(req, self.mamba)))
+                gained = max(0, req.cache_protected_len - device_hit)
+                self.hits["host"] += min(gained, host_hit)
+                self.hits["storage"] += gained - min(gained, host_hit)
+        self.hits["device"] += device_hit
+        if self.mamba and req.mamba_pool_idx is None:
+            got = await self._with_memory(
+                "alloc_mamba_state", lambda: svc.call(_AllocMambaSlot(req))
+            )
+            if got is None:
+                return await self._reject(req)
+
+        out_len = 0 if config.prefill_only else tr.output_length
+        chunk = config.chunk_size
+        branch = req.mamba_branching_seqlen if self.mamba else None
+        pos = req.cache_protected_len
+        prefilled = False
+        while True:
+            end = min(n_in, (pos // chunk + 1) * chunk)
+            if branch is not None and pos < branch < end:
+                end = branch
+            last = end >= n_in
+            need = end - pos + (out_len if last else 0)
+            if need > 0:
+                if need > self.device_tokens:
+                    return await self._reject(req)
+                slots = await self._with_memory("alloc", partial(svc.alloc, need))
+                if slots is None:
+                    return await self._reject(req)
+                await self._timed("write_row", svc.call(_WriteRow(req, slots, end)))
+                prefilled = prefilled or end > pos
+            pos = end
+            if last:
+                break
+            await self._timed("cache_unfinished_req", svc.cache_unfinished_req(req))
+
+        if not config.prefill_only:
+            if prefilled:
+                # Prefill done: the prompt becomes matchable while the request decodes.
+                await self._timed("cache_unfinished_req", svc.cache_unfinished_req(req))
+            req.output_ids = output_token_ids(tr.index, out_len)
+            req.kv_committed_len = n_in + out_len
+            if self.swa and out_len:
+                await self._timed("swa_slide_window", svc.call(_SlideWindow(req, n_in + out_len)))
+            self.output_tokens += out_len
+        await self._timed("cache_finished_req", svc.cache_finished_req(req))
+        return True
+
+    async def _reject(self, req: Req) -> bool:
+        await self._timed("abort", self.svc.cache_finished_req(req, is_insert=False))
+        return False
+
+
+# ---------------------------------------------------------------------- entry point
+def _check(cache: UnifiedRadixCache) -> str | None:
+    try:
+        cache.sanity_check()
+        cache.check_pools()
+        assert cache.protected_size() == 0, f"{cache.protected_size()} tokens still locked"
+    except AssertionError as exc:
+        return str(exc) or repr(exc)
+    return None
+
+
+async def run_replay(
+    config: ReplayConfig,
+    *,
+    progress: bool = False,
+    metrics_port: int | None = None,
+    on_metrics: MetricsHook | None = None,
+    summary: WorkloadSummary | None = None,
+) -> ReplayReport:
+    """Replay ``config``'s workload through a fresh cache and service; returns the report.
+
+    ``progress`` shows a tqdm bar on stderr.  ``metrics_port`` (0: any free port) serves
+    ``/metrics`` on 127.0.0.1 for the duration of the run; ``on_metrics`` is awaited with its
+    URL once the endpoint and the service are up.  ``summary``: a first pass already made.
+
+    Raises :class:`~urc.workloads.TraceFormatError` (malformed trace), ``OSError``
+    (unreadable trace) and :class:`~urc.errors.ConfigError` (sizes that cannot be built).
+    """
+    t_setup = perf_counter()
+    if summary is None:
+        summary = await summarize(config)
+    ps = config.page_size
+    device = max(ps, config.device_tokens.resolve(summary.unique_tokens, ps))
+    host = config.host_tokens.resolve(summary.unique_tokens, ps)
+    cache = build_cache(config.cache_config(device, summary.max_request_tokens))
+
+    registry = CollectorRegistry(auto_describe=True)
+    metrics = CacheMetrics(registry) if metrics_port is not None else None
+    controller: HiCacheController | None = None
+    if host > 0:
+        hc = HiCacheConfig(write_policy=config.write_policy, host_ratio=host / device)
+        tier = attach_hicache(cache, hc)
+        host = tier.host_capacity(ComponentType.FULL)
+        controller = HiCacheController(cache, tier, hc, observer=metrics)
+    storage: StorageWorker | None = None
+    store: FileStorage | None = None
+    if config.l3_dir is not None:
+        if controller is None:
+            raise ConfigError("the L3 storage tier needs the host tier (host_tokens > 0)")
+        store = await FileStorage.open(config.l3_dir)
+        storage = StorageWorker(
+            cache,
+            controller.tier,
+            store,
+            StorageConfig(backup_policy=config.l3_backup),
+            controller=controller,
+            observer=metrics,
+        )
+    workers: list[BackgroundWorker] = []
+    if controller is not None:
+        workers.append(controller)
+    if storage is not None:
+        workers.append(storage)
+
+    bar = tqdm(
+        total=summary.requests,
+        unit="req",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        desc="replay",
+    )
+    with bar:
+        async with AsyncExitStack() as stack:
+            url: str | None = None
+            if metrics_port is not None:
+                server = MetricsServer(registry, MetricsServerConfig(port=metrics_port))
+                await stack.enter_async_context(server)
+                url = server.url
+            if store is not None:
+                stack.push_async_callback(store.close)  # closed after the service
+            svc = AsyncUnifiedRadixCache(cache, observer=metrics, workers=workers)
+            await stack.enter_async_context(svc)
+            if url is not None and on_metrics is not None:
+                await on_metrics(url)
+            loop = _ServingLoop(config, svc, controller, storage, device, bar)
+            setup_time = perf_counter() - t_setup
+            t0 = perf_counter()
+            await loop.run(aiter_requests(config))
+            wall = perf_counter() - t0
+            flush_time = 0.0
+            if storage is not None:
+                # Let queued L3 writes land, so a later run with the same --l3-dir sees them.
+                t1 = perf_counter()
+                await storage.flush()
+                flush_time = perf_counter() - t1
+        # Closed: the service first (background work drained, pins released), then /metrics.
+
+    error = _check(cache)
+    stats = cache.stats()
+    notes = []
+    if loop.oom_waits:
+        notes.append(f"{loop.oom_waits} allocations found no memory and waited or gave up")
+    if storage is not None:
+        notes.append(f"L3 writes still queued at the end were flushed in {flush_time:.2f} s")
+    if loop.rejected:
+        notes.append(
+            f"{loop.rejected} requests rejected: the device pool cannot hold the requests in "
+            "flight (raise --device-tokens or lower --concurrency)"
+        )
+    return ReplayReport(
+        source=config.source_name,
+        model=config.model.value,
+        page_size=ps,
+        chunk_size=config.chunk_size,
+        concurrency=config.concurrency,
+        prefill_only=config.prefill_only,
+        write_policy=config.write_policy.value if controller is not None else None,
+        l3=f"{config.l3_dir} ({config.l3_backup.value})" if storage is not None else None,
+        device_tokens=device,
+        host_tokens=host,
+        unique_tokens=summary.unique_tokens,
+        ideal_hit_rate=summary.ideal_hit_rate,
+        requests_total=loop.requests,
+        requests_done=loop.done,
+        requests_rejected=loop.rejected,
+        input_tokens=loop.input_tokens,
+        output_tokens=loop.output_tokens,
+        hit_tokens=dict(loop.hits),
+        evicted={
+            f"{ct.name.lower()}/{tier.name.lower()}": n for (ct, tier), n in stats.evicted.items()
+        },
+        backed_up_tokens=stats.backed_up_tokens,
+        loaded_back_tokens=stats.loaded_back_tokens,
+        core_match_hit_tokens=dict(stats.hit_tokens),
+        storage_stats=asdict(storage.stats) if storage is not None else {},
+        latency=loop.latency.summary(),
+        setup_time_s=setup_time,
+        wall_time_s=wall,
+        check_ok=error is None,
+        check_error=error,
+        notes=tuple(notes),
+    )
