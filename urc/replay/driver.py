@@ -321,9 +321,14 @@ class _ServingLoop:
             loaded = await self._timed("load_back", controller.load_back(svc, key))
             if loaded > 0:
                 await self._timed("rematch", svc.call(_Rematch(req, self.mamba)))
+                # The longer hit is the host span, then what the prefetch brought from L3;
+                # anything past that was inserted by a concurrent request meanwhile (device).
                 gained = max(0, req.cache_protected_len - device_hit)
-                self.hits["host"] += min(gained, host_hit)
-                self.hits["storage"] += gained - min(gained, host_hit)
+                from_host = min(gained, host_hit)
+                from_l3 = min(gained - from_host, from_storage)
+                self.hits["host"] += from_host
+                self.hits["storage"] += from_l3
+                device_hit += gained - from_host - from_l3
         self.hits["device"] += device_hit
         if self.mamba and req.mamba_pool_idx is None:
             got = await self._with_memory(

@@ -1,0 +1,124 @@
+"""The ``urc`` command line: parsing, configuration errors, exit statuses, the module entry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from urc.cli import build_parser, main
+from urc.errors import ConfigError
+from urc.replay import Capacity, ModelProfile, ReplayConfig
+from urc.tree import ComponentType
+
+
+def test_no_command_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "replay" in capsys.readouterr().err
+
+
+def test_replay_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--trace", "--workload", "--num-requests", "--block-size", "--model", "--window",
+        "--device-tokens", "--host-tokens", "--write-policy", "--page-size", "--chunk-size",
+        "--concurrency", "--prefill-only", "--speed", "--json", "--metrics-port",
+        "--no-progress",
+    ):  # fmt: skip
+        assert option in out
+    assert "FAST25-release/traces" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--device-tokens", "lots"],
+        ["--host-tokens", "-1"],
+        ["--model", "transformer"],
+        ["--workload", "nope"],
+        ["--concurrency", "0"],
+        ["--metrics-port", "70000"],
+        ["--trace", "x.jsonl", "--workload", "agent-loop"],
+    ],
+)
+def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", *args])
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--page-size", "16", "--chunk-size", "100"], "multiple of page_size"),
+        (["--page-size", "3"], "power of two"),
+        (["--device-tokens", "0"], "device_tokens"),
+    ],
+)
+def test_inconsistent_configuration_is_a_clear_error(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_capacity_parsing() -> None:
+    assert Capacity.parse("65536") == Capacity(tokens=65536)
+    assert Capacity.parse("1_000") == Capacity(tokens=1000)
+    assert Capacity.parse("0.25") == Capacity(fraction=0.25)
+    assert Capacity.parse("1e-1") == Capacity(fraction=0.1)
+    assert Capacity.parse("2.0") == Capacity(fraction=2.0)
+    assert Capacity.parse("0") == Capacity(tokens=0)
+    for bad in ("", "x", "-3", "nan", "inf", "-0.5"):
+        with pytest.raises(ConfigError):
+            Capacity.parse(bad)
+    # Fractions are of the unique tokens and round up to whole pages.
+    assert Capacity(fraction=0.25).resolve(1000, 16) == 256
+    assert Capacity(tokens=100).resolve(10**9, 64) == 128
+    assert Capacity(tokens=0).resolve(1000, 16) == 0
+
+
+def test_model_profiles_pick_components() -> None:
+    full, swa, mamba = (ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA)
+    assert ModelProfile.FULL.components == (full,)
+    assert ModelProfile.SWA.components == (full, swa)
+    assert ModelProfile.MAMBA.components == (full, mamba)
+    cfg = ReplayConfig(model=ModelProfile.SWA, window=1024).cache_config(4096, 3000)
+    assert cfg.sliding_window_size == 1024 and cfg.swa_kv_size == 4096
+    assert cfg.max_context_len >= 3000 and cfg.max_context_len % 16 == 0
+    cfg = ReplayConfig(model=ModelProfile.MAMBA, mamba_states=77).cache_config(4096, 100)
+    assert cfg.mamba_size == 77
+
+
+def test_defaults_are_documented_values() -> None:
+    args = build_parser().parse_args(["replay"])
+    assert args.workload == "multi-turn-chat" and args.model == "full"
+    assert args.block_size == 512 and args.write_policy == "write_through"
+    assert args.trace is None and args.metrics_port is None
+
+
+def test_module_entry_point_writes_json_to_stdout(tmp_path: Path) -> None:
+    """``python -m urc.cli`` (what the ``urc`` console script runs) in a fresh process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "urc.cli", "replay", "--num-requests", "30", "--json", "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    # 30 requests make a tiny default device pool (a quarter of their unique tokens) for 8
+    # in flight: some may be rejected, never lost.
+    assert report["requests"]["done"] + report["requests"]["rejected"] == 30
+    assert report["check"]["ok"] is True
+    assert "\r" not in proc.stderr  # no progress bar when stderr is not a terminal
