@@ -144,10 +144,7 @@ def run_phases(
     total = sum(len(s) for s in seqs)
     cache = build_cache(make_config(components, page_size, total + 1024))
     driver = _Driver(cache)
-    # The workload itself (millions of token ints in lists) is not the cache's: move it out of
-    # the cyclic GC's generations so collections triggered by the cache do not rescan it.
-    gc.collect()
-    gc.freeze()
+    _settle()  # the workload itself (lists of millions of ints) is not the cache's
     clock = time.perf_counter
     lat: list[float] = []
     for seq in seqs:
@@ -159,6 +156,7 @@ def run_phases(
     insert = _phase(lat, total)
     cached = cache.total_size()
 
+    _settle()
     lat = []
     nodes = []
     hit = 0
@@ -171,6 +169,7 @@ def run_phases(
         hit += m.device_indices.shape[0]
     match = _phase(lat, total)
 
+    _settle()
     lat = []
     receipts = []
     for node in nodes:
@@ -188,6 +187,7 @@ def run_phases(
     unlock = _phase(lat, 0)
 
     per_call = -(-cached // len(seqs))
+    _settle()
     lat = []
     freed = 0
     ep = EvictParams(num_tokens=per_call)
@@ -213,6 +213,17 @@ def run_phases(
     }
 
 
+def _settle() -> None:
+    """Collect, then move everything alive out of the cyclic GC's generations.
+
+    Between phases only: long-lived objects (the workload, the tree built so far) are not
+    rescanned by collections that the next phase's allocations trigger, as a server that
+    calls ``gc.freeze()`` after warm-up would see.  The phases still pay for collecting
+    their own garbage."""
+    gc.collect()
+    gc.freeze()
+
+
 def _grow(seed: int, chunk_len: int) -> Iterator[list[int]]:
     """An endless stream of reference-workload sequences (for the scaling runs)."""
     rng = random.Random(seed)
@@ -235,7 +246,8 @@ def run_scaling(
     clock = time.perf_counter
     samples = 400
     for size in sizes:
-        cache = build_cache(make_config(components, page_size, size + 64 * chunk_len + 4096))
+        pool = size + (samples + 64) * chunk_len + 4096
+        cache = build_cache(make_config(components, page_size, pool))
         driver = _Driver(cache)
         stream = _grow(7, chunk_len)
         inserted: list[list[int]] = []
@@ -244,7 +256,15 @@ def run_scaling(
             params, after = driver.insert(seq)
             after(cache.insert(params))
             inserted.append(seq)
-        probe = [next(stream) for _ in range(samples)]
+        # Probes of one fixed length (root + 4 chunks), so that only the tree size varies:
+        # insert extends a cached 3-chunk sequence by a fresh chunk; match a cached 4-chunk one.
+        rng = random.Random(3)
+        n4 = chunk_len // 4 + 4 * chunk_len
+        three = [s for s in inserted if len(s) == n4 - chunk_len] or inserted
+        probe = [
+            rng.choice(three) + [rng.randrange(_VOCAB) for _ in range(chunk_len)]
+            for _ in range(samples)
+        ]
         ins: list[float] = []
         for seq in probe:
             params, after = driver.insert(seq)
@@ -252,9 +272,8 @@ def run_scaling(
             r = cache.insert(params)
             ins.append(clock() - t0)
             after(r)
-        rng = random.Random(3)
         mat: list[float] = []
-        for seq in rng.sample(inserted, min(samples, len(inserted))):
+        for seq in rng.sample(probe, min(samples, len(probe))):
             mp = MatchPrefixParams(key=RadixKey(seq))
             t0 = clock()
             cache.match_prefix(mp)
