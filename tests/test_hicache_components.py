@@ -803,3 +803,26 @@ def test_random_sequences_keep_invariants(
     check(cache)
     assert host_free_all(cache)
     assert all(c.pool_available() == c.pool_capacity() for c in cache.components)
+
+
+@pytest.mark.parametrize("comps", [(FULL, SWA), (FULL, MAMBA), (FULL, SWA, MAMBA)])
+def test_match_reports_swa_and_mamba_host_hit_lengths(comps: tuple[ComponentType, ...]) -> None:
+    ps = 1
+    cache = make(comps, ps)
+    tokens = seq(0, 4 * WINDOW_PAGES, ps)
+    assert insert(cache, tokens)
+    node = match(cache, tokens).last_device_node
+    assert cache.write_backup(node) == len(tokens)
+    check(cache)
+    cache.evict(EvictParams(num_tokens=10**6))
+    check(cache)
+    m = match(cache, tokens)
+    assert m.host_hit_length == len(tokens) and m.device_indices.shape[0] == 0
+    if SWA in comps:
+        assert m.swa_host_hit_length == m.host_hit_length
+    else:
+        assert m.swa_host_hit_length == 0
+    if MAMBA in comps:
+        assert m.mamba_host_hit_length == m.host_hit_length  # the state is at the end
+    else:
+        assert m.mamba_host_hit_length == 0

@@ -102,6 +102,27 @@ class TreeComponent(ABC):
         """Adjust the result (e.g. Mamba copy-on-write); returns the (new) result."""
         return result
 
+    def host_hit_tokens(self, result: MatchResult) -> int:
+        """Tokens past the device hit (up to ``result.best_match_node``) whose data of this
+        component can be restored from host: by default the nodes whose host copy exists,
+        counted from the device hit down without a gap."""
+        if not result.host_hit_length:
+            return 0
+        segment = []
+        node = result.best_match_node
+        stop = result.last_device_node
+        while node is not stop and node.parent is not None:
+            segment.append(node)
+            node = node.parent
+        total = 0
+        ct = self.component_type
+        for node in reversed(segment):
+            cd = node.data[ct]
+            if cd is None or cd.host_value is None:
+                break
+            total += node.key_len
+        return total
+
     # ------------------------------------------------------------------ insert
     def validate_insert(self, params: InsertParams, key_len: int) -> None:
         """Raise :class:`~urc.errors.InvalidInputError` if ``params`` are invalid for this

@@ -183,6 +183,20 @@ class MambaComponent(TreeComponent):
         if best_len:
             self.lru.promote(path[best_len - 1])
 
+    def _host_state_hit(self, result: MatchResult) -> int:
+        """Tokens from the device hit down to the deepest node past it whose Mamba state is
+        on host (a state restores the whole prefix up to its node)."""
+        segment: list[TreeNode] = []
+        node = result.best_match_node
+        while node is not result.last_device_node and node.parent is not None:
+            segment.append(node)
+            node = node.parent
+        for i, n in enumerate(segment):  # deepest first
+            cd = n.data[ComponentType.MAMBA]
+            if cd is not None and cd.host_value is not None:
+                return sum(m.key_len for m in segment[i:])
+        return 0
+
     def finalize_match_result(
         self,
         result: MatchResult,
@@ -204,6 +218,8 @@ class MambaComponent(TreeComponent):
         slot can be had (every state locked or held), the match degrades to a miss: a hit
         without its state is useless to the request.
         """
+        if result.host_hit_length:
+            result = result._replace(mamba_host_hit_length=self._host_state_hit(result))
         req = params.req
         branching = None
         if best_len < len(path):

@@ -65,6 +65,8 @@ if TYPE_CHECKING:
         IncLockRefResult,
         InsertParams,
         InsertResult,
+        MatchPrefixParams,
+        MatchResult,
     )
     from urc.req import Req
 
@@ -124,6 +126,19 @@ class SWAComponent(TreeComponent):
         return -(-params.swa_evicted_seqlen // ps) * ps
 
     # ------------------------------------------------------------------ match
+    def finalize_match_result(
+        self,
+        result: MatchResult,
+        params: MatchPrefixParams,
+        path: Sequence[TreeNode],
+        best_len: int,
+        visited_tokens: int,
+    ) -> MatchResult:
+        """Reports ``swa_host_hit_length``: tokens past the device hit with SWA on host."""
+        if result.host_hit_length:
+            result = result._replace(swa_host_hit_length=self.host_hit_tokens(result))
+        return result
+
     def create_match_validator(self, match_device_only: bool) -> MatchValidator:
         window = self.window
         # Contiguous SWA tokens above (and including) the current node.  Starts satisfied:
