@@ -76,6 +76,8 @@ class UnifiedRadixCache:
         self._clock = 0
         self.counters = CacheCounters()
         self._stats_figs: list[int] = []
+        # Full slots freed during an ``evict`` call, returned to the allocator at its end.
+        self._deferred_frees: list[torch.Tensor] | None = None
         self._stats_comps: tuple[ComponentStats, ...] = ()
         # HiCache (``attach_host_tier``): nodes may then live on device, host, or both.
         self.host_tier: HostTier | None = None
@@ -232,8 +234,13 @@ class UnifiedRadixCache:
         self.num_nodes -= 1
 
     def free_full(self, value: torch.Tensor) -> None:
-        """Return Full (token) slots to the allocator."""
-        self._free_full(value)
+        """Return Full (token) slots to the allocator (batched until the end of an
+        ``evict`` call: one allocator call per eviction, however many leaves go)."""
+        deferred = self._deferred_frees
+        if deferred is not None:
+            deferred.append(value)
+        else:
+            self._free_full(value)
 
     # ================================================================== match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -494,9 +501,19 @@ class UnifiedRadixCache:
         if min(params.num_tokens, params.swa_num_tokens, params.mamba_num) < 0:
             raise InvalidInputError(f"evict amounts must not be negative: {params}")
         tracker = [0] * NUM_COMPONENT_TYPES
-        for c in self._evict_drivers:
-            if c.evict_request(params) > 0:
-                c.drive_eviction(params, tracker)
+        outer = self._deferred_frees is None  # a nested evict (Mamba COW) joins the outer one
+        if outer:
+            self._deferred_frees = []
+        try:
+            for c in self._evict_drivers:
+                if c.evict_request(params) > 0:
+                    c.drive_eviction(params, tracker)
+        finally:
+            if outer:
+                pending = self._deferred_frees
+                self._deferred_frees = None
+                if pending:
+                    self._free_full(pending[0] if len(pending) == 1 else torch.cat(pending))
         evicted = self.counters.evicted
         for c in self.components:
             n = tracker[c.component_type]
