@@ -75,6 +75,7 @@ class TreeNode:
         "creation_time",
         "data",
         "deleted",
+        "full",
         "hash_value",
         "hit_count",
         "id",
@@ -101,6 +102,9 @@ class TreeNode:
         self.key = key
         self.key_len = len(key)
         self.data = data
+        # The Full data, also reachable as ``data[FULL]``: the lock walks and the match
+        # loop touch it on every node, and an attribute is cheaper than an index.
+        self.full = data[0]
         self.namespace = namespace
         self.last_access_time = time
         self.creation_time = time

@@ -196,12 +196,14 @@ class FullComponent(TreeComponent):
         if skipped:
             result.full_start_id = node.id
         delta = 0
-        while node.parent is not None:
-            cd = node.data[_FULL]
-            if cd.lock_ref == 0:  # type: ignore[union-attr]
+        parent = node.parent
+        while parent is not None:
+            cd = node.full
+            if not cd.lock_ref:  # type: ignore[union-attr]
                 delta += node.key_len
             cd.lock_ref += 1  # type: ignore[union-attr]
-            node = node.parent
+            node = parent
+            parent = node.parent
         self.evictable_size -= delta
         self.protected_size += delta
         result.delta = delta
@@ -224,17 +226,20 @@ class FullComponent(TreeComponent):
             raise InvalidLockError(f"dec_lock_ref on node {node.id}, which is not locked")
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        node = self._first_locked(node, params)
+        if params is not None and params.full_start_id is not None:
+            node = self._first_locked(node, params)
         delta = 0
-        while node.parent is not None:
-            cd = node.data[_FULL]
+        parent = node.parent
+        while parent is not None:
+            cd = node.full
             assert cd is not None and cd.lock_ref > 0, f"node {node.id} lock_ref {cd}"
             cd.lock_ref -= 1
-            if cd.lock_ref == 0:
+            if not cd.lock_ref:
                 delta += node.key_len
                 if not node.in_heap and self.is_device_leaf(node):
                     self.note_leaf(node)
-            node = node.parent
+            node = parent
+            parent = node.parent
         self.evictable_size += delta
         self.protected_size -= delta
 
