@@ -294,7 +294,7 @@ class UnifiedRadixCache:
                 if m == 0:
                     break
                 child = self.split_node(child, m)
-            fcd = child.data[_FULL]
+            fcd = child.full
             assert fcd is not None
             if fcd.value is None:
                 if not tiered or fcd.host_value is None:
@@ -333,7 +333,7 @@ class UnifiedRadixCache:
             result = self._result_at_root()
         else:
             last = path[best - 1]
-            values = [p.data[_FULL].value for p in path[:best]]  # type: ignore[union-attr]
+            values = [p.full.value for p in path[:best]]  # type: ignore[union-attr]
             result = MatchResult(torch.cat(values), last, last, last)  # type: ignore[arg-type]
         if best_any > best:
             host_node = path[best_any - 1]
@@ -429,7 +429,7 @@ class UnifiedRadixCache:
                 child.hit_count += 1
                 if self._backup_threshold is not None:
                     self._note_hit(child)
-            fcd = child.data[_FULL]
+            fcd = child.full
             assert fcd is not None
             if fcd.value is None:
                 # Host-only node: it adopts the incoming slots as its device value.
