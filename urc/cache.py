@@ -182,6 +182,30 @@ class UnifiedRadixCache:
             i += 1
         return i - i % self.page_size
 
+    def _root_child_key(self, tokens: list[Any], ns: Any) -> Any:
+        """The key under which the root holds the child starting ``tokens`` in namespace
+        ``ns``."""
+        k = self._first_key(tokens, 0)
+        return k if ns is None else (_NS, ns, k)
+
+    def _descend(
+        self, node: TreeNode, ck: Any, tokens: list[Any], pos: int
+    ) -> tuple[TreeNode | None, int, bool]:
+        """One step of a walk: the child of ``node`` under ``ck`` and how many of
+        ``tokens[pos:]`` it matches (whole pages).  A partial match splits the child there
+        and returns the upper part with ``split=True``; no match returns ``(None, 0, False)``.
+        """
+        child = node.children.get(ck)
+        if child is None:
+            return None, 0, False
+        klen = child.key_len
+        if tokens[pos : pos + klen] == child.key:  # one C-level comparison in the usual case
+            return child, klen, False
+        m = self._match_len(child.key, tokens, pos)
+        if m == 0:
+            return None, 0, False
+        return self.split_node(child, m), m, True
+
     def split_node(self, child: TreeNode, k: int) -> TreeNode:
         """Split ``child`` after ``k`` tokens; returns the new upper node (``child`` keeps the
         rest).  Components move their data; no size changes."""
@@ -278,22 +302,12 @@ class UnifiedRadixCache:
         best_any = 0
         on_device = True
         clock = self._clock
-        ns = params.key.extra_key
-        ck = self._first_key(tokens, 0)
-        if ns is not None:
-            ck = (_NS, ns, ck)
+        ck = self._root_child_key(tokens, params.key.extra_key)
+        descend = self._descend
         while True:
-            child = node.children.get(ck)
+            child, m, split = descend(node, ck, tokens, pos)
             if child is None:
                 break
-            klen = child.key_len
-            if tokens[pos : pos + klen] == child.key:
-                m = klen
-            else:
-                m = self._match_len(child.key, tokens, pos)
-                if m == 0:
-                    break
-                child = self.split_node(child, m)
             fcd = child.full
             assert fcd is not None
             if fcd.value is None:
@@ -321,7 +335,7 @@ class UnifiedRadixCache:
                         ok = False
                 if ok:
                     best_any = len(path)
-            if m < klen or pos >= n:
+            if split or pos >= n:
                 break
             node = child
             ck = tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
@@ -406,21 +420,12 @@ class UnifiedRadixCache:
         pos = 0
         clock = self._clock
         ns = key.extra_key
-        ck = self._first_key(tokens, 0)
-        if ns is not None:
-            ck = (_NS, ns, ck)
+        ck = self._root_child_key(tokens, ns)
+        descend = self._descend
         while pos < n:
-            child = node.children.get(ck)
+            child, m, _ = descend(node, ck, tokens, pos)
             if child is None:
                 break
-            klen = child.key_len
-            if tokens[pos : pos + klen] == child.key:
-                m = klen
-            else:
-                m = self._match_len(child.key, tokens, pos)
-                if m == 0:
-                    break
-                child = self.split_node(child, m)
             clock += 1
             child.last_access_time = clock
             if priority > child.priority:
