@@ -2,40 +2,59 @@
 
 A background worker of :class:`~urc.service.AsyncUnifiedRadixCache` (pass it in ``workers=``
 next to the :class:`~hicache.controller.HiCacheController`).  It talks to the tree only
-through ``svc.call`` and moves page bytes between the host pool and a
-:class:`~hicache.storage.StorageBackend`; copies between host pool and staging buffers run in
+through ``svc.call`` and moves page bytes between the host pools and a
+:class:`~hicache.storage.StorageBackend`; copies between host pools and staging buffers run in
 worker threads.
 
 - **Backup** (``StorageConfig.backup_policy``):
 
   * ``WRITE_THROUGH``: each host backup commit (the core's ``host_commit_listener``) queues
     the backed-up node; the worker pins the path's host copies (``host_lock_ref``), asks the
-    store how many leading pages it already holds, stages the rest and ``put``s them, then
-    unpins.
+    store how many leading Full pages it already holds, stages the rest (and the other
+    components' pages of the same span, see below) and ``put``s them, then unpins.
   * ``ON_HOST_EVICTION``: host eviction (the core's ``host_evict_listener``) copies the
-    evicted leaf's pages into staging memory on the spot (bounded by ``max_pending_bytes``)
-    and the worker ``put``s them afterwards.  A node's pages are reachable in storage once
-    its ancestors were evicted (and so written) too.
+    evicted leaf's pages (every component's) into staging memory on the spot (bounded by
+    ``max_pending_bytes``) and the worker ``put``s them afterwards.  A node's pages are
+    reachable in storage once its ancestors were evicted (and so written) too.
   * ``OFF``: nothing is written (the store is filled by other instances).
 
 - **Prefetch** (:meth:`StorageWorker.prefetch`, and :meth:`StorageWorker.fetch` which also
   loads the result to device through the controller): finds where the key's host copies end
-  (pinning that node), asks the store how many further pages it holds, reserves host slots,
-  ``get``s the pages into staging buffers under the stop policy, copies what arrived into the
-  host slots and inserts it as host-only nodes (``cache.insert_host``).
+  (pinning that node), asks the store how many further Full pages it holds, reserves host
+  slots, ``get``s the pages into staging buffers under the stop policy, then looks up and
+  reads the other components' pages of the fetched span (under the same policy), copies what
+  arrived into host slots and inserts it as host-only nodes (``urc.tiering.insert_host``
+  with one :class:`~urc.tiering.HostPart` list per auxiliary component).
 
 Keys are the versioned chained page keys of ``hicache.storage.keys`` over the token path from
-the root, with the node's namespace (``extra_key``): two namespaces never share a page.
+the root, with the node's namespace (``extra_key``) and the component tag: two namespaces
+never share a page, and each component's pages have their own keys:
+
+- **FULL**: one page per ``page_size`` tokens of the path; the Full pages are what a hit is
+  made of (leading pages only, as the store counts them).
+- **SWA** (per token, like Full): the page key of each page whose SWA host copy exists; a
+  page without one (an SWA tombstone on host) is simply not stored.  On a storage hit the SWA
+  part of the fetched span is restored where stored, read as the leading and the trailing run
+  of stored SWA pages of the span (two ``exists`` calls; a window of SWA above the span's end,
+  which the match validator needs, is the trailing run).  The rest of the span, including an
+  island of SWA pages between two gaps, comes back as SWA tombstones (a shorter hit, never a
+  wrong one).
+- **MAMBA** (one state per node position where a state exists): keyed by the page key of the
+  last page of the node's span, with the ``mamba`` tag, stored as one "page" (the state's
+  conv + temporal bytes).  On a storage hit every page end of the fetched span is a candidate
+  (probed with one ``exists`` each, ``batch_pages`` at a time); a state found becomes the
+  host state of a new node ending exactly at its position (the new nodes are cut there), a
+  position without one has no state.
+
+Auxiliary pages are written for the same span as the Full pages of a job (pages the store
+already had under their Full keys are assumed stored with theirs) and only where those Full
+pages were stored; they are read only for the Full pages a prefetch fetched.  Absent or
+unreadable auxiliary pages are just not restored.
 
 Faults degrade: a store error, a miss or a timeout is a miss (the caller recomputes), counted
 in :class:`StorageWorkerStats`; reserved host slots are freed and pins released on every path
 (cancellation included).  Only pages that were read completely and verified by the codec are
-ever committed.
-
-Scope: caches with the FULL component only.  SWA and Mamba host data are not written or read
-(a cache with those components is rejected): their data covers a window / a single position
-per node, which a per-page chained key of the Full prefix does not describe.  EAGLE bigram
-keys are rejected as well.
+ever committed.  EAGLE bigram keys are rejected.
 """
 
 from __future__ import annotations
@@ -43,7 +62,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +80,7 @@ from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.key import RadixKey
 from urc.observer import ServiceObserver, TransferKind
+from urc.tiering import HostPart
 from urc.tree import ComponentType, TreeNode
 
 if TYPE_CHECKING:
@@ -71,10 +91,17 @@ __all__ = ["HostPageLayout", "StorageWorker", "StorageWorkerStats"]
 
 _log = logging.getLogger(__name__)
 FULL = ComponentType.FULL
+_STORAGE_COMPONENT = {
+    ComponentType.FULL: StorageComponent.FULL,
+    ComponentType.SWA: StorageComponent.SWA,
+    ComponentType.MAMBA: StorageComponent.MAMBA,
+}
 
 
 class HostPageLayout:
     """Whole pages of a host pool as flat byte rows (the unit a storage page holds).
+
+    A Mamba host pool has pages of one slot: a row is one state (conv + temporal bytes).
 
     A page of ``page_size`` slots spans every host buffer; its bytes are the concatenation,
     buffer by buffer, of ``[outer, page_bytes_in_buffer]`` blocks.  :meth:`gather` copies
@@ -122,7 +149,8 @@ class HostPageLayout:
 
 @dataclass(slots=True)
 class StorageWorkerStats:
-    """Cumulative counters of one worker (pages are storage pages of ``page_size`` tokens).
+    """Cumulative counters of one worker (pages are storage pages of any component: Full and
+    SWA pages of ``page_size`` tokens, Mamba states).
 
     ``prefetch_hit_tokens`` counts tokens inserted on host from storage (also added to the
     cache's ``hit_tokens["storage"]``); ``prefetch_misses`` prefetches that brought nothing
@@ -142,9 +170,22 @@ class StorageWorkerStats:
 
 
 @dataclass(slots=True, eq=False)
+class _Aux:
+    """An auxiliary component's pages of a write job.  ``pages`` are page numbers along the
+    path (per-token data: the page's own tokens; a state: the page its position ends); their
+    host units (``page_size`` per page for per-token data, one per state) are in ``host``
+    (pinned by the job) or already staged as ``rows``."""
+
+    ct: ComponentType
+    pages: list[int]
+    host: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+
+@dataclass(slots=True, eq=False)
 class _WriteJob:
-    """Pages ``[first_page, ...)`` of ``tokens`` to put: read from ``host`` (pinned by
-    ``pins``) or already staged in ``rows``."""
+    """Full pages ``[first_page, ...)`` of ``tokens`` to put: read from ``host`` (pinned by
+    ``pins``) or already staged in ``rows``; ``aux``: other components' pages of the path."""
 
     tokens: list[Any]
     namespace: Any
@@ -152,6 +193,8 @@ class _WriteJob:
     host: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     pins: list[tuple[TreeNode, int]] = field(default_factory=list)
+    aux: list[_Aux] = field(default_factory=list)
+    nbytes: int = 0  # staged bytes (on host eviction)
 
 
 @dataclass(slots=True, eq=False)
@@ -162,6 +205,11 @@ class _Prefetch:
     tokens: list[Any]
 
 
+# An auxiliary component's pages read by a prefetch: indexes into the fetched span's pages
+# (a state: the page its position ends) and their staged rows.
+_AuxRead = dict[ComponentType, tuple[list[int], torch.Tensor]]
+
+
 def _path(node: TreeNode) -> list[TreeNode]:
     nodes: list[TreeNode] = []
     while node.parent is not None:
@@ -169,6 +217,17 @@ def _path(node: TreeNode) -> list[TreeNode]:
         node = node.parent
     nodes.reverse()
     return nodes
+
+
+def _runs(idx: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive values of the sorted ``idx``: ``(first, length)`` each."""
+    runs: list[tuple[int, int]] = []
+    for i in idx:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
 
 
 class StorageWorker:
@@ -188,17 +247,25 @@ class StorageWorker:
         controller: HiCacheController | None = None,
         observer: ServiceObserver | None = None,
     ) -> None:
-        if [c.component_type for c in cache.components] != [FULL]:
-            raise ConfigError("the storage tier supports caches with the FULL component only")
         if cache.is_eagle:
             raise ConfigError("the storage tier does not support EAGLE bigram keys")
+        for c in cache.components:
+            if c.component_type not in _STORAGE_COMPONENT or c.component_type not in tier.pools:
+                raise ConfigError(f"the storage tier cannot store {c.component_type.name}")
         self.cache = cache
         self.tier = tier
         self.storage = storage
         self.config = config or StorageConfig()
         self.controller = controller
         self.observer = observer
-        self.layout = HostPageLayout(tier.pools[FULL])
+        self.layouts = {
+            c.component_type: HostPageLayout(tier.pools[c.component_type]) for c in cache.components
+        }
+        self.layout = self.layouts[FULL]
+        # Auxiliary components, and whether each holds per-token data (else: per-position
+        # states, one host unit each).
+        self.aux = [c.component_type for c in cache.components if c.component_type is not FULL]
+        self._per_token = {c.component_type: c.unit == "tokens" for c in cache.components}
         self.page_size = cache.page_size
         self.stats = StorageWorkerStats()
         self._due: dict[int, TreeNode] = {}  # write-through: nodes whose host copy landed
@@ -225,19 +292,52 @@ class StorageWorker:
         self._due[node.id] = node
         self._signal()
 
+    def _aux_of(self, nodes: Sequence[TreeNode], pos: int) -> list[_Aux]:
+        """The auxiliary host copies of ``nodes`` (consecutive, the first at key position
+        ``pos``) as write-job pages."""
+        ps = self.page_size
+        out: list[_Aux] = []
+        for ct in self.aux:
+            per_token = self._per_token[ct]
+            pages: list[int] = []
+            hosts: list[torch.Tensor] = []
+            p = pos
+            for n in nodes:
+                e = p + n.key_len
+                cd = n.data[ct]
+                assert cd is not None
+                if cd.host_value is not None:
+                    if per_token:
+                        pages.extend(range(p // ps, e // ps))
+                    else:
+                        pages.append(e // ps - 1)
+                    hosts.append(cd.host_value)
+                p = e
+            if pages:
+                out.append(_Aux(ct, pages, host=torch.cat(hosts)))
+        return out
+
     def _on_host_evict(self, node: TreeNode) -> None:
         cd = node.data[FULL]
         assert cd is not None and cd.host_value is not None
+        path = _path(node)
+        start = sum(n.key_len for n in path[:-1])
+        aux = self._aux_of([node], start)
         nbytes = cd.host_value.shape[0] // self.page_size * self.layout.page_bytes
+        nbytes += sum(len(a.pages) * self.layouts[a.ct].page_bytes for a in aux)
         if self._staged_bytes + nbytes > self.config.max_pending_bytes:
             self.stats.dropped_writes += 1
             return
-        path = _path(node)
-        start = sum(n.key_len for n in path[:-1])
         tokens = [t for n in path for t in n.key]
         # Host -> staging memcpy inside the actor: the slots are freed right after this.
         rows = self.layout.gather(cd.host_value)
-        self._staged.append(_WriteJob(tokens, node.namespace, start // self.page_size, rows=rows))
+        for a in aux:
+            assert a.host is not None
+            a.rows = self.layouts[a.ct].gather(a.host)
+            a.host = None
+        job = _WriteJob(tokens, node.namespace, start // self.page_size, rows=rows, aux=aux)
+        job.nbytes = nbytes
+        self._staged.append(job)
         self._staged_bytes += nbytes
         self._signal()
 
@@ -257,8 +357,7 @@ class StorageWorker:
             while self._due or self._staged:
                 if self._staged:
                     job = self._staged.popleft()
-                    assert job.rows is not None
-                    self._staged_bytes -= job.rows.shape[0] * self.layout.page_bytes
+                    self._staged_bytes -= job.nbytes
                     await self._put(job)
                 else:
                     await self._write_through(svc)
@@ -286,6 +385,8 @@ class StorageWorker:
                 hosts.append(cd.host_value)
             job = _WriteJob([t for n in path for t in n.key], node.namespace, 0)
             job.host = torch.cat(hosts)
+            # Host locks pin every component's host copies: host eviction takes whole leaves.
+            job.aux = self._aux_of(path, 0)
             for n in path:
                 cache.inc_host_lock_ref(n)
                 job.pins.append((n, n.key_len))
@@ -305,17 +406,28 @@ class StorageWorker:
         for node, length in pins:
             tiering.host_unlock_pieces(cache, node, length)
 
-    def _keys(self, tokens: list[Any], namespace: Any) -> list[str]:
-        return page_keys(tokens, self.page_size, StorageComponent.FULL, namespace)
+    def _keys(self, tokens: list[Any], namespace: Any, ct: ComponentType = FULL) -> list[str]:
+        return page_keys(tokens, self.page_size, _STORAGE_COMPONENT[ct], namespace)
+
+    def _aux_rows(self, aux: _Aux, sel: list[int]) -> torch.Tensor:
+        """Rows of the selected pages of ``aux`` (staged, or gathered from host now)."""
+        if aux.rows is not None:
+            return aux.rows[sel]
+        assert aux.host is not None
+        layout = self.layouts[aux.ct]
+        host = aux.host.view(-1, layout.page_size)[sel].reshape(-1)
+        return layout.gather(host)
 
     async def _put(self, job: _WriteJob) -> None:
         """Store the job's pages not yet stored; failures are counted, never raised."""
         t0 = time.perf_counter()
+        ps = self.page_size
         keys = (await anyio.to_thread.run_sync(self._keys, job.tokens, job.namespace))[
             job.first_page :
         ]
         if not keys:
             return
+        written = nbytes = stored = 0
         try:
             skip = 0
             if job.rows is None:
@@ -323,22 +435,34 @@ class StorageWorker:
                 if skip == len(keys):
                     return
                 assert job.host is not None
-                host = job.host[skip * self.page_size :]
+                host = job.host[skip * ps :]
                 rows = await anyio.to_thread.run_sync(self.layout.gather, host)
             else:
                 rows = job.rows
             stored = await self.storage.put(keys[skip:], list(rows))
+            written += stored
+            nbytes += stored * self.layout.page_bytes
+            # Auxiliary pages of the Full pages just stored.
+            lo = job.first_page + skip
+            hi = lo + stored
+            for aux in job.aux:
+                sel = [i for i, p in enumerate(aux.pages) if lo <= p < hi]
+                if not sel:
+                    continue
+                ckeys = await anyio.to_thread.run_sync(
+                    self._keys, job.tokens[: hi * ps], job.namespace, aux.ct
+                )
+                arows = await anyio.to_thread.run_sync(self._aux_rows, aux, sel)
+                n = await self.storage.put([ckeys[aux.pages[i]] for i in sel], list(arows))
+                written += n
+                nbytes += n * self.layouts[aux.ct].page_bytes
         except StorageError as exc:
             self.stats.errors += 1
             _log.warning("storage backup failed: %s", exc)
-            return
-        self.stats.pages_written += stored
-        if stored and self.observer is not None:
+        self.stats.pages_written += written
+        if written and self.observer is not None:
             self.observer.on_transfer(
-                TransferKind.STORAGE_WRITE,
-                stored * self.page_size,
-                stored * self.layout.page_bytes,
-                time.perf_counter() - t0,
+                TransferKind.STORAGE_WRITE, stored * ps, nbytes, time.perf_counter() - t0
             )
 
     # ------------------------------------------------------------------ prefetch
@@ -360,7 +484,8 @@ class StorageWorker:
 
         ``stop`` ends a ``BEST_EFFORT`` prefetch early (what arrived is kept); ``TIMEOUT``
         (and ``BEST_EFFORT`` without a ``stop``) stops at ``config.prefetch_timeout(pages)``;
-        ``WAIT_COMPLETE`` reads every page the store reported.
+        ``WAIT_COMPLETE`` reads every page the store reported.  The auxiliary components'
+        pages of the fetched span are read afterwards under the same policy.
         """
         ps = self.page_size
         self.stats.prefetches += 1
@@ -374,6 +499,7 @@ class StorageWorker:
 
         pf = await svc.call(begin)
         slots: torch.Tensor | None = None
+        aux_slots: dict[ComponentType, torch.Tensor] = {}
         inserted = 0
         try:
             pages = len(pf.tokens) // ps - pf.start // ps
@@ -404,73 +530,207 @@ class StorageWorker:
                 return 0
             t0 = time.perf_counter()
             rows = torch.empty((found, self.layout.page_bytes), dtype=torch.uint8)
-            got = await self._read(keys, rows, stop)
+            got, timed_out = await self._read(keys, rows, stop)
             if got:
                 self.stats.pages_read += got
+                first = pf.start // ps
+                aux_read, aux_timed_out = await self._read_aux(
+                    pf.tokens, key.extra_key, first, got, stop
+                )
+                timed_out = timed_out or aux_timed_out
                 seconds = time.perf_counter() - t0
                 with anyio.CancelScope(shield=True):
+
+                    def reserve_aux(cache: UnifiedRadixCache) -> None:
+                        for ct, (idx, _) in aux_read.items():
+                            n = len(idx) * self.layouts[ct].page_size
+                            host = tiering.host_alloc(cache, ct, n)
+                            if host is not None:
+                                aux_slots[ct] = host
+
+                    if aux_read:
+                        await svc.call(reserve_aux)
                     placed = slots[: got * ps]
-                    await anyio.to_thread.run_sync(self.layout.scatter, rows[:got], placed)
+                    moves = [(self.layout, rows[:got], placed)]
+                    moves += [(self.layouts[ct], aux_read[ct][1], h) for ct, h in aux_slots.items()]
+
+                    def scatter() -> None:
+                        for layout, r, h in moves:
+                            layout.scatter(r, h)
+
+                    await anyio.to_thread.run_sync(scatter)
+                    nbytes = got * self.layout.page_bytes + sum(
+                        int(r.shape[0]) * layout.page_bytes for layout, r, _ in moves[1:]
+                    )
+                    parts = self._parts(aux_read, aux_slots, first)
+                    # The tree owns the slots from here (insert_host frees what it does not use).
                     slots = slots[got * ps :]
+                    aux_slots = {}
 
                     def commit(cache: UnifiedRadixCache) -> int:
-                        n = cache.insert_host(key[: pf.start + got * ps], placed, pf.start)
+                        n = tiering.insert_host(
+                            cache, key[: pf.start + got * ps], placed, pf.start, parts
+                        )
                         cache.counters.hit_tokens["storage"] += n
                         return n
 
                     inserted = await svc.call(commit)
                 self.stats.prefetch_hit_tokens += inserted
                 if self.observer is not None:
-                    self.observer.on_transfer(
-                        TransferKind.STORAGE_READ,
-                        got * ps,
-                        got * self.layout.page_bytes,
-                        seconds,
-                    )
+                    self.observer.on_transfer(TransferKind.STORAGE_READ, got * ps, nbytes, seconds)
             else:
                 self.stats.prefetch_misses += 1
+            if timed_out:
+                self.stats.prefetch_timeouts += 1
             return inserted
         finally:
             left = slots
+            left_aux = aux_slots
 
             def finish(cache: UnifiedRadixCache) -> None:
                 if left is not None and left.shape[0]:
                     self.tier.host_free(FULL, left)
+                for ct, host in left_aux.items():
+                    self.tier.host_free(ct, host)
                 if pf.anchor.parent is not None:
                     tiering.host_unlock_pieces(cache, pf.anchor, pf.anchor_len)
 
             with anyio.CancelScope(shield=True):
                 await svc.call(finish)
 
-    async def _read(self, keys: list[str], rows: torch.Tensor, stop: anyio.Event | None) -> int:
-        """Read leading pages into ``rows`` batch by batch under the stop policy; returns
-        how many leading rows hold verified pages."""
+    def _parts(
+        self, aux_read: _AuxRead, aux_slots: dict[ComponentType, torch.Tensor], first: int
+    ) -> dict[ComponentType, list[HostPart]]:
+        """``insert_host``'s parts of the auxiliary pages placed in ``aux_slots`` (the span
+        starts at page ``first``)."""
+        ps = self.page_size
+        parts: dict[ComponentType, list[HostPart]] = {}
+        for ct, host in aux_slots.items():
+            idx = aux_read[ct][0]
+            out = parts[ct] = []
+            if self._per_token[ct]:
+                j = 0
+                for i, n in _runs(idx):
+                    a = (first + i) * ps
+                    out.append(HostPart(a, a + n * ps, host[j * ps : (j + n) * ps]))
+                    j += n
+            else:
+                for j, i in enumerate(idx):
+                    end = (first + i + 1) * ps
+                    out.append(HostPart(end, end, host[j : j + 1]))
+        return parts
+
+    async def _bounded(
+        self, pages: int, stop: anyio.Event | None, body: Callable[[], Awaitable[None]]
+    ) -> bool:
+        """Run ``body`` under the prefetch stop policy for ``pages`` pages; returns whether
+        the deadline stopped it (a ``BEST_EFFORT`` stop is not a timeout)."""
         policy = self.config.prefetch_policy
-        deadline: float | None = self.config.prefetch_timeout(len(keys))
+        deadline: float | None = self.config.prefetch_timeout(pages)
         if policy is PrefetchStopPolicy.WAIT_COMPLETE:
             deadline = None
-        batch = self.config.batch_pages
-        got = 0
         async with anyio.create_task_group() as tg:
             if stop is not None and policy is PrefetchStopPolicy.BEST_EFFORT:
 
                 async def watch() -> None:
                     await stop.wait()
-                    tg.cancel_scope.cancel()  # keeps ``got``: the batches read so far
+                    tg.cancel_scope.cancel()  # keeps what ``body`` recorded so far
 
                 tg.start_soon(watch)
             with anyio.move_on_after(deadline) as scope:
-                try:
-                    for i in range(0, len(keys), batch):
-                        part = keys[i : i + batch]
-                        n = await self.storage.get(part, list(rows[i : i + len(part)]))
-                        got += n
-                        if n < len(part):
-                            break
-                except StorageError as exc:
-                    self.stats.errors += 1
-                    _log.warning("storage prefetch failed: %s", exc)
-            if scope.cancelled_caught:
-                self.stats.prefetch_timeouts += 1
+                await body()
             tg.cancel_scope.cancel()  # the watcher
-        return got
+        return scope.cancelled_caught
+
+    async def _read(
+        self, keys: list[str], rows: torch.Tensor, stop: anyio.Event | None
+    ) -> tuple[int, bool]:
+        """Read leading pages into ``rows`` batch by batch under the stop policy; returns
+        how many leading rows hold verified pages, and whether the deadline stopped it."""
+        batch = self.config.batch_pages
+        got = 0
+
+        async def body() -> None:
+            nonlocal got
+            try:
+                for i in range(0, len(keys), batch):
+                    part = keys[i : i + batch]
+                    n = await self.storage.get(part, list(rows[i : i + len(part)]))
+                    got += n
+                    if n < len(part):
+                        break
+            except StorageError as exc:
+                self.stats.errors += 1
+                _log.warning("storage prefetch failed: %s", exc)
+
+        timed_out = await self._bounded(len(keys), stop, body)
+        return got, timed_out
+
+    async def _present(self, ct: ComponentType, keys: list[str]) -> list[int]:
+        """Indexes of the stored ``keys`` of ``ct`` (see the module docstring: per-token
+        data, the leading and trailing runs; states, every key probed)."""
+        n = len(keys)
+        if self._per_token[ct]:
+            lead = await self.storage.exists(keys)
+            if lead >= n - 1:
+                return list(range(lead))
+            trail = await self.storage.exists(keys[lead + 1 :][::-1])
+            return [*range(lead), *range(n - trail, n)]
+        present = [False] * n
+        limiter = anyio.CapacityLimiter(self.config.batch_pages)
+
+        async def probe(i: int) -> None:
+            async with limiter:
+                present[i] = await self.storage.exists([keys[i]]) > 0
+
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(probe, i)
+        return [i for i in range(n) if present[i]]
+
+    async def _read_aux(
+        self,
+        tokens: list[Any],
+        namespace: Any,
+        first: int,
+        got: int,
+        stop: anyio.Event | None,
+    ) -> tuple[_AuxRead, bool]:
+        """Look up and read the auxiliary pages of the fetched span ``[first, first + got)``
+        (pages) under the stop policy; returns what was read completely per component, and
+        whether the deadline stopped it."""
+        out: _AuxRead = {}
+        if not self.aux:
+            return out, False
+        ps = self.page_size
+        batch = self.config.batch_pages
+
+        async def body() -> None:
+            try:
+                for ct in self.aux:
+                    keys = (
+                        await anyio.to_thread.run_sync(
+                            self._keys, tokens[: (first + got) * ps], namespace, ct
+                        )
+                    )[first:]
+                    idx = await self._present(ct, keys)
+                    if not idx:
+                        continue
+                    wanted = [keys[i] for i in idx]
+                    rows = torch.empty((len(idx), self.layouts[ct].page_bytes), dtype=torch.uint8)
+                    n = 0
+                    for i in range(0, len(wanted), batch):
+                        part = wanted[i : i + batch]
+                        r = await self.storage.get(part, list(rows[i : i + len(part)]))
+                        n += r
+                        if r < len(part):
+                            break
+                    if n:
+                        self.stats.pages_read += n
+                        out[ct] = (idx[:n], rows[:n])
+            except StorageError as exc:
+                self.stats.errors += 1
+                _log.warning("storage prefetch of auxiliary pages failed: %s", exc)
+
+        timed_out = await self._bounded(got, stop, body)
+        return out, timed_out

@@ -487,14 +487,10 @@ def test_insert_host_adopts_device_nodes_frees_duplicates_and_adds_a_leaf() -> N
     cache.check_pools({FULL: 0}, {FULL: 0})
 
 
-def test_the_worker_rejects_component_sets_it_cannot_store(tmp_path: Path) -> None:
+def test_the_worker_rejects_eagle_bigram_keys(tmp_path: Path) -> None:
     cache = build_cache(
         CacheConfig(
-            components=(FULL, ComponentType.SWA),
-            page_size=PS,
-            kv_size=256,
-            sliding_window_size=8,
-            kv_shape=KVShape(2, 2, 4, torch.float32),
+            page_size=PS, kv_size=256, is_eagle=True, kv_shape=KVShape(2, 2, 4, torch.float32)
         )
     )
     tier = attach_hicache(cache, HiCacheConfig(host_tokens=256))

@@ -17,6 +17,8 @@ Pins, so that nothing in flight is ever freed::
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,9 +34,11 @@ if TYPE_CHECKING:
     from urc.params import IncLockRefResult
 
 __all__ = [
+    "HostPart",
     "copy_backup",
     "copy_load_back",
     "evict_host",
+    "host_alloc",
     "host_prefix",
     "host_unlock_pieces",
     "insert_host",
@@ -69,8 +73,9 @@ def pieces_of(node: TreeNode, length: int) -> list[TreeNode]:
     return pieces
 
 
-def _host_alloc(cache: UnifiedRadixCache, ct: ComponentType, n: int) -> torch.Tensor | None:
-    """Reserve ``n`` host units of ``ct``, evicting host-only leaves if needed."""
+def host_alloc(cache: UnifiedRadixCache, ct: ComponentType, n: int) -> torch.Tensor | None:
+    """Reserve ``n`` host units of ``ct``, evicting host-only leaves if needed (``None``
+    when even that does not free enough)."""
     tier = cache.host_tier
     assert tier is not None
     while tier.host_available(ct) < n:
@@ -127,7 +132,7 @@ def start_backup(cache: UnifiedRadixCache, node: TreeNode) -> BackupTicket | Non
             src = c.backup_source(n)
             if src is None or src.shape[0] == 0:
                 continue
-            host = _host_alloc(cache, c.component_type, int(src.shape[0]))
+            host = host_alloc(cache, c.component_type, int(src.shape[0]))
             if host is None:
                 tier = cache.host_tier
                 assert tier is not None
@@ -373,8 +378,62 @@ def host_prefix(cache: UnifiedRadixCache, key: RadixKey) -> tuple[int, TreeNode]
     return pos, node
 
 
+@dataclass(slots=True, eq=False)
+class HostPart:
+    """Host data of one auxiliary component read from a lower tier, for :func:`insert_host`.
+
+    ``host`` holds host units of the component's own pool (already reserved and filled) for
+    key positions ``[start, end)`` (both page-aligned).  Per-token data (SWA) has one slot per
+    token; a per-position state (Mamba) is a point, ``start == end``: one slot, the state
+    after the first ``end`` tokens.  New host-only nodes are cut at every ``start`` and
+    ``end`` so that a part covers whole nodes; the component's ``commit_host_insert`` takes
+    what fits a node and records the rows of ``host`` it took in ``taken``; the rest is freed.
+    """
+
+    start: int
+    end: int
+    host: torch.Tensor
+    taken: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _release_parts(
+    cache: UnifiedRadixCache, aux: Mapping[ComponentType, Sequence[HostPart]]
+) -> None:
+    """Free the rows of every part that no node took."""
+    tier = cache.host_tier
+    assert tier is not None
+    for ct, parts in aux.items():
+        for part in parts:
+            n = int(part.host.shape[0])
+            if not n:
+                continue
+            if not part.taken:
+                tier.host_free(ct, part.host)
+                continue
+            keep = torch.ones(n, dtype=torch.bool)
+            for a, b in part.taken:
+                keep[a:b] = False
+            if bool(keep.any()):
+                tier.host_free(ct, part.host[keep])
+
+
+def _commit_aux(
+    cache: UnifiedRadixCache,
+    node: TreeNode,
+    pos: int,
+    aux: Mapping[ComponentType, Sequence[HostPart]],
+) -> None:
+    for ct, parts in aux.items():
+        if parts:
+            cache.component(ct).commit_host_insert(node, pos, parts)
+
+
 def insert_host(
-    cache: UnifiedRadixCache, key: RadixKey, host_value: torch.Tensor, start: int
+    cache: UnifiedRadixCache,
+    key: RadixKey,
+    host_value: torch.Tensor,
+    start: int,
+    aux: Mapping[ComponentType, Sequence[HostPart]] | None = None,
 ) -> int:
     """Attach Full host data read from a lower tier for the tokens ``[start, end)`` of
     ``key`` (``end = start + len(host_value)``, both page-aligned); the tree owns
@@ -385,12 +444,33 @@ def insert_host(
     all hold host copies takes the data: a node there without one (the tree changed since
     the caller looked) stops the walk and the rest is freed.  Past ``start``, a node with a
     host copy already keeps it (the duplicate slots are freed), a node only on device adopts
-    the slots as its host copy (same key, same bytes), and the remainder becomes one new
-    host-only leaf.  Other components get no data (their tombstones stay).  Returns the
-    tokens placed on the new leaf.
+    the slots as its host copy (same key, same bytes), and the remainder becomes new
+    host-only nodes (one, or a chain cut at the boundaries of the ``aux`` parts).
+
+    ``aux`` (optional) holds other components' host data for the same span (see
+    :class:`HostPart`); the tree owns those slots too.  Every node that gets Full host data
+    here is offered them through its component's ``commit_host_insert``; what no node takes is
+    freed.  Without ``aux`` other components get no data (their tombstones stay).  Returns
+    the tokens placed on new nodes.
     """
     tier = cache.host_tier
     assert tier is not None, "insert_host needs a host tier"
+    aux = aux or {}
+    try:
+        return _insert_host(cache, key, host_value, start, aux)
+    finally:
+        _release_parts(cache, aux)
+
+
+def _insert_host(
+    cache: UnifiedRadixCache,
+    key: RadixKey,
+    host_value: torch.Tensor,
+    start: int,
+    aux: Mapping[ComponentType, Sequence[HostPart]],
+) -> int:
+    tier = cache.host_tier
+    assert tier is not None
     ps = cache.page_size
     end = start + int(host_value.shape[0])
     tokens = cache._prepare_tokens(key)
@@ -430,19 +510,30 @@ def insert_host(
             assert cd.value is not None, f"node {child.id} holds no Full data"
             cd.host_value = host_value[pos - start : pos + m - start]
             full._add_host(cd, m)
+            _commit_aux(cache, child, pos, aux)
             done = pos + m
         pos += m
         node = child
-    if pos < end and pos >= start and done == pos:
+    if not (pos < end and pos >= start and done == pos):
+        release(done, end)
+        return 0
+    # The remainder: new host-only nodes, cut where an auxiliary part begins or ends.
+    cuts = sorted(
+        {b for parts in aux.values() for p in parts for b in (p.start, p.end) if pos < b < end}
+    )
+    first = pos
+    leaf = node
+    for b in [*cuts, end]:
         cache._clock += 1
-        leaf = TreeNode(tokens[pos:end], node, cache._new_data(), ns, cache._clock)
+        leaf = TreeNode(tokens[pos:b], node, cache._new_data(), ns, cache._clock)
         cd = leaf.data[_FULL]
         assert cd is not None
-        cd.host_value = host_value[pos - start :]
-        full._add_host(cd, end - pos)
+        cd.host_value = host_value[pos - start : b - start]
+        full._add_host(cd, b - pos)
         node.children[cache._child_key_of(leaf)] = leaf
         cache.num_nodes += 1
-        full.note_host_leaf(leaf)
-        return end - pos
-    release(done, end)
-    return 0
+        _commit_aux(cache, leaf, pos, aux)
+        node = leaf
+        pos = b
+    full.note_host_leaf(leaf)
+    return end - first

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         MatchResult,
     )
     from urc.req import Req
+    from urc.tiering import HostPart
     from urc.tiers import TransferItem
 
 __all__ = ["EvictTracker", "MatchValidator", "TreeComponent"]
@@ -287,6 +288,25 @@ class TreeComponent(ABC):
                 continue
             cd.host_value = part
             self._add_host(cd, n)
+
+    def commit_host_insert(self, node: TreeNode, start: int, parts: Sequence[HostPart]) -> None:
+        """``node`` (key positions ``[start, start + node.key_len)``) just got Full host data
+        read from a lower tier (``urc.tiering.insert_host``); attach this component's host
+        copy from ``parts`` if one fits, recording the rows taken in ``part.taken`` (the
+        rest is freed by the caller).  Default for per-token data: the part that covers the
+        whole node, sliced to it.  A node that already has a host copy keeps it."""
+        cd = node.data[self.component_type]
+        assert cd is not None
+        if cd.host_value is not None:
+            return
+        end = start + node.key_len
+        for part in parts:
+            if part.start <= start and end <= part.end:
+                a, b = start - part.start, end - part.start
+                cd.host_value = part.host[a:b]
+                self._add_host(cd, node.key_len)
+                part.taken.append((a, b))
+                return
 
     def _add_host(self, cd: ComponentData, n: int) -> None:
         if cd.host_lock_ref:

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     )
     from urc.pools.mamba import MambaPool
     from urc.req import Req
+    from urc.tiering import HostPart
 
 __all__ = ["MambaComponent"]
 
@@ -374,6 +375,21 @@ class MambaComponent(TreeComponent):
             return
         cd.host_value = host
         self._add_host(cd, 1)
+
+    def commit_host_insert(self, node: TreeNode, start: int, parts: Sequence[HostPart]) -> None:
+        """A state read from a lower tier belongs to the node ending exactly at its position
+        (a point part, ``start == end``); other nodes get none."""
+        cd = node.data[_M]
+        assert cd is not None
+        if cd.host_value is not None:
+            return
+        end = start + node.key_len
+        for part in parts:
+            if part.start == part.end == end and part.host.shape[0] == 1 and not part.taken:
+                cd.host_value = part.host
+                self._add_host(cd, 1)
+                part.taken.append((0, 1))
+                return
 
     def load_target(self, node: TreeNode, full_device: torch.Tensor) -> TransferItem | None:
         """A held slot for the node's host state (evicting one unlocked state if the pool is

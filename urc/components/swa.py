@@ -518,7 +518,9 @@ class SWAComponent(TreeComponent):
     # ------------------------------------------------------------------ host tier (HiCache)
     # Backup uses the defaults: the source is the SWA value (SWA slots), per token; a
     # tombstone has nothing to back up.  Load-back: the Full slots the load reserved come
-    # from the paired allocator, so they already map fresh SWA pages.
+    # from the paired allocator, so they already map fresh SWA pages.  ``commit_host_insert``
+    # (SWA host data read from L3 storage) uses the per-token default too: a node gets SWA
+    # host data only where a stored part covers it whole, else it stays an SWA tombstone.
     def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
         swa = self.cache.pools.swa
         return None if swa is None else swa.kv_pool.slot_buffers()
