@@ -175,10 +175,7 @@ async def test_lost_lease_released_when_queue_is_full() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_cancel_during_ownership_move_completes_it() -> None:
-    """A caller cancelled while its insert is applied still gets the outcome (the tree took
-    the slots); the cancellation lands at its next checkpoint."""
+async def scenario_cancel_during_ownership_move() -> None:
     with anyio.fail_after(TIMEOUT):
         hook = CancelOnApply(Insert)
         async with AsyncUnifiedRadixCache(small_config(), trace=hook) as svc:
@@ -193,6 +190,17 @@ async def test_cancel_during_ownership_move_completes_it() -> None:
             assert (await svc.match([5, 6, 7])).prefix_len == 3
             await svc.sanity_check({FULL: 0})
         check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_cancel_during_ownership_move_completes_it() -> None:
+    """A caller cancelled while its insert is applied still gets the outcome (the tree took
+    the slots); the cancellation lands at its next checkpoint."""
+    await scenario_cancel_during_ownership_move()
+
+
+def test_cancel_during_ownership_move_completes_it_trio() -> None:
+    anyio.run(scenario_cancel_during_ownership_move, backend="trio")
 
 
 @pytest.mark.asyncio
@@ -313,3 +321,158 @@ async def test_host_scope_cancelled_closes_cleanly() -> None:
 
 def test_host_scope_cancelled_closes_cleanly_trio() -> None:
     anyio.run(scenario_host_scope_cancelled, backend="trio")
+
+
+# ====================================================================== transport paths
+# The actor's hot path (no trace hook, no observer) and the asyncio reply futures get their
+# own checks: the scenarios above mostly run with a trace hook (the hooked path).
+
+
+async def scenario_cancelled_while_queued_fast_path(strict_order: bool) -> None:
+    """No hook: a ``call`` queued first cancels the victim's scope from inside the actor."""
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config(), max_batch=1) as svc:
+            await prepared(svc)
+            state: dict[str, Any] = {}
+            caught: list[bool] = []
+
+            def cancel_victim(cache: Any) -> None:
+                state.pop("scope").cancel()
+
+            async def victim() -> None:
+                got = None
+                with anyio.CancelScope() as scope:
+                    state["scope"] = scope
+                    got = await svc.match(KEY, lock=True)
+                caught.append(scope.cancelled_caught)
+                if got is not None and got.lease is not None:  # it ran first (trio order)
+                    await got.lease.release()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(svc.call, cancel_victim)
+                tg.start_soon(victim)
+            await svc.sanity_check({FULL: 0})
+            if strict_order:
+                assert caught == [True]
+            assert svc.leases_held == 0 and svc.cache.protected_size() == 0
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_while_queued_is_skipped_without_hooks() -> None:
+    await scenario_cancelled_while_queued_fast_path(strict_order=True)
+
+
+def test_cancelled_while_queued_is_skipped_without_hooks_trio() -> None:
+    anyio.run(scenario_cancelled_while_queued_fast_path, False, backend="trio")
+
+
+async def scenario_ownership_move_cancelled_while_queued() -> None:
+    """An insert whose caller is cancelled while the insert still waits in the queue: the
+    caller waits for it anyway, gets the outcome, and is cancelled at its next checkpoint."""
+    with anyio.fail_after(TIMEOUT):
+        hook = CancelOnApply(Stats)
+        async with AsyncUnifiedRadixCache(small_config(), max_batch=1, trace=hook) as svc:
+            v = await svc.alloc(3)
+            got: list[Any] = []
+            caught: list[bool] = []
+
+            async def victim() -> None:
+                with anyio.CancelScope() as scope:
+                    hook.scope = scope  # cancelled when the actor applies the Stats
+                    got.append(await svc.insert([5, 6, 7], v))
+                    await anyio.lowlevel.checkpoint()
+                    got.append(None)  # not reached
+                caught.append(scope.cancelled_caught)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(svc.stats)
+                tg.start_soon(victim)
+            assert hook.fired == 1 and caught == [True]
+            assert len(got) == 1 and got[0].total_len == 3
+            assert (await svc.match([5, 6, 7])).prefix_len == 3  # the tree took the slots
+            await svc.sanity_check({FULL: 0})
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_ownership_move_cancelled_while_queued_completes() -> None:
+    await scenario_ownership_move_cancelled_while_queued()
+
+
+def test_ownership_move_cancelled_while_queued_completes_trio() -> None:
+    anyio.run(scenario_ownership_move_cancelled_while_queued, backend="trio")
+
+
+@pytest.mark.asyncio
+async def test_native_asyncio_cancellation_is_not_swallowed() -> None:
+    """A plain ``Task.cancel()`` (no anyio scope cancelled) of a caller waiting for an
+    ownership move goes through, as it would through a shielded scope; nothing leaks."""
+    import asyncio
+
+    with anyio.fail_after(TIMEOUT):
+        state: dict[str, Any] = {}
+
+        def hook(cmd: Command, result: Any, error: BaseException | None) -> None:
+            if isinstance(cmd, Insert) and "task" in state:
+                state.pop("task").cancel()
+
+        async with AsyncUnifiedRadixCache(small_config(), trace=hook) as svc:
+            v = await svc.alloc(3)
+            task = asyncio.ensure_future(svc.insert([5, 6, 7], v))
+            state["task"] = task
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert task.cancelled()
+            assert (await svc.match([5, 6, 7])).prefix_len == 3  # applied all the same
+            await svc.sanity_check({FULL: 0})
+        check_clean(svc.cache)
+
+
+async def scenario_overflow_keeps_send_order(strict_order: bool) -> None:
+    """More senders than ``max_queued``: the rest wait in line and are applied in send
+    order; ``queued`` counts them all."""
+    with anyio.fail_after(TIMEOUT):
+        history = History()
+        seen: list[int] = []
+
+        async with AsyncUnifiedRadixCache(small_config(), max_queued=2, trace=history) as svc:
+
+            def peek(cache: Any) -> None:
+                seen.append(svc.queued)
+
+            async def ask(k: int) -> None:
+                await svc.match([k])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(svc.call, peek)
+                for k in range(20):
+                    tg.start_soon(ask, k)
+            await svc.sanity_check({FULL: 0})
+        keys = [c.key.token_ids[0] for c, _, _ in history.entries if isinstance(c, Match)]
+        assert sorted(keys) == list(range(20))
+        if strict_order:  # asyncio: all 21 were sent before the actor ran; 20 still wait
+            assert seen == [20] and keys == list(range(20))
+
+
+@pytest.mark.asyncio
+async def test_overflow_keeps_send_order() -> None:
+    await scenario_overflow_keeps_send_order(strict_order=True)
+
+
+@pytest.mark.asyncio
+async def test_overflow_fifo_under_asyncio() -> None:
+    """Under asyncio (FIFO scheduling) the apply order is exactly the send order."""
+    with anyio.fail_after(TIMEOUT):
+        history = History()
+        async with AsyncUnifiedRadixCache(small_config(), max_queued=3, trace=history) as svc:
+            async with anyio.create_task_group() as tg:
+                for k in range(40):
+                    tg.start_soon(svc.match, [k])
+            assert svc.queued == 0
+        keys = [c.key.token_ids[0] for c, _, _ in history.entries if isinstance(c, Match)]
+        assert keys == list(range(40))
+
+
+def test_overflow_keeps_send_order_trio() -> None:
+    anyio.run(scenario_overflow_keeps_send_order, False, backend="trio")

@@ -9,13 +9,19 @@ Usage::
 
 Design (ARCHITECTURE §6)
 ------------------------
-Every public coroutine builds a frozen command (:mod:`urc.commands`), sends it on a bounded
-anyio memory object stream and awaits a one-shot reply (an ``anyio.Event`` plus a result slot:
-cheaper than a 1-slot memory stream, see ``python -m urc.service_bench --replies``).  One actor
-task receives the commands and applies them strictly in order, one at a time, through a
-:class:`~urc.executor.CommandExecutor`; it applies every command already queued in one
-wake-up (``receive_nowait`` loop, at most ``max_batch``) before yielding.  Because applying a
-command never awaits, no other task ever sees the tree mid-command and no lock is needed.
+Every public coroutine builds a frozen command (:mod:`urc.commands`), appends it to the
+actor's queue (a deque: sending never blocks or yields, so nothing happens between the
+caller's checks and the command entering the queue) and awaits a one-shot reply: on asyncio
+a bare ``asyncio.Future`` of the running loop, elsewhere (trio) an ``anyio.Event``; the
+result travels in the call object (``python -m urc.service_bench --replies`` compares reply
+objects).  One actor task takes the commands and applies them strictly in order, one at a
+time, through a :class:`~urc.executor.CommandExecutor`: it applies every command already
+queued in one wake-up (at most ``max_batch``), then yields once, so the callers it just
+answered run and their next commands form its next batch; it sleeps on a wake-up (set by the
+next sender) only when the queue is empty.  Because applying a command never awaits, no
+other task ever sees the tree mid-command and no lock is needed.  Backpressure: at most
+``max_queued`` commands are queued; later senders wait in line (FIFO) for a place, which is
+the same wait as for their reply.
 
 Handles, not nodes: results carry device indices, hit lengths, an opaque
 :class:`~urc.lease.NodeHandle` and, when asked, a :class:`~urc.lease.Lease` (released exactly
@@ -27,10 +33,13 @@ Cancellation (nothing leaks, nothing is half-applied).  A caller whose scope is 
 cancelled raises before sending anything.  After sending, by command (``_ON_CANCEL``):
 
 - Commands that move ownership of slots or requests between caller and tree (insert,
-  match_req, alloc, free, cache_finished_req, cache_unfinished_req, call) are awaited inside
-  a shielded scope: a cancelled caller still learns the outcome and its cancellation lands at
-  its next checkpoint.  The actor always answers (it drains the queue at close and fails
-  every queued call if it dies), so the shielded wait is bounded.
+  match_req, alloc, free, cache_finished_req, cache_unfinished_req, call): a cancelled caller
+  still waits for the outcome and gets it; its cancellation lands at its next checkpoint.
+  The actor always answers (it drains the queue at close and fails every queued call if it
+  dies), so the wait is bounded.  (Rather than entering a shielded scope on every call, the
+  caller catches the cancellation and, only then, waits on in a shielded scope; anyio and
+  trio scopes deliver it again at the next checkpoint.  A native asyncio ``Task.cancel()``,
+  with no cancelled scope to deliver it again, goes through, as it would through a shield.)
 - A release is applied even if its caller is cancelled meanwhile (the lease was marked
   released before sending).
 - Other commands (match, lock, evict, stats, sanity_check) may be abandoned: a caller
@@ -57,7 +66,10 @@ still make shielded calls), then drains the queue, then releases every lease sti
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from enum import Enum
 from time import perf_counter
@@ -66,16 +78,14 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 import torch
-from anyio import (
-    BrokenResourceError,
-    CancelScope,
-    ClosedResourceError,
-    EndOfStream,
-    WouldBlock,
-)
+from anyio import CancelScope, current_effective_deadline
 from anyio.abc import TaskGroup
-from anyio.lowlevel import checkpoint_if_cancelled
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
+
+try:  # the running backend's class: calling it directly skips a per-call backend lookup
+    from anyio._core._eventloop import get_async_backend as _get_async_backend
+except ImportError:  # pragma: no cover - not where anyio 4 keeps it
+    _get_async_backend = None  # type: ignore[assignment]
 
 from urc.cache import UnifiedRadixCache
 from urc.commands import (
@@ -179,19 +189,32 @@ class BackgroundWorker(Protocol):
 
 
 class _Call:
-    """One in-flight command: the one-shot reply slot the actor fills."""
+    """One in-flight command: the one-shot reply slot the actor fills.
 
-    __slots__ = ("abandoned", "command", "done", "error", "event", "result", "sent_at")
+    ``reply`` wakes the caller: a bare ``asyncio.Future`` on asyncio (awaited directly; a
+    cancelled caller cancels it, so the actor only sets it if not done), an ``anyio.Event``
+    otherwise (trio)."""
 
-    def __init__(self, command: Command, sent_at: float, event: anyio.Event) -> None:
+    __slots__ = ("abandoned", "command", "done", "error", "reply", "result", "sent_at")
+
+    def __init__(self, command: Command, sent_at: float, reply: Any) -> None:
         self.command = command
         self.sent_at = sent_at
-        self.event = event
+        self.reply = reply
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = False
         # Set by a caller that stopped waiting before the actor took the command.
         self.abandoned = False
+
+
+def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop running the current task, or ``None`` (trio, trio guest mode)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        return None
+    return None if task is None else task.get_loop()
 
 
 def _as_key(key: RadixKey | Sequence[int], extra_key: ExtraKey | str | None) -> RadixKey:
@@ -251,21 +274,37 @@ class AsyncUnifiedRadixCache:
         self._worker_scopes: set[CancelScope] = set()
         self._workers_done: anyio.Event | None = None
         self._tg: TaskGroup | None = None
-        self._send: MemoryObjectSendStream[_Call] | None = None
-        self._recv: MemoryObjectReceiveStream[_Call] | None = None
         self._actor_done: anyio.Event | None = None
-        # The running backend's Event class: instantiating it directly skips anyio's
-        # per-call backend lookup (a measurable part of a round trip).
-        self._new_event: Callable[[], anyio.Event] = anyio.Event
+        # The command queue: at most ``max_queued`` calls; later senders wait in line in
+        # ``_overflow`` (FIFO, the actor moves one in per command it takes).  Every sender
+        # awaits its own reply, so the wait "to send" and the wait for the reply are one.
+        self._queue: deque[_Call] = deque()
+        self._overflow: deque[_Call] = deque()
+        # Set while the actor sleeps on an empty queue: the next sender wakes it.
+        self._wakeup: Any = None
+        # Reply primitives of the running backend (see ``_Call``), chosen on entry.
+        self._on_asyncio = False
+        self._new_reply: Callable[[], Any] = anyio.Event
+        self._checkpoint_if_cancelled: Callable[[], Awaitable[None]] = checkpoint_if_cancelled
+        self._cancelled_exc: type[BaseException] = BaseException  # set on entry
 
     # ================================================================== lifecycle
     async def __aenter__(self) -> AsyncUnifiedRadixCache:
         """Start the actor (and ``workers``) in a new task group; a service starts once."""
         if self._state is not ServiceState.NEW:
             raise ServiceClosedError(f"service cannot be started again ({self._state.value})")
-        self._send, self._recv = anyio.create_memory_object_stream[_Call](self._max_queued)
         self._actor_done = anyio.Event()
-        self._new_event = type(self._actor_done)
+        self._cancelled_exc = anyio.get_cancelled_exc_class()
+        if _get_async_backend is not None:
+            self._checkpoint_if_cancelled = _get_async_backend().checkpoint_if_cancelled
+        loop = _running_asyncio_loop()
+        if loop is not None:
+            self._on_asyncio = True
+            self._new_reply = loop.create_future
+        else:
+            # The running backend's Event class: instantiating it directly skips anyio's
+            # per-call backend lookup.
+            self._new_reply = type(self._actor_done)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -299,14 +338,14 @@ class AsyncUnifiedRadixCache:
         if self._state is ServiceState.NEW:
             self._state = ServiceState.CLOSED
             return 0
-        assert self._send is not None and self._actor_done is not None
+        assert self._actor_done is not None
         with CancelScope(shield=True):
             if not self._closing:
                 self._closing = True
                 await self._stop_workers()
                 if self._state is ServiceState.RUNNING:
                     self._state = ServiceState.CLOSING
-                self._send.close()
+                self._wake_actor()  # it drains the queue, then shuts down
             await self._actor_done.wait()
         return self._released_at_close
 
@@ -334,10 +373,7 @@ class AsyncUnifiedRadixCache:
     @property
     def queued(self) -> int:
         """Commands waiting for the actor (buffered plus blocked senders)."""
-        if self._recv is None:
-            return 0
-        st = self._recv.statistics()
-        return st.current_buffer_used + st.tasks_waiting_send
+        return len(self._queue) + len(self._overflow)
 
     @property
     def cache(self) -> UnifiedRadixCache:
@@ -453,7 +489,7 @@ class AsyncUnifiedRadixCache:
         self._check_open()
         await checkpoint_if_cancelled()  # never mark a lease released and then not send it
         lease.mark_released()
-        await self._submit(Release(lease))
+        await self._submit(Release(lease), True)
 
     async def evict(
         self, num_tokens: int = 0, swa_num_tokens: int = 0, mamba_num: int = 0
@@ -518,47 +554,74 @@ class AsyncUnifiedRadixCache:
             return err
         return ServiceClosedError(f"the cache service is {self._state.value}")
 
-    async def _submit(self, cmd: Command) -> Any:
-        if self._state is not ServiceState.RUNNING:
-            raise self._not_running_error()
-        # Already cancelled: raise before sending, so nothing is applied for a caller that
-        # was gone before it asked (no yield when not cancelled).
-        await checkpoint_if_cancelled()
-        call = _Call(cmd, perf_counter() if self._observer is not None else 0.0, self._new_event())
-        if _ON_CANCEL[type(cmd)] is _OnCancel.AWAIT:
-            # Once sent, the caller must learn whether ownership moved: wait for the reply
-            # even if cancelled (the actor always replies); the cancellation lands afterwards.
-            with CancelScope(shield=True):
-                await self._send_and_wait(call)
+    async def _submit(self, cmd: Command, checked: bool = False) -> Any:
+        if not checked:  # ``checked``: the caller just did both checks (no await since)
+            if self._state is not ServiceState.RUNNING:
+                raise self._not_running_error()
+            # Already cancelled: raise before sending, so nothing is applied for a caller
+            # that was gone before it asked (no yield when not cancelled).
+            await self._checkpoint_if_cancelled()
+        reply = self._new_reply()
+        call = _Call(cmd, perf_counter() if self._observer is not None else 0.0, reply)
+        # Send.  Never blocks (see ``_queue``), so nothing can happen between the state check
+        # and the command entering the queue.
+        queue = self._queue
+        if len(queue) < self._max_queued and not self._overflow:
+            queue.append(call)
         else:
-            try:
-                await self._send_and_wait(call, _ON_CANCEL[type(cmd)] is _OnCancel.APPLY)
-            except BaseException:
-                if call.done:
-                    self._discard(call)
-                elif _ON_CANCEL[type(cmd)] is _OnCancel.SKIP:
-                    call.abandoned = True
+            self._overflow.append(call)
+        if self._wakeup is not None:
+            self._wake_actor()
+        on_cancel = _ON_CANCEL[type(cmd)]
+        try:
+            if self._on_asyncio:
+                await reply
+            else:
+                await reply.wait()
+        except self._cancelled_exc:
+            if on_cancel is not _OnCancel.AWAIT:
+                self._abandon(call, on_cancel)
                 raise
+            # Once sent, the caller must learn whether ownership moved, so the cancellation is
+            # deferred: wait for the reply (the actor always replies) and return it; the
+            # cancellation is delivered again at the caller's next checkpoint (anyio and trio
+            # cancel scopes are level-triggered).  Same as waiting in a shielded scope,
+            # without paying for one on every call.  A native asyncio cancellation (no scope
+            # cancelled: nothing would deliver it again) goes through, as it would through a
+            # shielded scope.
+            if self._on_asyncio and current_effective_deadline() != -math.inf:
+                raise
+            if not call.done:
+                with CancelScope(shield=True):
+                    if self._on_asyncio:  # the cancellation cancelled the future
+                        call.reply = reply = self._new_reply()
+                        await reply
+                    else:
+                        await reply.wait()
+        except BaseException:
+            self._abandon(call, on_cancel)
+            raise
         if call.error is not None:
             raise call.error
         return call.result
 
-    async def _send_and_wait(self, call: _Call, shield_send: bool = False) -> None:
-        send = self._send
-        assert send is not None
-        try:
-            try:
-                send.send_nowait(call)
-            except WouldBlock:
-                if shield_send:
-                    # A cancelled blocking send is withdrawn; a release must not be.
-                    with CancelScope(shield=True):
-                        await send.send(call)
-                else:
-                    await send.send(call)
-        except (ClosedResourceError, BrokenResourceError):
-            raise self._not_running_error() from self._failure
-        await call.event.wait()
+    def _abandon(self, call: _Call, on_cancel: _OnCancel) -> None:
+        """Its caller stopped waiting for ``call`` (cancelled)."""
+        if call.done:
+            self._discard(call)
+        elif on_cancel is _OnCancel.SKIP:
+            call.abandoned = True  # the actor skips it
+        # APPLY (a release) is applied anyway: the lease is already marked released.
+
+    def _wake_actor(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            if self._on_asyncio:
+                if not wakeup.done():
+                    wakeup.set_result(None)
+            else:
+                wakeup.set()
 
     def _discard(self, call: _Call) -> None:
         """The reply arrived but its caller is gone: give back a lease it would hold."""
@@ -566,38 +629,51 @@ class AsyncUnifiedRadixCache:
         if lease is None or lease.released:
             return
         lease.mark_released()
-        assert self._send is not None
-        try:
-            self._send.send_nowait(_Call(Release(lease), perf_counter(), self._new_event()))
-        except WouldBlock:
+        if self._state is not ServiceState.RUNNING:
+            return  # closing: the actor releases every remaining lease; failed: nothing to do
+        if len(self._queue) >= self._max_queued or self._overflow:
             self._orphans.append(lease)  # the actor is busy; it releases it after this batch
-        except (ClosedResourceError, BrokenResourceError):
-            pass  # closing: the actor releases every remaining lease; failed: nothing to do
+            return
+        self._queue.append(_Call(Release(lease), perf_counter(), None))
+        self._wake_actor()
 
     # ================================================================== actor side
     async def _actor(self) -> None:
-        recv = self._recv
-        assert recv is not None and self._actor_done is not None
+        assert self._actor_done is not None
+        queue = self._queue
+        overflow = self._overflow
         max_batch = self._max_batch
         apply = self._apply
+        on_asyncio = self._on_asyncio
+        new_reply = self._new_reply
+        running = ServiceState.RUNNING
         try:
             while True:
-                call = await recv.receive()
+                if not queue:
+                    if self._state is not running:
+                        break  # closing (the queue is drained) or failed
+                    self._wakeup = wakeup = new_reply()
+                    if on_asyncio:
+                        await wakeup
+                    else:
+                        await wakeup.wait()
+                    continue
+                # Apply every command already queued (at most max_batch), then yield once:
+                # the callers just answered run, and their next commands form the next batch.
                 n = 0
-                while True:
+                while queue and n < max_batch:
+                    call = queue.popleft()
+                    if overflow:
+                        queue.append(overflow.popleft())
                     apply(call)
                     n += 1
-                    if n >= max_batch:
-                        break
-                    try:
-                        call = recv.receive_nowait()
-                    except WouldBlock:
-                        break
                 self._end_batch()
-        except EndOfStream:
-            self._shutdown()
-        except ClosedResourceError:
-            pass  # _fail closed the stream (a background worker died)
+                if on_asyncio:
+                    await asyncio.sleep(0)
+                else:
+                    await checkpoint()
+            if self._state is not ServiceState.FAILED:
+                self._shutdown()
         except anyio.get_cancelled_exc_class():
             # Cancelled from outside (the host scope): refuse what is queued, free leases.
             with CancelScope(shield=True):
@@ -606,7 +682,7 @@ class AsyncUnifiedRadixCache:
         except Exception as exc:
             self._fail(exc)
         finally:
-            recv.close()
+            self._wakeup = None
             self._actor_done.set()
 
     def _apply(self, call: _Call) -> None:
@@ -633,19 +709,25 @@ class AsyncUnifiedRadixCache:
             raise
         self._deliver(call, result, error)
 
-    @staticmethod
-    def _deliver(call: _Call, result: Any, error: BaseException | None) -> None:
+    def _deliver(self, call: _Call, result: Any, error: BaseException | None) -> None:
         call.result = result
         call.error = error
         call.done = True
-        call.event.set()
+        reply = call.reply
+        if reply is None:
+            return  # sent on behalf of a caller that is gone (``_discard``)
+        if self._on_asyncio:
+            if not reply.done():  # a cancelled caller cancelled its future
+                reply.set_result(None)
+        else:
+            reply.set()
 
     def _end_batch(self) -> None:
         if self._orphans:
             orphans, self._orphans = self._orphans, []
             for lease in orphans:
                 # Applied like a queued Release so traces and observers see it.
-                self._apply(_Call(Release(lease), perf_counter(), self._new_event()))
+                self._apply(_Call(Release(lease), perf_counter(), None))
         obs = self._observer
         if obs is not None:
             obs.on_batch(self._cache.stats(), self.queued)
@@ -660,17 +742,18 @@ class AsyncUnifiedRadixCache:
         if self._state is not ServiceState.FAILED:
             self._state = ServiceState.CLOSED
 
+    def _take_all(self) -> list[_Call]:
+        calls = [*self._queue, *self._overflow]
+        self._queue.clear()
+        self._overflow.clear()
+        return calls
+
     def _shutdown_cancelled(self) -> None:
-        assert self._send is not None and self._recv is not None
         self._closing = True
-        self._state = ServiceState.CLOSING
-        self._send.close()
+        if self._state is ServiceState.RUNNING:
+            self._state = ServiceState.CLOSING
         closed = ServiceClosedError("the cache service was cancelled before this command ran")
-        while True:
-            try:
-                call = self._recv.receive_nowait()
-            except (WouldBlock, EndOfStream, ClosedResourceError):
-                break
+        for call in self._take_all():
             if not call.done:
                 self._deliver(call, None, closed)
         for scope in self._worker_scopes:
@@ -689,14 +772,8 @@ class AsyncUnifiedRadixCache:
         logger.error("cache service failed", exc_info=exc)
         self._failure = exc
         self._state = ServiceState.FAILED
-        recv = self._recv
-        assert recv is not None
-        while True:
-            try:
-                call = recv.receive_nowait()
-            except (WouldBlock, EndOfStream, ClosedResourceError):
-                break
+        for call in self._take_all():
             self._deliver(call, None, self._failed_error(exc))
-        recv.close()  # blocked and later senders get BrokenResourceError
+        self._wake_actor()  # it exits (a background worker failed while it slept)
         for scope in self._worker_scopes:
             scope.cancel()
