@@ -959,15 +959,15 @@ class UnifiedRadixCache:
         comps = self._stats_comps
         k = self.counters
         return CacheStats(
-            components=comps,
-            num_nodes=self.num_nodes,
-            match_requests=k.match_requests,
-            query_tokens=k.query_tokens,
-            hit_tokens=dict(k.hit_tokens),
-            inserted_tokens=k.inserted_tokens,
-            evicted=dict(k.evicted),
-            backed_up_tokens=k.backed_up_tokens,
-            loaded_back_tokens=k.loaded_back_tokens,
+            comps,
+            self.num_nodes,
+            k.match_requests,
+            k.query_tokens,
+            dict(k.hit_tokens),
+            k.inserted_tokens,
+            dict(k.evicted),
+            k.backed_up_tokens,
+            k.loaded_back_tokens,
         )
 
     def _component_stats(self) -> tuple[ComponentStats, ...]:
