@@ -219,10 +219,11 @@ class FullComponent(TreeComponent):
         return node
 
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        node = self._first_locked(node, params)
-        cd = node.data[_FULL]
+        if params is not None and params.full_start_id is not None:
+            node = self._first_locked(node, params)
+        cd = node.full
         assert cd is not None
-        if node.parent is not None and cd.lock_ref <= 0:
+        if cd.lock_ref <= 0 and node.parent is not None:
             raise InvalidLockError(f"dec_lock_ref on node {node.id}, which is not locked")
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
