@@ -100,6 +100,7 @@ class UnifiedRadixCache:
         assert isinstance(full, FullComponent)
         self.full: FullComponent = full
         self._components_rev = self.components[::-1]
+        self._device_evict_keys = [(c.component_type, Tier.DEVICE) for c in self.components]
         self._by_type: dict[ComponentType, TreeComponent] = {
             c.component_type: c for c in self.components
         }
@@ -520,10 +521,9 @@ class UnifiedRadixCache:
                 if pending:
                     self._free_full(pending[0] if len(pending) == 1 else torch.cat(pending))
         evicted = self.counters.evicted
-        for c in self.components:
-            n = tracker[c.component_type]
+        for k in self._device_evict_keys:
+            n = tracker[k[0]]
             if n:
-                k = (c.component_type, Tier.DEVICE)
                 evicted[k] = evicted.get(k, 0) + n
         return EvictResult(tracker[0], tracker[1], tracker[2])
 
@@ -551,7 +551,13 @@ class UnifiedRadixCache:
         if fcd.host_value is not None:
             self._demoted(node)
             return True
-        self.drop_if_empty(node, tracker)
+        if node.children:  # host-only children keep it as structure (write-back)
+            self.drop_if_empty(node, tracker)
+            return True
+        parent = node.parent
+        assert parent is not None
+        self.delete_leaf(node)  # nothing is left on it: no need to ask the components again
+        self.drop_if_empty(parent, tracker)
         return True
 
     def _demoted(self, node: TreeNode) -> None:
