@@ -225,7 +225,10 @@ async def test_hybrid_models(model: ModelProfile, extra: dict[str, int]) -> None
     )
     rep = await replay(config)
     assert rep.check_ok, rep.check_error
-    assert rep.requests_done == 120
+    # Under this memory pressure a request may (rarely, depending on how background copies
+    # interleave) find every other request waiting for memory and be rejected, never lost.
+    assert rep.requests_done + rep.requests_rejected == 120
+    assert rep.requests_done >= 110
     assert rep.hit_rate > 0
     # A hybrid model can hit less than full attention (Mamba: only at checkpoints).
     assert rep.hit_rate <= rep.ideal_hit_rate + 1e-9
