@@ -893,9 +893,6 @@ class UnifiedRadixCache:
         req.swa_lock_released = False
 
     # ================================================================== sizes
-    def _sizes(self, ct: ComponentType) -> TreeComponent | None:
-        return self._by_type.get(ct)
-
     def evictable_size(self) -> int:
         """Full device tokens on unlocked nodes."""
         return self.full.evictable_size

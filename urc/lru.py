@@ -7,7 +7,7 @@ An ``OrderedDict`` keyed by node id gives O(1) insert, remove and promote (``mov
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from urc.tree import TreeNode
 
@@ -45,10 +45,6 @@ class LRUList:
 
     def clear(self) -> None:
         self._od.clear()
-
-    def lru_first(self) -> Iterator[TreeNode]:
-        """Iterate from the least-recently-used end (do not mutate while iterating)."""
-        return iter(list(self._od.values()))
 
     def first_where(self, accept: Callable[[TreeNode], bool]) -> TreeNode | None:
         """The least-recently-used node for which ``accept`` is true (skips locked nodes)."""

@@ -140,6 +140,3 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={self.key_len}, children={len(self.children)})"
-
-    def __lt__(self, other: TreeNode) -> bool:
-        return self.last_access_time < other.last_access_time

@@ -23,8 +23,6 @@ from urc.errors import InvalidLockError
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
-    import torch
-
     from urc.cache import UnifiedRadixCache
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
 
@@ -170,18 +168,6 @@ class FullComponent(TreeComponent):
         n = int(value.shape[0])
         self.evictable_size -= n
         return n
-
-    def evict_device_leaves_in_order(self) -> list[TreeNode]:
-        """Current evictable leaves, next victim first (for tests; O(n log n))."""
-        live = [e for e in self._heap if self.is_device_leaf(e[2])]
-        return [e[2] for e in sorted(live, key=lambda e: (self._key(e[2]), e[1]))]
-
-    def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
-        kv = self.cache.pools.kv_pool
-        return None if kv is None else kv.slot_buffers()
-
-    def release_load_slots(self, device: torch.Tensor) -> None:
-        self.cache.free_full(device)
 
     # ------------------------------------------------------------------ locks
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
