@@ -23,6 +23,8 @@ from urc.errors import InvalidLockError
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
+    import torch
+
     from urc.cache import UnifiedRadixCache
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
 
@@ -168,6 +170,13 @@ class FullComponent(TreeComponent):
         n = int(value.shape[0])
         self.evictable_size -= n
         return n
+
+    def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
+        kv = self.cache.pools.kv_pool
+        return None if kv is None else kv.slot_buffers()
+
+    def release_load_slots(self, device: torch.Tensor) -> None:
+        self.cache.free_full(device)
 
     # ------------------------------------------------------------------ locks
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
