@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from urc import checks, request_caching
 from urc.components import component_class
 from urc.components.base import MatchValidator, TreeComponent
 from urc.components.full import FullComponent
@@ -766,131 +767,15 @@ class UnifiedRadixCache:
             params.skip_swa = True
 
     # ================================================================== request caching
-    def _token_key(self, req: Req, token_ids: list[int]) -> tuple[RadixKey, int]:
-        """The tree key for ``token_ids`` and its length (bigram view in EAGLE mode)."""
-        key = RadixKey(token_ids, req.extra_key)
-        if self.is_eagle:
-            key = key.bigram()
-        return key, len(key)
-
-    def _prepare_caching(
-        self, req: Req, is_finished: bool, chunked: bool
-    ) -> tuple[InsertParams, list[int], int]:
-        token_ids = req.fill_ids[: req.kv_committed_len]
-        params = InsertParams(
-            key=RadixKey(token_ids, req.extra_key),
-            prev_prefix_len=req.cache_protected_len,
-            chunked=chunked,
-        )
-        eff = len(token_ids)
-        for c in self._prepare_hooks:
-            limit = c.prepare_for_caching_req(req, params, len(token_ids), is_finished)
-            if limit is not None and limit < eff:
-                eff = max(limit, 0)
-        return params, token_ids, eff
-
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
-        """Hand a finished request's KV to the tree and release everything it held.
-
-        KV ranges (token positions of ``req``; ``a`` = inserted length, page-aligned)::
-
-            [0, cache_protected_len)           tree-owned; unlocked here
-            [cache_protected_len, a)           inserted; duplicates of cached tokens freed
-            [max(a, protected), allocated)     unaligned tail, truncated or uncomputed: freed
-
-        Frees the request's ``req_to_token`` row.  With ``is_insert=False`` nothing is
-        inserted and ``[cache_protected_len, allocated)`` is freed.
-        """
-        row = req.req_pool_idx
-        if row is None:
-            raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
-        for check in self._req_checks:
-            check.validate_caching_req(req, True)
-        allocated = max(req.kv_allocated_len, req.kv_committed_len)
-        protected = req.cache_protected_len
-        kv = self.req_to_token_pool.read(row, 0, allocated)
-        params: InsertParams | None = None
-        result: InsertResult | None = None
-        keep = protected
-        if is_insert:
-            params, token_ids, eff = self._prepare_caching(req, True, False)
-            key, n_key = self._token_key(req, token_ids[:eff])
-            aligned = n_key - n_key % self.page_size
-            if aligned > 0:
-                params.key = key[:aligned]
-                params.value = kv[:aligned]
-                result = self.insert(params)
-            keep = max(aligned, protected)
-        if keep < allocated:
-            self._free_full(kv[keep:allocated])
-        self._release_req_lock(req)
-        for c in self._cleanup_hooks:
-            c.cleanup_after_caching_req(req, True, result, params)
-        self.req_to_token_pool.free(row)
-        req.req_pool_idx = None
+        """Hand a finished request's KV to the tree and release everything it held (see
+        :func:`urc.request_caching.cache_finished_req` for the KV ranges)."""
+        request_caching.cache_finished_req(self, req, is_insert)
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
-        """Cache the KV computed so far (chunked prefill) and keep the request going.
-
-        Inserts ``[0, a)`` (``a``: committed length, page-aligned), rewrites the request's
-        ``req_to_token`` row with the tree's indices for that range (duplicates were freed),
-        moves the request's lock to the node ending at ``a`` and sets ``prefix_indices``,
-        ``cache_protected_len == len(prefix_indices) == a`` and ``last_node``.
-        The unaligned tail stays request-owned.
-        """
-        row = req.req_pool_idx
-        if row is None:
-            raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
-        for check in self._req_checks:
-            check.validate_caching_req(req, False)
-        params, token_ids, eff = self._prepare_caching(req, False, chunked)
-        key, n_key = self._token_key(req, token_ids[:eff])
-        aligned = n_key - n_key % self.page_size
-        result: InsertResult | None = None
-        if aligned > 0 and aligned >= req.cache_protected_len:
-            params.key = key[:aligned]
-            params.value = self.req_to_token_pool.read(row, 0, aligned)
-            result = self.insert(params)
-            last = result.last_device_node
-            assert last is not None
-            indices = self._path_indices(last)
-            assert indices.shape[0] == aligned, f"path holds {indices.shape[0]} != {aligned}"
-            protected = req.cache_protected_len
-            if aligned > protected:
-                self.req_to_token_pool.write(row, protected, indices[protected:])
-            receipt = self.inc_lock_ref(last)
-            self._release_req_lock(req)
-            req.prefix_indices = indices
-            req.cache_protected_len = aligned
-            req.last_node = last
-            req.lock_receipt = receipt
-        for c in self._cleanup_hooks:
-            c.cleanup_after_caching_req(req, False, result, params)
-
-    def _path_indices(self, node: TreeNode) -> torch.Tensor:
-        """Full device indices from the root down to ``node`` (all must be on device)."""
-        values = []
-        while node.parent is not None:
-            v = node.data[_FULL].value  # type: ignore[union-attr]
-            assert v is not None, f"node {node.id} on the path has no device value"
-            values.append(v)
-            node = node.parent
-        if not values:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        values.reverse()
-        return torch.cat(values)
-
-    def _release_req_lock(self, req: Req) -> None:
-        node = req.last_node
-        if node is not None and node.parent is not None:
-            receipt = req.lock_receipt
-            params = receipt.to_dec_params() if receipt is not None else None
-            if params is not None and req.swa_lock_released:
-                params.skip_swa = True
-            self.dec_lock_ref(node, params)
-        req.last_node = None
-        req.lock_receipt = None
-        req.swa_lock_released = False
+        """Cache the KV computed so far and move the request's lock onto it (see
+        :func:`urc.request_caching.cache_unfinished_req`)."""
+        request_caching.cache_unfinished_req(self, req, chunked)
 
     # ================================================================== sizes
     def evictable_size(self) -> int:
@@ -1034,9 +919,8 @@ class UnifiedRadixCache:
             for cd in node.data:
                 if cd is not None and (cd.lock_ref or cd.host_lock_ref):
                     raise InvalidLockError(f"reset while node {node.id} is locked")
-        tracker = [0] * NUM_COMPONENT_TYPES
         for node in reversed(nodes):
-            for c in reversed(self.components):
+            for c in self._components_rev:
                 if c.node_has_component_data(node):
                     c.evict_component(node, Tier.DEVICE)
                 if c.node_has_component_data(node, Tier.HOST):
@@ -1047,142 +931,24 @@ class UnifiedRadixCache:
             c.reset()
         self.num_nodes = 0
         self.root = self._new_root()
-        del tracker
 
     def sanity_check(self) -> None:
-        """Recompute every invariant from scratch; ``AssertionError`` names the first broken one.
-
-        Checks parent/child links and child keys, each component's per-node rules, lock
-        ordering, eviction structures, size counters, node count and allocator state.
-        """
-        nodes = self._nodes()
-        assert len(nodes) == self.num_nodes, f"{len(nodes)} nodes, counter {self.num_nodes}"
-        evictable = [0] * NUM_COMPONENT_TYPES
-        protected = [0] * NUM_COMPONENT_TYPES
-        host_evictable = [0] * NUM_COMPONENT_TYPES
-        host_protected = [0] * NUM_COMPONENT_TYPES
-        for node in nodes:
-            parent = node.parent
-            assert parent is not None and not node.deleted, f"node {node.id} detached"
-            assert parent.children.get(self._child_key_of(node)) is node, (
-                f"node {node.id} is not its parent's child under its own key"
-            )
-            assert node.key_len == len(node.key) > 0, f"node {node.id} key_len {node.key_len}"
-            assert node.key_len % self.page_size == 0, f"node {node.id} len {node.key_len}"
-            full = node.data[_FULL]
-            assert full is not None
-            assert full.value is not None or full.host_value is not None, (
-                f"node {node.id} holds no Full data on any tier"
-            )
-            if (
-                full.host_value is not None
-                and parent.parent is not None
-                and self.write_policy is not WritePolicy.WRITE_BACK
-            ):
-                pfull = parent.data[_FULL]
-                assert pfull is not None and pfull.host_value is not None, (
-                    f"node {node.id} has a host copy but its parent {parent.id} does not"
-                )
-            prev_lock = None
-            for c in self.components:
-                cd = node.data[c.component_type]
-                assert cd is not None
-                assert cd.lock_ref >= 0 and cd.host_lock_ref >= 0, f"node {node.id}: {cd}"
-                if prev_lock is not None:
-                    assert prev_lock >= cd.lock_ref, (
-                        f"node {node.id}: {c.component_type.name} lock {cd.lock_ref} exceeds "
-                        f"the lock {prev_lock} of a higher component"
-                    )
-                prev_lock = cd.lock_ref
-                if c is not self.full and cd.value is not None:
-                    assert full.value is not None, (
-                        f"node {node.id}: {c.component_type.name} on device without Full"
-                    )
-                c.check_node(node)
-                n = c.value_len(cd)
-                if cd.lock_ref:
-                    protected[c.component_type] += n
-                else:
-                    evictable[c.component_type] += n
-                h = c.host_len(cd)
-                if cd.host_lock_ref:
-                    host_protected[c.component_type] += h
-                else:
-                    host_evictable[c.component_type] += h
-        for c in self.components:
-            ct = c.component_type
-            assert (c.evictable_size, c.protected_size) == (evictable[ct], protected[ct]), (
-                f"{ct.name} sizes: counters evictable={c.evictable_size} "
-                f"protected={c.protected_size}, recomputed {evictable[ct]}/{protected[ct]}"
-            )
-            host = (c.host_evictable_size, c.host_protected_size)
-            assert host == (host_evictable[ct], host_protected[ct]), (
-                f"{ct.name} host sizes: counters {host}, recomputed "
-                f"{host_evictable[ct]}/{host_protected[ct]}"
-            )
-            c.check_structures(nodes)
-        check = getattr(self.token_to_kv_pool_allocator, "check_consistency", None)
-        if check is not None:
-            check()
+        """Recompute every invariant from scratch; ``AssertionError`` names the first broken
+        one (see :func:`urc.checks.sanity_check`)."""
+        checks.sanity_check(self)
 
     def check_pools(
         self,
         held: Mapping[ComponentType, int] | None = None,
         host_held: Mapping[ComponentType, int] | None = None,
     ) -> None:
-        """Assert ``free + evictable + protected + held == capacity`` for every component's
-        device pool, and its host pool when a host tier is attached (``held`` /
-        ``host_held``: units owned outside the tree -- live requests, transfers in flight --
-        in each component's unit)."""
-        held = held or {}
-        host_held = host_held or {}
-        for c in self.components:
-            ct = c.component_type
-            total = c.pool_available() + c.evictable_size + c.protected_size + held.get(ct, 0)
-            assert total == c.pool_capacity(), (
-                f"{ct.name} pool: free {c.pool_available()} + evictable {c.evictable_size} + "
-                f"protected {c.protected_size} + held {held.get(ct, 0)} = {total} "
-                f"!= capacity {c.pool_capacity()}"
-            )
-            if self.host_tier is None:
-                continue
-            h = host_held.get(ct, 0)
-            total = c.host_available() + c.host_evictable_size + c.host_protected_size + h
-            assert total == c.host_capacity(), (
-                f"{ct.name} host pool: free {c.host_available()} + evictable "
-                f"{c.host_evictable_size} + protected {c.host_protected_size} + held {h} = "
-                f"{total} != capacity {c.host_capacity()}"
-            )
+        """Assert ``free + evictable + protected + held == capacity`` for every pool (see
+        :func:`urc.checks.check_pools`)."""
+        checks.check_pools(self, held, host_held)
 
     def pretty_print(self) -> str:
         """An indented dump of the tree (also printed)."""
-        lines: list[str] = []
-
-        def walk(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                parts = []
-                for c in self.components:
-                    cd = child.data[c.component_type]
-                    assert cd is not None
-                    on = "D" if cd.value is not None else "-"
-                    on += "H" if cd.host_value is not None else "-"
-                    parts.append(f"{c.component_type.name.lower()}={on}/{cd.lock_ref}")
-                head = child.key[:4]
-                more = "..." if child.key_len > 4 else ""
-                lines.append(
-                    f"{'  ' * depth}[{child.id}] {head}{more} len={child.key_len} "
-                    f"{' '.join(parts)} t={child.last_access_time}"
-                )
-                walk(child, depth + 1)
-
-        walk(self.root, 0)
-        lines.append(
-            f"#nodes={self.num_nodes} evictable={self.evictable_size()} "
-            f"protected={self.protected_size()}"
-        )
-        text = "\n".join(lines)
-        print(text)
-        return text
+        return checks.pretty_print(self)
 
     def iter_nodes(self) -> Sequence[TreeNode]:
         """Every node but the root (parents before children)."""
