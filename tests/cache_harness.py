@@ -14,6 +14,7 @@ from urc import (
     MatchPrefixParams,
     MatchResult,
     RadixKey,
+    Req,
     UnifiedRadixCache,
     build_cache,
 )
@@ -79,3 +80,28 @@ class Harness:
 def seq(start: int, num_pages: int, page_size: int) -> list[int]:
     """``num_pages`` pages of consecutive token ids starting at ``start``."""
     return list(range(start, start + num_pages * page_size))
+
+
+def start_request(cache: UnifiedRadixCache, tokens: list[int], out_len: int) -> Req | None:
+    """A running request like a scheduler makes one: match and lock the cached prefix, take a
+    ``req_to_token`` row and fresh slots for the rest (input + ``out_len`` outputs).
+
+    Returns ``None`` (nothing held) when the pool has no room for the rest.  The request's
+    ``kv_*_len`` fields are left for the caller to set.
+    """
+    row = cache.req_to_token_pool.alloc()
+    assert row is not None
+    req = Req(rid="p", origin_input_ids=tokens, output_ids=[5] * out_len)
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    req.req_pool_idx = row
+    req.last_node = m.last_device_node
+    req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
+    req.prefix_indices = m.device_indices
+    req.cache_protected_len = m.device_indices.shape[0]
+    own = cache.token_to_kv_pool_allocator.alloc(len(tokens) + out_len - req.cache_protected_len)
+    if own is None:
+        cache.dec_lock_ref(m.last_device_node, req.lock_receipt.to_dec_params())
+        cache.req_to_token_pool.free(row)
+        return None
+    cache.req_to_token_pool.write(row, 0, torch.cat([m.device_indices, own]))
+    return req

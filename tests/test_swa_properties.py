@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_harness import start_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -131,22 +132,10 @@ class Model:
         self, tokens: list[int], out_len: int, unfinished: bool, quarter: int, early: bool
     ) -> None:
         cache = self.cache
-        row = cache.req_to_token_pool.alloc()
-        assert row is not None
-        req = Req(rid="p", origin_input_ids=tokens, output_ids=[5] * out_len)
-        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
-        req.req_pool_idx = row
-        req.last_node = m.last_device_node
-        req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
-        req.prefix_indices = m.device_indices
-        req.cache_protected_len = m.device_indices.shape[0]
-        total = len(tokens) + out_len
-        own = self.alloc.alloc(total - req.cache_protected_len)
-        if own is None:
-            cache.dec_lock_ref(m.last_device_node, req.lock_receipt.to_dec_params())
-            cache.req_to_token_pool.free(row)
+        req = start_request(cache, tokens, out_len)
+        if req is None:
             return
-        cache.req_to_token_pool.write(row, 0, torch.cat([m.device_indices, own]))
+        total = len(tokens) + out_len
         if early and req.last_node.parent is not None:
             cache.dec_swa_lock_only(req.last_node, req.lock_receipt.to_dec_params())
             req.swa_lock_released = True
