@@ -105,3 +105,13 @@ def start_request(cache: UnifiedRadixCache, tokens: list[int], out_len: int) -> 
         return None
     cache.req_to_token_pool.write(row, 0, torch.cat([m.device_indices, own]))
     return req
+
+
+def pins(cache: UnifiedRadixCache) -> int:
+    """Device and host locks held on every node (0 once nothing is in flight)."""
+    return sum(
+        cd.host_lock_ref + cd.lock_ref
+        for n in cache.iter_nodes()
+        for cd in n.data
+        if cd is not None
+    )

@@ -18,6 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from cache_harness import pins
 from test_hicache_components import Snapshot, snapshot
 from test_l3_integration import (  # noqa: F401  (node: a fixture make_store uses)
     Recorder,
@@ -172,14 +173,6 @@ class Stack:
 
     async def check(self) -> None:
         await self.svc.sanity_check()
-
-        def pins(cache: UnifiedRadixCache) -> int:
-            return sum(
-                cd.host_lock_ref + cd.lock_ref
-                for n in cache.iter_nodes()
-                for cd in n.data
-                if cd is not None
-            )
 
         assert await self.svc.call(pins) == 0
 

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from cache_harness import pins
 from valkey_server import (
     ValkeyCluster,
     ValkeyNode,
@@ -173,14 +174,6 @@ class Stack:
 
     async def check(self) -> None:
         await self.svc.sanity_check()
-
-        def pins(cache: UnifiedRadixCache) -> int:
-            return sum(
-                cd.host_lock_ref + cd.lock_ref
-                for n in cache.iter_nodes()
-                for cd in n.data
-                if cd is not None
-            )
 
         assert await self.svc.call(pins) == 0
 
