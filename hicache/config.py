@@ -7,6 +7,7 @@ from enum import Enum
 
 from urc.errors import ConfigError
 from urc.tiers import WritePolicy
+from urc.tree import SizeUnit
 
 __all__ = [
     "HiCacheConfig",
@@ -49,12 +50,12 @@ class HiCacheConfig:
         if self.load_back_threshold < 0 or self.max_in_flight <= 0 or self.backup_batch <= 0:
             raise ConfigError(f"invalid thresholds in {self}")
 
-    def host_size(self, device_size: int, page_size: int, unit: str = "tokens") -> int:
+    def host_size(self, device_size: int, page_size: int, unit: SizeUnit = SizeUnit.TOKENS) -> int:
         """Host slots for a device pool of ``device_size`` (rounded up to whole pages).
 
         ``host_tokens`` sizes token pools only; a pool counted in another unit (Mamba
         states) is always ``host_ratio`` times its device size."""
-        if unit == "tokens" and self.host_tokens is not None:
+        if unit is SizeUnit.TOKENS and self.host_tokens is not None:
             n = self.host_tokens
         else:
             n = int(device_size * self.host_ratio)

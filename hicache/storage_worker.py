@@ -81,7 +81,7 @@ from urc.errors import ConfigError
 from urc.key import RadixKey
 from urc.observer import ServiceObserver, TransferKind
 from urc.tiering import HostPart
-from urc.tree import ComponentType, TreeNode
+from urc.tree import ComponentType, SizeUnit, TreeNode
 
 if TYPE_CHECKING:
     from hicache.controller import HiCacheController
@@ -265,7 +265,7 @@ class StorageWorker:
         # Auxiliary components, and whether each holds per-token data (else: per-position
         # states, one host unit each).
         self.aux = [c.component_type for c in cache.components if c.component_type is not FULL]
-        self._per_token = {c.component_type: c.unit == "tokens" for c in cache.components}
+        self._per_token = {c.component_type: c.unit is SizeUnit.TOKENS for c in cache.components}
         self.page_size = cache.page_size
         self.stats = StorageWorkerStats()
         self._due: dict[int, TreeNode] = {}  # write-through: nodes whose host copy landed

@@ -14,7 +14,7 @@ from hicache.config import HiCacheConfig
 from hicache.host_pool import HostPool
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
-from urc.tree import ComponentType
+from urc.tree import ComponentType, SizeUnit
 
 __all__ = ["HostMemoryTier", "attach_hicache"]
 
@@ -33,7 +33,7 @@ class HostMemoryTier:
             buffers = c.host_mirror_buffers()
             if buffers is None:
                 raise ConfigError(f"{c.component_type.name} has no device buffers to mirror")
-            page = cache.page_size if c.unit == "tokens" else 1
+            page = cache.page_size if c.unit is SizeUnit.TOKENS else 1
             size = config.host_size(c.pool_capacity(), page, c.unit)
             pools[c.component_type] = HostPool(buffers, size, page)
         return cls(pools)

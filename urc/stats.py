@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from urc.tree import ComponentType, Tier
+from urc.tree import ComponentType, SizeUnit, Tier
 
 __all__ = ["CacheCounters", "CacheStats", "ComponentStats"]
 
@@ -20,7 +20,7 @@ class ComponentStats:
 
     component: ComponentType
     tier: Tier
-    unit: str
+    unit: SizeUnit
     evictable: int
     protected: int
     capacity: int

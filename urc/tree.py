@@ -7,13 +7,20 @@ tensors; components do that through hooks.
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import Enum, IntEnum
 from itertools import count
 from typing import Any
 
 import torch
 
-__all__ = ["NUM_COMPONENT_TYPES", "ComponentData", "ComponentType", "Tier", "TreeNode"]
+__all__ = [
+    "NUM_COMPONENT_TYPES",
+    "ComponentData",
+    "ComponentType",
+    "SizeUnit",
+    "Tier",
+    "TreeNode",
+]
 
 
 class ComponentType(IntEnum):
@@ -25,6 +32,13 @@ class ComponentType(IntEnum):
 
 
 NUM_COMPONENT_TYPES = len(ComponentType)
+
+
+class SizeUnit(str, Enum):
+    """What a component's sizes count (a ``str`` enum: metric names use the value)."""
+
+    TOKENS = "tokens"
+    STATES = "states"  # Mamba: one state slot per cached state, whatever its length
 
 
 class Tier(IntEnum):

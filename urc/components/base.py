@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
@@ -50,7 +50,7 @@ class TreeComponent(ABC):
     """One kind of cached model state (see the module docstring for the calling rules)."""
 
     component_type: ClassVar[ComponentType]
-    unit: ClassVar[str] = "tokens"
+    unit: ClassVar[SizeUnit] = SizeUnit.TOKENS
 
     def __init__(self, cache: UnifiedRadixCache) -> None:
         self.cache = cache

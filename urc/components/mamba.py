@@ -37,7 +37,7 @@ committed tokens; "ping-pong" = ``Req.mamba_ping_pong_track_buffer``)::
 only sit where the key ends on a page boundary, so ``t`` must be page-aligned; without
 ping-pong the live state is cached only when ``n`` is.
 
-Units: states (``unit = "states"``): sizes count slots, ``EvictParams.mamba_num`` too.
+Units: states (``unit = SizeUnit.STATES``): sizes count slots, ``EvictParams.mamba_num`` too.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from urc.errors import (
 from urc.lru import LRUList
 from urc.params import EvictParams, MatchResult
 from urc.tiers import TransferItem
-from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
@@ -103,7 +103,7 @@ class MambaComponent(TreeComponent):
     """Mamba/SSM state: one pool slot on each leaf or checkpoint node (see module doc)."""
 
     component_type = ComponentType.MAMBA
-    unit = "states"
+    unit = SizeUnit.STATES
 
     def __init__(self, cache: UnifiedRadixCache) -> None:
         super().__init__(cache)
