@@ -19,16 +19,15 @@ multiprocess mode), :mod:`metrics.http` for the endpoint, and
 
 from __future__ import annotations
 
-from metrics.exporter import (
+from metrics.config import (
     COMMAND_BUCKETS,
     NAMESPACE,
     TRANSFER_BUCKETS,
-    CacheMetrics,
     ExportMode,
     GaugeMultiprocessMode,
     MetricsConfig,
-    make_observer,
 )
+from metrics.exporter import CacheMetrics, make_observer
 from metrics.http import (
     MetricsServer,
     MetricsServerConfig,

@@ -31,7 +31,8 @@ import anyio
 import torch
 from prometheus_client import CollectorRegistry
 
-from metrics.exporter import CacheMetrics, ExportMode, MetricsConfig
+from metrics.config import ExportMode, MetricsConfig
+from metrics.exporter import CacheMetrics
 from urc.bench import generate_sequences
 from urc.commands import CommandKind
 from urc.config import CacheConfig, build_cache
