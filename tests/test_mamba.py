@@ -1,4 +1,4 @@
-"""MAMBA component: state placement, copy-on-write, branching, eviction, locks, request caching.
+"""MAMBA component: state placement, copy-on-write, branching, eviction, locks, bad input.
 
 Every test that mutates the cache ends each step with ``sanity_check()`` and a pool
 conservation check (``held`` = units owned by live requests).  States carry a fingerprint of
@@ -9,6 +9,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mamba_harness import (
+    FULL,
+    MAMBA,
+    Server,
+    check,
+    comp,
+    insert_state,
+    make,
+    match,
+    pages,
+    pool_of,
+    snapshot,
+    state_at,
+    state_is,
+    write_state,
+)
 
 from urc import (
     CacheConfig,
@@ -16,223 +32,19 @@ from urc import (
     DecLockRefParams,
     EvictParams,
     InsertParams,
-    InsertResult,
     MatchPrefixParams,
-    MatchResult,
     RadixKey,
     Req,
-    TreeNode,
     UnifiedRadixCache,
     build_cache,
 )
-from urc.components.mamba import MambaComponent
 from urc.errors import (
     ConfigError,
     InvalidIndicesError,
     InvalidInputError,
     InvalidLockError,
-    OutOfMemoryError,
     TreeOwnedSlotError,
 )
-from urc.pools.mamba import MambaPool
-
-FULL = ComponentType.FULL
-MAMBA = ComponentType.MAMBA
-
-
-# ---------------------------------------------------------------------------- helpers
-def make(
-    ps: int = 1, mamba_size: int = 20, kv_pages: int = 128, chunk: int | None = None
-) -> UnifiedRadixCache:
-    return build_cache(
-        CacheConfig(
-            components=(FULL, MAMBA),
-            page_size=ps,
-            kv_size=kv_pages * ps,
-            mamba_size=mamba_size,
-            mamba_chunk_size=chunk if chunk is not None else 4 * ps,
-            max_num_reqs=10,
-            max_context_len=64 * ps,
-        )
-    )
-
-
-def comp(cache: UnifiedRadixCache) -> MambaComponent:
-    c = cache.component(MAMBA)
-    assert isinstance(c, MambaComponent)
-    return c
-
-
-def pool_of(cache: UnifiedRadixCache) -> MambaPool:
-    pool = cache.pools.mamba
-    assert isinstance(pool, MambaPool)
-    return pool
-
-
-def fp(tokens: list[int]) -> float:
-    """Fingerprint of the state after ``tokens`` (exact in float32)."""
-    return float(hash(tuple(tokens)) & 0xFFFFF)
-
-
-def write_state(cache: UnifiedRadixCache, slot: int | torch.Tensor, tokens: list[int]) -> None:
-    pool = pool_of(cache)
-    pool.conv[slot] = fp(tokens)
-    pool.temporal[slot] = -fp(tokens)
-
-
-def state_is(cache: UnifiedRadixCache, slot: int | torch.Tensor, tokens: list[int]) -> bool:
-    pool = pool_of(cache)
-    return bool(
-        (pool.conv[slot] == fp(tokens)).all() and (pool.temporal[slot] == -fp(tokens)).all()
-    )
-
-
-def pages(ps: int, *xs: int) -> list[int]:
-    """One page of ``ps`` distinct tokens per logical token ``x``."""
-    return [x * 100 + j for x in xs for j in range(ps)]
-
-
-def check(cache: UnifiedRadixCache, reqs: tuple[Req, ...] = (), extra_slots: int = 0) -> None:
-    """``sanity_check`` and pool conservation with the units ``reqs`` hold."""
-    cache.sanity_check()
-    ps = cache.page_size
-    full = sum(-(-(r.kv_allocated_len - r.cache_protected_len) // ps) * ps for r in reqs)
-    mamba = sum(MambaComponent.num_req_slots(r) for r in reqs) + extra_slots
-    cache.check_pools({FULL: full, MAMBA: mamba})
-
-
-def insert_state(
-    cache: UnifiedRadixCache, tokens: list[int], state: bool = True
-) -> tuple[InsertResult, int | None]:
-    """Insert ``tokens`` with fresh KV slots and (optionally) a state slot, like a caller that
-    owns both; frees the state slot on ``mamba_exist`` as the contract says."""
-    value = cache.token_to_kv_pool_allocator.alloc(len(tokens))
-    assert value is not None
-    slot = None
-    params = InsertParams(key=RadixKey(tokens), value=value)
-    if state:
-        pool = pool_of(cache)
-        t = pool.alloc(1)
-        assert t is not None
-        slot = int(t)
-        write_state(cache, slot, tokens)
-        params.mamba_value = t
-    result = cache.insert(params)
-    if result.mamba_exist and slot is not None:
-        pool_of(cache).free(slot)
-        slot = None
-    check(cache)
-    return result, slot
-
-
-def match(cache: UnifiedRadixCache, tokens: list[int], req: Req | None = None) -> MatchResult:
-    r = cache.match_prefix(MatchPrefixParams(RadixKey(tokens), cow_mamba=req is not None, req=req))
-    return r
-
-
-def snapshot(cache: UnifiedRadixCache) -> object:
-    """Everything observable about the tree and its pools (to prove "nothing changed")."""
-    m = comp(cache)
-    pool = pool_of(cache)
-    nodes = []
-    for n in cache.iter_nodes():
-        f = n.data[FULL]
-        d = n.data[MAMBA]
-        assert f is not None and d is not None
-        nodes.append(
-            (
-                n.id,
-                tuple(n.key),
-                None if f.value is None else tuple(f.value.tolist()),
-                m.state_slot(n),
-                f.lock_ref,
-                d.lock_ref,
-                n.last_access_time,
-            )
-        )
-    return (
-        sorted(nodes),
-        cache.full_evictable_size(),
-        cache.full_protected_size(),
-        cache.mamba_evictable_size(),
-        cache.mamba_protected_size(),
-        cache.token_to_kv_pool_allocator.available_size(),
-        pool.available_size(),
-        [pool.is_allocated(s) for s in range(pool.size)],
-        m.lru.ids(),
-    )
-
-
-# ---------------------------------------------------------------------------- a small server
-class Server:
-    """Drives requests through the cache the way a scheduler does."""
-
-    def __init__(self, cache: UnifiedRadixCache) -> None:
-        self.cache = cache
-        self.m = comp(cache)
-        self.live: list[Req] = []
-        self.n = 0
-
-    def start(self, tokens: list[int], buffer: int = 0, reuse: bool = True) -> Req:
-        """Admit a request: match (copy-on-write) and lock its prefix unless ``reuse`` is
-        off, take KV slots for the rest, a live-state slot and an optional buffer."""
-        cache = self.cache
-        self.n += 1
-        req = Req(f"r{self.n}", list(tokens))
-        row = cache.req_to_token_pool.alloc()
-        assert row is not None
-        req.req_pool_idx = row
-        r = match(cache, tokens, req) if reuse else match(cache, [])
-        p = r.device_indices.shape[0]
-        if p:
-            req.lock_receipt = cache.inc_lock_ref(r.last_device_node)
-            req.last_node = r.last_device_node
-            cache.req_to_token_pool.write(row, 0, r.device_indices)
-        req.prefix_indices = r.device_indices
-        req.cache_protected_len = p
-        own = cache.token_to_kv_pool_allocator.alloc(len(tokens) - p)
-        assert own is not None
-        cache.req_to_token_pool.write(row, p, own)
-        req.kv_allocated_len = len(tokens)
-        req.kv_committed_len = p
-        if req.mamba_pool_idx is not None:
-            assert state_is(cache, req.mamba_pool_idx, tokens[:p]), "COW copied a wrong state"
-        else:
-            self.m.alloc_req_slot(req)
-            write_state(cache, req.mamba_pool_idx, tokens[:p])  # type: ignore[arg-type]
-        if buffer:
-            self.m.alloc_track_buffer(req, buffer)
-        self.live.append(req)
-        return req
-
-    def compute(self, req: Req, upto: int, track: int | None = None) -> None:
-        """Run the model on ``[committed, upto)``; snapshot the state at ``track``."""
-        tokens = req.fill_ids
-        assert req.kv_committed_len <= upto <= req.kv_allocated_len
-        req.kv_committed_len = upto
-        assert req.mamba_pool_idx is not None
-        write_state(self.cache, req.mamba_pool_idx, tokens[:upto])
-        if track is not None:
-            buf = req.mamba_ping_pong_track_buffer
-            assert buf is not None
-            write_state(self.cache, buf[req.mamba_next_track_idx], tokens[:track])
-            req.mamba_next_track_idx = (req.mamba_next_track_idx + 1) % buf.shape[0]
-            req.mamba_last_track_seqlen = track
-
-    def unfinished(self, req: Req) -> None:
-        self.cache.cache_unfinished_req(req)
-
-    def finish(self, req: Req, is_insert: bool = True) -> None:
-        self.cache.cache_finished_req(req, is_insert)
-        assert MambaComponent.num_req_slots(req) == 0
-        self.live.remove(req)
-
-    def check(self) -> None:
-        check(self.cache, tuple(self.live))
-
-
-def state_at(cache: UnifiedRadixCache, node: TreeNode) -> int | None:
-    return comp(cache).state_slot(node)
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -553,164 +365,6 @@ def test_lock_counts_keep_full_above_mamba_across_requests() -> None:
     for r in receipts:
         cache.dec_lock_ref(node, r.to_dec_params())
         check(cache)
-
-
-# ---------------------------------------------------------------------------- request caching
-@pytest.mark.parametrize("ps", [1, 4, 64])
-def test_finished_request_without_buffer_donates_its_live_state(ps: int) -> None:
-    cache = make(ps)
-    srv = Server(cache)
-    seq = pages(ps, 1, 2, 3)
-    req = srv.start(seq)
-    srv.check()
-    srv.compute(req, len(seq))
-    slot = int(req.mamba_pool_idx)  # type: ignore[arg-type]
-    srv.finish(req)
-    srv.check()
-    node = match(cache, seq).last_device_node
-    assert node.key_len == len(seq) and state_at(cache, node) == slot
-    assert state_is(cache, slot, seq)
-    # The same prompt again: a hit, then mamba_exist -> its own slot is freed on finish.
-    req2 = srv.start(seq + pages(ps, 4))
-    assert req2.cache_protected_len == len(seq)
-    srv.compute(req2, len(seq))  # nothing new computed: its state is still at len(seq)
-    req2.kv_committed_len = len(seq)
-    srv.finish(req2)
-    srv.check()
-    assert pool_of(cache).num_tree_owned() == 1
-
-
-def test_finished_request_with_unaligned_length_caches_no_state() -> None:
-    cache = make(4)
-    srv = Server(cache)
-    seq = [*pages(4, 1, 2), 7, 8]  # 10 tokens: the live state is not at a page boundary
-    req = srv.start(seq)
-    srv.compute(req, len(seq))
-    srv.finish(req)
-    srv.check()
-    assert cache.total_size() == 8 and pool_of(cache).num_tree_owned() == 0
-    assert match(cache, seq).device_indices.shape[0] == 0
-
-
-@pytest.mark.parametrize("ps", [1, 4, 64])
-def test_ping_pong_unfinished_donates_and_refills(ps: int) -> None:
-    cache = make(ps, kv_pages=64)
-    srv = Server(cache)
-    seq = pages(ps, *range(1, 9))  # 8 pages
-    req = srv.start(seq, buffer=2)
-    srv.check()
-    srv.compute(req, 5 * ps + (ps // 2), track=4 * ps)  # snapshot at 4 pages
-    buf_before = req.mamba_ping_pong_track_buffer.tolist()  # type: ignore[union-attr]
-    keep = (req.mamba_next_track_idx - 1) % 2
-    donated = buf_before[keep]
-    srv.unfinished(req)
-    srv.check()
-    # The key was truncated to the snapshot; the tree adopted the tracked slot ...
-    assert req.cache_protected_len == 4 * ps and req.last_node is not None
-    assert state_at(cache, req.last_node) == donated and state_is(cache, donated, seq[: 4 * ps])
-    assert req.last_node.data[MAMBA].lock_ref == 1  # type: ignore[union-attr]
-    # ... and the buffer got a fresh slot in its place; the snapshot position was reset.
-    buf_after = req.mamba_ping_pong_track_buffer.tolist()  # type: ignore[union-attr]
-    assert buf_after[1 - keep] == buf_before[1 - keep] and buf_after[keep] != donated
-    assert req.mamba_last_track_seqlen is None
-    # More chunks; finish with a snapshot at 8 pages.
-    srv.compute(req, 8 * ps, track=8 * ps)
-    srv.finish(req)
-    srv.check()
-    assert pool_of(cache).num_tree_owned() == 2
-    r = match(cache, seq)
-    assert r.device_indices.shape[0] == 8 * ps
-    assert state_is(cache, state_at(cache, r.last_device_node), seq)  # type: ignore[arg-type]
-
-
-def test_ping_pong_unfinished_over_existing_state_frees_the_donated_slot() -> None:
-    cache = make(1)
-    srv = Server(cache)
-    seq = list(range(1, 9))
-    insert_state(cache, seq[:4])
-    req = srv.start(seq, buffer=2, reuse=False)  # recomputes from scratch: protected 0
-    srv.compute(req, 6, track=4)
-    assert req.cache_protected_len == 0
-    srv.unfinished(req)  # the node at 4 already has a state: mamba_exist
-    srv.check()
-    assert req.cache_protected_len == 4 and pool_of(cache).num_tree_owned() == 1
-    srv.finish(req, is_insert=False)
-    srv.check()
-
-
-def test_ping_pong_without_snapshot_caches_nothing() -> None:
-    cache = make(1)
-    srv = Server(cache)
-    seq = list(range(1, 9))
-    req = srv.start(seq, buffer=1)
-    srv.compute(req, 8)
-    srv.unfinished(req)  # no snapshot: nothing to cache
-    srv.check()
-    assert cache.total_size() == 0 and req.cache_protected_len == 0
-    srv.finish(req)
-    srv.check()
-    assert cache.total_size() == 0 and pool_of(cache).available_size() == 20
-
-
-@pytest.mark.parametrize("ps", [1, 4])
-def test_unfinished_without_buffer_forks_the_live_state(ps: int) -> None:
-    cache = make(ps)
-    srv = Server(cache)
-    seq = pages(ps, 1, 2, 3, 4)
-    req = srv.start(seq)
-    srv.compute(req, 2 * ps)
-    live = int(req.mamba_pool_idx)  # type: ignore[arg-type]
-    srv.unfinished(req)
-    srv.check()
-    node = req.last_node
-    assert node is not None and req.cache_protected_len == 2 * ps
-    fork = state_at(cache, node)
-    assert fork is not None and fork != live and state_is(cache, fork, seq[: 2 * ps])
-    assert int(req.mamba_pool_idx) == live  # type: ignore[arg-type]
-    srv.compute(req, 4 * ps)
-    srv.finish(req)
-    srv.check()
-    assert pool_of(cache).num_tree_owned() == 2
-
-
-def test_finished_no_insert_frees_every_slot() -> None:
-    cache = make(1)
-    srv = Server(cache)
-    req = srv.start(list(range(1, 9)), buffer=2)
-    srv.compute(req, 8, track=8)
-    srv.finish(req, is_insert=False)
-    srv.check()
-    assert pool_of(cache).available_size() == 20 and cache.total_size() == 0
-
-
-def test_donation_needs_a_slot_and_falls_back_gracefully() -> None:
-    cache = make(1, mamba_size=3)
-    srv = Server(cache)
-    seq = list(range(1, 9))
-    req = srv.start(seq, buffer=2)  # holds all three slots; nothing is evictable
-    srv.compute(req, 8, track=4)
-    srv.unfinished(req)  # no fresh slot: KV is cached, the snapshot is not donated
-    srv.check()
-    assert req.cache_protected_len == 4 and pool_of(cache).num_tree_owned() == 0
-    srv.finish(req)
-    srv.check()
-
-
-def test_alloc_helpers_raise_when_out_of_slots() -> None:
-    cache = make(1, mamba_size=2)
-    m = comp(cache)
-    req = Req("x", [1])
-    m.alloc_track_buffer(req, 2)
-    other = Req("y", [2])
-    with pytest.raises(OutOfMemoryError):
-        m.alloc_req_slot(other)
-    with pytest.raises(OutOfMemoryError):
-        m.alloc_track_buffer(other, 1)
-    with pytest.raises(InvalidInputError):
-        m.alloc_track_buffer(req, 1)  # already has one
-    check(cache, (req,))
-    m.free_req_slots(req)
-    check(cache)
 
 
 # ---------------------------------------------------------------------------- bad input
