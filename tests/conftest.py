@@ -8,3 +8,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+# Fixtures of the metrics tests (test_metrics*.py): a fresh registry, and both export modes.
+import pytest  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from metrics import ExportMode  # noqa: E402
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture(params=[ExportMode.SCRAPE, ExportMode.DIRECT], ids=["scrape", "direct"])
+def mode(request: pytest.FixtureRequest) -> ExportMode:
+    """Both write paths: scrape-time collection (default) and direct writes (multiprocess)."""
+    m: ExportMode = request.param
+    return m

@@ -9,22 +9,28 @@ batch); one test goes through the real ``AsyncUnifiedRadixCache``.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-import torch
-from prometheus_client import CollectorRegistry, generate_latest
+from metrics_harness import (
+    COMPONENT_SETS,
+    DASHBOARD,
+    FULL,
+    MAMBA,
+    Actor,
+    assert_counters_match,
+    assert_gauges_match,
+    assert_histograms_match,
+    build,
+    make_stats,
+    seq,
+    sum_samples,
+    value,
+)
+from prometheus_client import CollectorRegistry
 
-import urc
 from metrics import (
     COMMAND_BUCKETS,
     CacheMetrics,
@@ -33,178 +39,20 @@ from metrics import (
     MetricsConfig,
     make_observer,
 )
-from urc import CacheConfig, ComponentType, RadixKey, Tier, UnifiedRadixCache
+from urc import RadixKey, Tier
 from urc.commands import (
     Alloc,
-    Call,
-    Command,
     CommandKind,
     Evict,
-    Insert,
-    InsertOutcome,
     Match,
     MatchOutcome,
     Release,
 )
 from urc.errors import URCError
-from urc.executor import CommandExecutor
 from urc.lease import Lease
 from urc.observer import ServiceObserver, TransferKind
 from urc.params import EvictParams
-from urc.stats import CacheStats, ComponentStats
-
-ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD = ROOT / "examples" / "grafana-dashboard.json"
-
-FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
-NAMES = {FULL: "full", SWA: "swa", MAMBA: "mamba"}
-
-
-# ---------------------------------------------------------------------------- helpers
-COMPONENT_SETS: dict[str, dict[str, Any]] = {
-    "full": {"components": (FULL,)},
-    "full+swa": {"components": (FULL, SWA), "sliding_window_size": 8, "swa_kv_size": 1024},
-    "full+mamba": {"components": (FULL, MAMBA), "mamba_size": 32},
-}
-
-
-def build(name: str = "full", kv_size: int = 1024) -> UnifiedRadixCache:
-    """A cache of component set ``name``; skips when that component is not available yet."""
-    try:
-        return urc.build_cache(CacheConfig(kv_size=kv_size, **COMPONENT_SETS[name]))
-    except (ImportError, NotImplementedError, URCError) as exc:
-        pytest.skip(f"component set {name} not available: {exc!r}")
-
-
-def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    """A sample's value; 0 when absent (an unlabelled child not yet touched)."""
-    v = registry.get_sample_value(name, labels)
-    return 0.0 if v is None else v
-
-
-def sum_samples(registry: CollectorRegistry, name: str) -> float:
-    return sum(s.value for fam in registry.collect() for s in fam.samples if s.name == name)
-
-
-class Actor:
-    """Applies commands in batches and reports to ``observer`` like the service's actor."""
-
-    def __init__(self, cache: UnifiedRadixCache, observer: ServiceObserver) -> None:
-        self.cache = cache
-        self.executor = CommandExecutor(cache)
-        self.observer = observer
-        self.applied: dict[CommandKind, int] = {}
-        self.errors: list[tuple[CommandKind, str]] = []
-
-    def batch(self, commands: Sequence[Command]) -> list[Any]:
-        """Apply ``commands`` as one batch; results (or the ``URCError`` raised) in order."""
-        out: list[Any] = []
-        sent = time.perf_counter()
-        for cmd in commands:
-            t0 = time.perf_counter()
-            error: URCError | None = None
-            result: Any = None
-            try:
-                result = self.executor.apply(cmd)
-            except URCError as exc:
-                error = exc
-                self.errors.append((cmd.kind, type(exc).__name__))
-            self.observer.on_command(cmd.kind, t0 - sent, time.perf_counter() - t0, error)
-            self.applied[cmd.kind] = self.applied.get(cmd.kind, 0) + 1
-            out.append(error if error is not None else result)
-        self.observer.on_batch(self.cache.stats(), 0)
-        return out
-
-    def one(self, cmd: Command) -> Any:
-        return self.batch([cmd])[0]
-
-    def insert(self, tokens: list[int]) -> InsertOutcome:
-        """Allocate slots (and a Mamba state when the cache has one) and insert ``tokens``."""
-        value = self.one(Alloc(len(tokens)))
-        assert isinstance(value, torch.Tensor)
-        mamba_value = None
-        if self.cache.has_component(MAMBA):
-            mamba_value = self.one(Call(lambda c: c.pools.mamba.alloc(1)))
-        res = self.one(Insert(RadixKey(tokens), value, mamba_value=mamba_value))
-        assert isinstance(res, InsertOutcome), res
-        if mamba_value is not None and res.mamba_exist:
-            self.one(Call(lambda c: c.pools.mamba.free(mamba_value)))
-        return res
-
-
-def assert_gauges_match(registry: CollectorRegistry, cache: UnifiedRadixCache) -> None:
-    """Every size gauge equals the cache's own figure, in the component's own unit."""
-    for comp in cache.components:
-        ct = comp.component_type
-        unit = "states" if ct is MAMBA else "tokens"
-        other = "tokens" if unit == "states" else "states"
-        labels = {"component": NAMES[ct], "tier": "device"}
-        assert comp.unit == unit
-        assert value(registry, f"urc_cache_evictable_{unit}", **labels) == (
-            cache.component_evictable_size(ct)
-        )
-        assert value(registry, f"urc_cache_protected_{unit}", **labels) == (
-            cache.component_protected_size(ct)
-        )
-        cap, free = comp.pool_capacity(), comp.pool_available()
-        assert value(registry, f"urc_pool_capacity_{unit}", **labels) == cap
-        assert value(registry, f"urc_pool_free_{unit}", **labels) == free
-        assert value(registry, f"urc_pool_used_{unit}", **labels) == cap - free
-        # Never the same component in both units.
-        assert registry.get_sample_value(f"urc_cache_evictable_{other}", labels) is None
-    assert value(registry, "urc_cache_evictable_tokens", component="full", tier="device") == (
-        cache.evictable_size()
-    )
-    assert value(registry, "urc_cache_protected_tokens", component="full", tier="device") == (
-        cache.protected_size()
-    )
-    assert value(registry, "urc_tree_nodes") == cache.num_nodes
-
-
-def assert_counters_match(registry: CollectorRegistry, cache: UnifiedRadixCache) -> None:
-    """Every cumulative counter equals the cache's own counter."""
-    k = cache.counters
-    assert value(registry, "urc_match_requests_total") == k.match_requests
-    assert value(registry, "urc_match_query_tokens_total") == k.query_tokens
-    for tier, n in k.hit_tokens.items():
-        assert value(registry, "urc_match_hit_tokens_total", tier=tier) == n
-    assert value(registry, "urc_inserted_tokens_total") == k.inserted_tokens
-    for (ct, where), n in k.evicted.items():
-        unit = "states" if ct is MAMBA else "tokens"
-        labels = {"component": NAMES[ct], "tier": where.name.lower()}
-        assert value(registry, f"urc_evicted_{unit}_total", **labels) == n
-    assert value(registry, "urc_backed_up_tokens_total") == k.backed_up_tokens
-    assert value(registry, "urc_loaded_back_tokens_total") == k.loaded_back_tokens
-    hits = sum_samples(registry, "urc_match_hit_tokens_total")
-    assert hits <= value(registry, "urc_match_query_tokens_total")
-
-
-def assert_histograms_match(registry: CollectorRegistry, actor: Actor) -> None:
-    """One latency observation per applied command (per kind) and one queue-wait each."""
-    for kind in CommandKind:
-        n = actor.applied.get(kind, 0)
-        assert value(registry, "urc_command_duration_seconds_count", kind=kind.value) == n
-        inf = value(registry, "urc_command_duration_seconds_bucket", kind=kind.value, le="+Inf")
-        assert inf == n
-    total = sum(actor.applied.values())
-    assert sum_samples(registry, "urc_command_duration_seconds_count") == total
-    assert value(registry, "urc_command_queue_wait_seconds_count") == total
-
-
-def seq(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture(params=[ExportMode.SCRAPE, ExportMode.DIRECT], ids=["scrape", "direct"])
-def mode(request: pytest.FixtureRequest) -> ExportMode:
-    """Both write paths: scrape-time collection (default) and direct writes (multiprocess)."""
-    m: ExportMode = request.param
-    return m
+from urc.stats import ComponentStats
 
 
 # ---------------------------------------------------------------------------- scripted cache
@@ -293,31 +141,6 @@ def test_counter_deltas_across_snapshots(registry: CollectorRegistry, mode: Expo
     assert_counters_match(registry, cache)
 
 
-def _stats(
-    components: tuple[ComponentStats, ...] = (),
-    *,
-    num_nodes: int = 0,
-    match_requests: int = 0,
-    query_tokens: int = 0,
-    hit_tokens: dict[str, int] | None = None,
-    inserted_tokens: int = 0,
-    evicted: dict[tuple[ComponentType, Tier], int] | None = None,
-    backed_up_tokens: int = 0,
-    loaded_back_tokens: int = 0,
-) -> CacheStats:
-    return CacheStats(
-        components=components,
-        num_nodes=num_nodes,
-        match_requests=match_requests,
-        query_tokens=query_tokens,
-        hit_tokens=hit_tokens if hit_tokens is not None else {},
-        inserted_tokens=inserted_tokens,
-        evicted=evicted if evicted is not None else {},
-        backed_up_tokens=backed_up_tokens,
-        loaded_back_tokens=loaded_back_tokens,
-    )
-
-
 def test_host_tier_and_mamba_units_from_snapshots(
     registry: CollectorRegistry, mode: ExportMode
 ) -> None:
@@ -330,7 +153,7 @@ def test_host_tier_and_mamba_units_from_snapshots(
         ComponentStats(MAMBA, Tier.HOST, "states", 4, 0, 64, 60),
     )
     exporter.on_batch(
-        _stats(
+        make_stats(
             comps,
             num_nodes=9,
             match_requests=4,
@@ -376,14 +199,14 @@ def test_counter_going_backwards_counts_as_reset(
     registry: CollectorRegistry, mode: ExportMode
 ) -> None:
     exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
-    exporter.on_batch(_stats(match_requests=10, hit_tokens={"device": 5}), 0)
-    exporter.on_batch(_stats(match_requests=12, hit_tokens={"device": 9}), 0)
+    exporter.on_batch(make_stats(match_requests=10, hit_tokens={"device": 5}), 0)
+    exporter.on_batch(make_stats(match_requests=12, hit_tokens={"device": 9}), 0)
     assert value(registry, "urc_match_requests_total") == 12
     # A replaced/reset source: its new value is the increase since the reset.
-    exporter.on_batch(_stats(match_requests=3, hit_tokens={"device": 1}), 0)
+    exporter.on_batch(make_stats(match_requests=3, hit_tokens={"device": 1}), 0)
     assert value(registry, "urc_match_requests_total") == 15
     assert value(registry, "urc_match_hit_tokens_total", tier="device") == 10
-    exporter.on_batch(_stats(match_requests=4, hit_tokens={"device": 1}), 0)
+    exporter.on_batch(make_stats(match_requests=4, hit_tokens={"device": 1}), 0)
     assert value(registry, "urc_match_requests_total") == 16
 
 
@@ -392,7 +215,7 @@ def test_gauges_follow_decreases_and_queue(registry: CollectorRegistry, mode: Ex
     dev = {"component": "full", "tier": "device"}
     for ev, queued in ((10, 3), (4, 0), (0, 7), (0, 7)):
         comps = (ComponentStats(FULL, Tier.DEVICE, "tokens", ev, 0, 64, 64 - ev),)
-        exporter.on_batch(_stats(comps, num_nodes=ev), queued)
+        exporter.on_batch(make_stats(comps, num_nodes=ev), queued)
         assert value(registry, "urc_cache_evictable_tokens", **dev) == ev
         assert value(registry, "urc_pool_used_tokens", **dev) == ev
         assert value(registry, "urc_tree_nodes") == ev
@@ -561,190 +384,6 @@ def test_custom_buckets_and_gauge_mode(registry: CollectorRegistry, mode: Export
     )
 
 
-# ---------------------------------------------------------------------------- export modes
-def test_mode_selection(registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
-    assert MetricsConfig().mode is ExportMode.AUTO
-    assert ExportMode.AUTO.resolve() is ExportMode.SCRAPE
-    default = CacheMetrics(registry)
-    assert default.mode is ExportMode.SCRAPE and isinstance(default, CacheMetrics)
-    default.unregister()
-    direct = CacheMetrics(registry, MetricsConfig(mode=ExportMode.DIRECT))
-    assert direct.mode is ExportMode.DIRECT and isinstance(direct, ServiceObserver)
-    direct.unregister()
-    # In multiprocess mode a scrape-time collector would only see the scraping process.
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
-    assert ExportMode.AUTO.resolve() is ExportMode.DIRECT
-    assert ExportMode.SCRAPE.resolve() is ExportMode.SCRAPE  # an explicit choice stands
-    auto = CacheMetrics(registry)
-    assert auto.mode is ExportMode.DIRECT
-    auto.unregister()
-    assert not [f for f in registry.collect() if f.name.startswith("urc_")]
-
-
-def _feed(exporter: CacheMetrics) -> None:
-    comps = (
-        ComponentStats(FULL, Tier.DEVICE, "tokens", 10, 5, 100, 80),
-        ComponentStats(FULL, Tier.HOST, "tokens", 300, 7, 1000, 690),
-        ComponentStats(MAMBA, Tier.DEVICE, "states", 3, 1, 16, 12),
-    )
-    for i in range(3):
-        exporter.on_batch(
-            _stats(
-                comps,
-                num_nodes=9 + i,
-                match_requests=4 + i,
-                query_tokens=100 + 10 * i,
-                hit_tokens={"device": 40 + i, "host": 20},
-                inserted_tokens=5,
-                evicted={(FULL, Tier.DEVICE): 50, (MAMBA, Tier.DEVICE): 2 + i},
-                backed_up_tokens=70,
-                loaded_back_tokens=20,
-            ),
-            queued=5 - i,
-        )
-    for i, kind in enumerate(CommandKind):
-        exporter.on_command(kind, 1e-6 * i, 3e-6 * i, KeyError() if i % 3 == 0 else None)
-    exporter.on_command(CommandKind.MATCH, 0.3, 2.0, ValueError())
-    for k in TransferKind:
-        exporter.on_transfer(k, 10, 100, 1e-4)
-    exporter.transfer_started(TransferKind.BACKUP)
-    exporter.set_transfers_in_flight(TransferKind.LOAD_BACK, 3)
-
-
-def test_modes_expose_identical_text() -> None:
-    """Same events, same exposition (names, HELP, TYPE, labels, buckets, values, order); only
-    the ``_created`` timestamps may differ."""
-    texts = []
-    for mode in (ExportMode.SCRAPE, ExportMode.DIRECT):
-        registry = CollectorRegistry()
-        _feed(CacheMetrics(registry, MetricsConfig(mode=mode)))
-        text = generate_latest(registry).decode()
-        texts.append(re.sub(r"^(\S+_created(?:\{[^}]*\})?) \S+$", r"\1 T", text, flags=re.M))
-    assert texts[0] == texts[1]
-    assert "urc_command_duration_seconds_created" in texts[0]
-
-
-def test_scrapes_from_another_thread_see_whole_updates(registry: CollectorRegistry) -> None:
-    """A scrape in another thread never sees half an observation (bucket, count and sum of
-    both command histograms agree) while the actor thread keeps observing."""
-    exporter = CacheMetrics(registry)
-    assert exporter.mode is ExportMode.SCRAPE
-    v = 2.0**-17  # exact sums
-    stop = threading.Event()
-    torn: list[tuple[float, ...]] = []
-    scrapes = 0
-
-    def scraper() -> None:
-        nonlocal scrapes
-        while not stop.is_set():
-            fams = {f.name: f for f in registry.collect()}
-            lat = {
-                s.name: s.value
-                for s in fams["urc_command_duration_seconds"].samples
-                if s.labels.get("kind") == "match"
-            }
-            wait = {s.name: s.value for s in fams["urc_command_queue_wait_seconds"].samples}
-            n = lat["urc_command_duration_seconds_count"]
-            figures = (
-                n,
-                lat["urc_command_duration_seconds_sum"] / v,
-                wait["urc_command_queue_wait_seconds_count"],
-                wait["urc_command_queue_wait_seconds_sum"] / v,
-                lat["urc_command_duration_seconds_bucket"],  # le=+Inf: the last one wins
-            )
-            if any(x != n for x in figures):
-                torn.append(figures)
-            scrapes += 1
-
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
-    thread = threading.Thread(target=scraper)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        observed = 0
-        while (scrapes < 30 or observed < 20_000) and time.monotonic() < deadline:
-            for _ in range(1000):
-                exporter.on_command(CommandKind.MATCH, v, v, None)
-            observed += 1000
-    finally:
-        stop.set()
-        thread.join()
-        sys.setswitchinterval(old_interval)
-    assert scrapes >= 30
-    assert torn == []
-    assert value(registry, "urc_command_duration_seconds_count", kind="match") == observed
-
-
-# ---------------------------------------------------------------------------- multiprocess mode
-_MP_SCRIPT = r"""
-import json
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
-import urc
-from metrics import CacheMetrics
-from urc.commands import CommandKind
-from urc.params import InsertParams, MatchPrefixParams
-
-cache = urc.build_cache(urc.CacheConfig(kv_size=256))
-own = CollectorRegistry()
-m = CacheMetrics(own)
-v = cache.token_to_kv_pool_allocator.alloc(40)
-cache.insert(InsertParams(key=urc.RadixKey(list(range(40))), value=v))
-cache.match_prefix(MatchPrefixParams(key=urc.RadixKey(list(range(30)))))
-m.on_command(CommandKind.MATCH, 1e-6, 2e-6, None)
-m.on_command(CommandKind.INSERT, 1e-6, 2e-6, KeyError())
-m.on_batch(cache.stats(), 2)
-merged = CollectorRegistry()
-MultiProcessCollector(merged)
-dev = {"component": "full", "tier": "device"}
-print(json.dumps({
-    "mode": m.mode.value,
-    "evictable": merged.get_sample_value("urc_cache_evictable_tokens", dev),
-    "expected_evictable": cache.evictable_size(),
-    "free": merged.get_sample_value("urc_pool_free_tokens", dev),
-    "expected_free": cache.token_to_kv_pool_allocator.available_size(),
-    "queued": merged.get_sample_value("urc_service_queued_commands"),
-    "matches": merged.get_sample_value("urc_match_requests_total"),
-    "hits": merged.get_sample_value("urc_match_hit_tokens_total", {"tier": "device"}),
-    "latency_count": merged.get_sample_value(
-        "urc_command_duration_seconds_count", {"kind": "match"}),
-    "errors": merged.get_sample_value(
-        "urc_command_errors_total", {"kind": "insert", "error_type": "KeyError"}),
-}))
-"""
-
-
-def test_multiprocess_mode(tmp_path: Path) -> None:
-    """Constructed with PROMETHEUS_MULTIPROC_DIR set, the exporter's values reach the
-    multiprocess collector (gauges aggregated with ``livesum``)."""
-    env = dict(os.environ)
-    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _MP_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["mode"] == "direct"  # AUTO picks the write path the multiprocess collector reads
-    assert out["evictable"] == out["expected_evictable"] == 40
-    assert out["free"] == out["expected_free"]
-    assert out["queued"] == 2
-    assert out["matches"] == 1
-    assert out["hits"] == 30
-    assert out["latency_count"] == 1
-    assert out["errors"] == 1
-    assert any(tmp_path.glob("*.db"))
-
-
 # ---------------------------------------------------------------------------- dashboard
 def _exported_names() -> set[str]:
     registry = CollectorRegistry()
@@ -754,7 +393,7 @@ def _exported_names() -> set[str]:
         ComponentStats(MAMBA, Tier.DEVICE, "states", 1, 1, 2, 1),
     )
     exporter.on_batch(
-        _stats(
+        make_stats(
             comps,
             hit_tokens={"device": 1},
             evicted={(FULL, Tier.DEVICE): 1, (MAMBA, Tier.DEVICE): 1},
