@@ -19,7 +19,7 @@ import anyio
 import pytest
 import torch
 from cache_harness import pins
-from test_hicache_components import Snapshot, snapshot
+from hicache_harness import Snapshot, snapshot
 from test_l3_integration import (  # noqa: F401  (node: a fixture make_store uses)
     Recorder,
     StoreFactory,
