@@ -98,3 +98,36 @@ def test_check_owned_validates_without_changing_anything() -> None:
     with pytest.raises(InvalidIndicesError):
         a.check_owned(torch.zeros(2, 2, dtype=torch.int64))
     assert a.available_size() == 8
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_free_owned_counts_at_once_and_refills_an_allocation_that_runs_short(ps: int) -> None:
+    a = TokenSlotAllocator(8 * ps, ps)
+    x, y = a.alloc(4 * ps), a.alloc(4 * ps)
+    assert x is not None and y is not None and a.alloc(1) is None
+    a.free_owned(x)
+    assert a.available_size() == 4 * ps  # queued frees count as free
+    z = a.alloc(4 * ps)  # short on the stack: the queue is merged
+    assert z is not None and set(z.tolist()) == set(x.tolist())
+    a.check_consistency()
+
+
+def test_checked_free_of_a_queued_page_is_a_double_free() -> None:
+    a = TokenSlotAllocator(8, 1)
+    x = a.alloc(4)
+    assert x is not None
+    a.free_owned(x)
+    with pytest.raises(DoubleFreeError):
+        a.free(x[:1])
+    assert not a.is_allocated(x[:1])
+    a.check_consistency()
+
+
+def test_consistency_check_catches_an_owned_page_freed_twice() -> None:
+    a = TokenSlotAllocator(8, 1)
+    x = a.alloc(4)
+    assert x is not None
+    a.free_owned(x)
+    a.free_owned(x[:2])  # a tree bug: the fast path trusts its caller
+    with pytest.raises(AssertionError):
+        a.check_consistency()

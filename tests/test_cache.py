@@ -261,6 +261,31 @@ def test_lock_moves_sizes_between_evictable_and_protected(h: Harness) -> None:
     h.check()
 
 
+def test_full_lock_count_is_own_locks_plus_locked_children(h: Harness) -> None:
+    ps = h.page_size
+    base = seq(0, 2, ps)
+    x = base + seq(100 * ps, 1, ps)
+    y = base + seq(200 * ps, 1, ps)
+    h.insert(x)
+    h.insert(y)
+    nx = h.match(x).last_device_node
+    ny = h.match(y).last_device_node
+    shared = nx.parent
+    assert shared is ny.parent and shared is not None
+    receipts = [h.cache.inc_lock_ref(n) for n in (nx, nx, ny)]
+    # Two locks on x, one on y: the shared node counts its two locked children, not 3 locks.
+    assert (nx.lock_ref, ny.lock_ref, shared.lock_ref) == (2, 1, 2)
+    h.check()
+    h.cache.dec_lock_ref(nx, receipts[0].to_dec_params())
+    assert (nx.lock_ref, shared.lock_ref) == (1, 2)
+    h.cache.dec_lock_ref(nx, receipts[1].to_dec_params())
+    assert (nx.lock_ref, shared.lock_ref, h.cache.protected_size()) == (0, 1, len(y))
+    h.check()
+    h.cache.dec_lock_ref(ny, receipts[2].to_dec_params())
+    assert (shared.lock_ref, h.cache.protected_size()) == (0, 0)
+    h.check()
+
+
 def test_dec_lock_ref_on_an_unlocked_node_is_a_typed_error_and_changes_nothing(
     h: Harness,
 ) -> None:
@@ -403,6 +428,7 @@ def test_eagle_bigram_keys() -> None:
         (torch.arange(4, dtype=torch.float32), InvalidIndicesError),
         (torch.tensor([0, 1, 2, 1 << 20]), InvalidIndicesError),
         (torch.tensor([-1, 1, 2, 3]), InvalidIndicesError),
+        (torch.tensor([40, 41, 42, 43]), InvalidIndicesError),  # in range, never allocated
         (torch.arange(8).view(2, 4), InvalidIndicesError),
         (None, InvalidInputError),
     ],

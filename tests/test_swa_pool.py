@@ -37,6 +37,19 @@ def test_alloc_takes_both_sides_and_free_returns_both(ps: int) -> None:
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_free_owned_returns_both_sides_once_merged(ps: int) -> None:
+    a = SWATokenSlotAllocator(8 * ps, 4 * ps, ps)
+    v = _alloc(a, 4 * ps)
+    a.free_swa(v[: 2 * ps])  # half of it tombstoned: only the rest still maps SWA pages
+    a.free_owned(v)
+    assert a.available_size() == 8 * ps
+    assert a.swa_available_size() == 4 * ps  # merges the queue, freeing the mapped half
+    w = _alloc(a, 4 * ps)  # an SWA-bound allocation succeeds with the merged pages
+    assert a.swa_mapped(w)
+    a.check_consistency()
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_unaligned_alloc_takes_whole_pages(ps: int) -> None:
     a = SWATokenSlotAllocator(8 * ps, 8 * ps, ps)
     v = _alloc(a, ps + 1) if ps > 1 else _alloc(a, 2)

@@ -72,13 +72,16 @@ class UnifiedRadixCache:
         self.is_eagle = config.is_eagle
         self.req_to_token_pool = pools.req_to_token_pool
         self.token_to_kv_pool_allocator = pools.token_allocator
-        self._free_full = pools.token_allocator.free
+        alloc = pools.token_allocator
+        self._free_full = alloc.free
+        # Tree-owned slots were checked when the tree adopted them (insert): free them
+        # without re-validating.  Allocators of callers' own pools may lack the fast path.
+        self._free_owned = getattr(alloc, "free_owned", alloc.free)
+        self._is_allocated = getattr(alloc, "is_allocated", None)
         self.num_nodes = 0
         self._clock = 0
         self.counters = CacheCounters()
         self._stats_figs: list[int] = []
-        # Full slots freed during an ``evict`` call, returned to the allocator at its end.
-        self._deferred_frees: list[torch.Tensor] | None = None
         self._stats_comps: tuple[ComponentStats, ...] = ()
         # HiCache (``attach_host_tier``): nodes may then live on device, host, or both.
         self.host_tier: HostTier | None = None
@@ -260,13 +263,14 @@ class UnifiedRadixCache:
         self.num_nodes -= 1
 
     def free_full(self, value: torch.Tensor) -> None:
-        """Return Full (token) slots to the allocator (batched until the end of an
-        ``evict`` call: one allocator call per eviction, however many leaves go)."""
-        deferred = self._deferred_frees
-        if deferred is not None:
-            deferred.append(value)
-        else:
-            self._free_full(value)
+        """Return tree-owned Full (token) slots to the allocator (which queues them: see
+        :meth:`~urc.pools.allocator.TokenSlotAllocator.free_owned`)."""
+        self._free_owned(value)
+
+    def free_request_kv(self, value: torch.Tensor) -> None:
+        """Free Full slots a request holds (checked: a slot that is not allocated raises
+        :class:`~urc.errors.DoubleFreeError` and nothing is freed)."""
+        self._free_full(value)
 
     # ================================================================== match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -387,6 +391,8 @@ class UnifiedRadixCache:
             size = self.token_to_kv_pool_allocator.size
             if int(lo) < 0 or int(hi) >= size:
                 raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
+            if self._is_allocated is not None and not self._is_allocated(value):
+                raise InvalidIndicesError("value holds slots that are not allocated")
         return value
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -508,19 +514,9 @@ class UnifiedRadixCache:
         if min(params.num_tokens, params.swa_num_tokens, params.mamba_num) < 0:
             raise InvalidInputError(f"evict amounts must not be negative: {params}")
         tracker = [0] * NUM_COMPONENT_TYPES
-        outer = self._deferred_frees is None  # a nested evict (Mamba COW) joins the outer one
-        if outer:
-            self._deferred_frees = []
-        try:
-            for c in self._evict_drivers:
-                if c.evict_request(params) > 0:
-                    c.drive_eviction(params, tracker)
-        finally:
-            if outer:
-                pending = self._deferred_frees
-                self._deferred_frees = None
-                if pending:
-                    self._free_full(pending[0] if len(pending) == 1 else torch.cat(pending))
+        for c in self._evict_drivers:
+            if c.evict_request(params) > 0:
+                c.drive_eviction(params, tracker)
         evicted = self.counters.evicted
         for k in self._device_evict_keys:
             n = tracker[k[0]]

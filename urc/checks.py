@@ -61,9 +61,11 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
             assert cd is not None
             assert cd.lock_ref >= 0 and cd.host_lock_ref >= 0, f"node {node.id}: {cd}"
             if prev_lock is not None:
-                assert prev_lock >= cd.lock_ref, (
-                    f"node {node.id}: {c.component_type.name} lock {cd.lock_ref} exceeds "
-                    f"the lock {prev_lock} of a higher component"
+                # Counts are per component (Full counts locked children, the others count
+                # locks), so compare "locked" only; components check exact counts themselves.
+                assert prev_lock or not cd.lock_ref, (
+                    f"node {node.id}: {c.component_type.name} is locked ({cd.lock_ref}) but "
+                    "a higher component is not"
                 )
             prev_lock = cd.lock_ref
             if c is not cache.full and cd.value is not None:

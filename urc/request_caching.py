@@ -84,7 +84,7 @@ def cache_finished_req(cache: UnifiedRadixCache, req: Req, is_insert: bool = Tru
             result = cache.insert(params)
         keep = max(aligned, keep)
     if keep < allocated:
-        cache.free_full(kv[keep:allocated])
+        cache.free_request_kv(kv[keep:allocated])
     release_req_lock(cache, req)
     for c in cache._cleanup_hooks:
         c.cleanup_after_caching_req(req, True, result, params)

@@ -9,6 +9,13 @@ Heap entry rules: ``node.in_heap`` is True while the heap holds an entry for the
 that stops being an evictable leaf (locked, got a child, was deleted) keeps its entry; the
 entry is dropped when it surfaces.  A node that becomes an evictable leaf is pushed unless it
 already has an entry (whose key is then stale and gets re-keyed on pop).
+
+Lock counting: a Full ``lock_ref`` counts the locks taken on the node itself plus its locked
+children, not (as in SGLang) every lock below it.  "Locked" (``lock_ref > 0``), the protected
+set and the evictable/protected sizes are exactly SGLang's; what changes is cost: a lock walks up
+only until it meets a node that was already locked (and a release only until a count stays
+above zero), so locking a path whose upper part is shared with live requests is O(new nodes)
+instead of O(depth).
 """
 
 from __future__ import annotations
@@ -167,7 +174,7 @@ class FullComponent(TreeComponent):
         )
         cd.value = None
         self.cache.free_full(value)
-        n = int(value.shape[0])
+        n = node.key_len  # == len(value) (check_node)
         self.evictable_size -= n
         return n
 
@@ -190,15 +197,15 @@ class FullComponent(TreeComponent):
             node = node.parent
         if skipped:
             result.full_start_id = node.id
+        # Counting rule (see the module docstring): only nodes going 0 -> 1 tell their parent.
         delta = 0
-        parent = node.parent
-        while parent is not None:
+        while node.parent is not None:
             cd = node.full
-            if not cd.lock_ref:  # type: ignore[union-attr]
-                delta += node.key_len
             cd.lock_ref += 1  # type: ignore[union-attr]
-            node = parent
-            parent = node.parent
+            if cd.lock_ref != 1:  # type: ignore[union-attr]
+                break  # already protected: so is everything above it
+            delta += node.key_len
+            node = node.parent
         self.evictable_size -= delta
         self.protected_size += delta
         result.delta = delta
@@ -225,17 +232,16 @@ class FullComponent(TreeComponent):
         if params is not None and params.full_start_id is not None:
             node = self._first_locked(node, params)
         delta = 0
-        parent = node.parent
-        while parent is not None:
+        while node.parent is not None:
             cd = node.full
             assert cd is not None and cd.lock_ref > 0, f"node {node.id} lock_ref {cd}"
             cd.lock_ref -= 1
-            if not cd.lock_ref:
-                delta += node.key_len
-                if not node.in_heap and self.is_device_leaf(node):
-                    self.note_leaf(node)
-            node = parent
-            parent = node.parent
+            if cd.lock_ref:
+                break  # still protected by other locks or locked children
+            delta += node.key_len
+            if not node.in_heap and self.is_device_leaf(node):
+                self.note_leaf(node)
+            node = node.parent
         self.evictable_size += delta
         self.protected_size -= delta
 
@@ -251,7 +257,8 @@ class FullComponent(TreeComponent):
         if c.host_value is not None:
             p.host_value = c.host_value[:k]
             c.host_value = c.host_value[k:]
-        p.lock_ref = c.lock_ref
+        # The new parent holds no lock of its own; its one child counts if it is locked.
+        p.lock_ref = 1 if c.lock_ref else 0
         p.host_lock_ref = c.host_lock_ref
 
     # ------------------------------------------------------------------ pools and checks
@@ -275,11 +282,15 @@ class FullComponent(TreeComponent):
                 assert pcd is not None and pcd.value is not None, (
                     f"node {node.id} has Full on device but its parent {parent.id} does not"
                 )
-                assert pcd.lock_ref >= cd.lock_ref, (
-                    f"parent {parent.id} lock {pcd.lock_ref} < child {node.id} lock {cd.lock_ref}"
+                assert pcd.lock_ref or not cd.lock_ref, (
+                    f"child {node.id} is locked ({cd.lock_ref}) but its parent {parent.id} is not"
                 )
         else:
             assert cd.lock_ref == 0, f"node {node.id}: Full tombstone with lock {cd.lock_ref}"
+        locked_children = sum(1 for ch in node.children.values() if ch.lock_ref)
+        assert cd.lock_ref >= locked_children, (
+            f"node {node.id}: Full lock {cd.lock_ref} < its {locked_children} locked children"
+        )
         if cd.host_value is not None:
             assert cd.host_value.shape[0] == node.key_len, (
                 f"node {node.id}: Full host value len {cd.host_value.shape[0]} != {node.key_len}"

@@ -11,6 +11,12 @@ corruption.  State and free stack live in host memory (numpy) because per-call t
 costs more than the bookkeeping itself; a slot repeated inside one ``free`` call is caught by
 :meth:`check_consistency` (run by ``sanity_check``) rather than on every free, to keep
 ``free`` at a few microseconds.
+
+Slots the tree frees (evicted nodes) go through :meth:`TokenSlotAllocator.free_owned`, which
+only queues the tensor: the queue is merged into the free stack, in one pass, when an
+allocation runs short or anything reads page states (a checked ``free``, ``is_allocated``,
+the consistency check).  An eviction that frees k leaves thus costs k list appends instead of
+k (or one concatenated) state updates.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class TokenSlotAllocator:
 
     __slots__ = (
         "_arange",
+        "_pending",
+        "_pending_pages",
         "_shift",
         "_stack",
         "_state",
@@ -73,10 +81,12 @@ class TokenSlotAllocator:
         self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._top = self.num_pages
         self._state[:] = 0
+        self._pending: list[torch.Tensor] = []
+        self._pending_pages = 0
 
     def available_size(self) -> int:
-        """Number of free token slots."""
-        return self._top * self.page_size
+        """Number of free token slots (queued frees included)."""
+        return (self._top + self._pending_pages) * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` slots (whole pages); ``None`` when not enough are free."""
@@ -86,7 +96,10 @@ class TokenSlotAllocator:
         need = -(-num_tokens // ps)
         top = self._top
         if need > top:
-            return None
+            self._flush()
+            top = self._top
+            if need > top:
+                return None
         pages = self._stack[top - need : top][::-1].copy()
         self._top = top - need
         self._state[pages] = 1
@@ -115,6 +128,7 @@ class TokenSlotAllocator:
             raise InvalidIndicesError(
                 f"indices must be int64 on {self.device}, got {indices.dtype} on {indices.device}"
             )
+        self._flush()  # a page still queued must count as free to catch a double free
         pages = self._pages_of(indices)
         state = self._state
         try:
@@ -124,18 +138,51 @@ class TokenSlotAllocator:
                 raise DoubleFreeError("freeing a slot that is not allocated")
         except IndexError:
             raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
+        if self._top + pages.shape[0] > self.num_pages:
+            raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
+        self._release_pages(pages)
+
+    def _release_pages(self, pages: np.ndarray) -> None:
+        """Mark ``pages`` free and push them on the stack (no checks)."""
         top = self._top
         n = pages.shape[0]
-        if top + n > self.num_pages:
-            raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
-        state[pages] = 0
+        self._state[pages] = 0
         self._stack[top : top + n] = pages  # a copy: the caller may reuse its tensor
         self._top = top + n
+
+    def free_owned(self, indices: torch.Tensor) -> None:
+        """Free whole pages the caller is known to own: slots the tree adopted after checking
+        them (``is_allocated`` at insert).  O(1): ``indices`` is queued (keep it unmodified)
+        and merged without re-validation when an allocation runs short or page states are
+        read; a bug that frees twice still shows up in :meth:`check_consistency`."""
+        n = indices.shape[0]
+        assert not n & (self.page_size - 1), f"free_owned of {n} slots: not whole pages"
+        self._pending.append(indices)
+        self._pending_pages += n >> self._shift
+
+    def _flush(self) -> None:
+        """Merge the queued :meth:`free_owned` frees into the free stack."""
+        pending = self._pending
+        if not pending:
+            return
+        indices = pending[0] if len(pending) == 1 else torch.cat(pending)
+        self._pending = []
+        self._pending_pages = 0
+        pages = self._pages_of(indices)
+        assert self._top + pages.shape[0] <= self.num_pages, (
+            f"merging {pages.shape[0]} freed pages into {self._top} free of {self.num_pages}"
+        )
+        self._release_owned(pages)
+
+    def _release_owned(self, pages: np.ndarray) -> None:
+        """Release queued pages (subclasses release what they pair with them too)."""
+        self._release_pages(pages)
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
         """True when every page owned by ``indices`` is currently allocated."""
         if indices.shape[0] == 0:
             return True
+        self._flush()
         return bool((self._state[self._pages_of(indices)] == 1).all())
 
     def check_owned(self, indices: torch.Tensor) -> None:
@@ -160,6 +207,7 @@ class TokenSlotAllocator:
         """Assert that the free stack and the page states agree (O(size); for sanity checks).
 
         Also catches a page freed twice within one ``free`` call (listed twice)."""
+        self._flush()
         free = self._stack[: self._top]
         n_state_free = int((self._state == 0).sum())
         assert n_state_free == self._top, f"{n_state_free} pages marked free, {self._top} listed"

@@ -142,7 +142,8 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
 
     # ------------------------------------------------------------------ sizes
     def swa_available_size(self) -> int:
-        """Free SWA slots, in tokens."""
+        """Free SWA slots, in tokens (merges queued frees first)."""
+        self._flush()
         return self.swa_pages.available() * self.page_size
 
     def full_available_size(self) -> int:
@@ -166,8 +167,11 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` Full slots (whole pages) plus as many SWA pages; ``None``
         (nothing taken) when either side is short."""
-        if num_tokens > 0 and -(-num_tokens // self.page_size) > self.swa_pages.available():
-            return None
+        need = -(-num_tokens // self.page_size)
+        if num_tokens > 0 and need > self.swa_pages.available():
+            self._flush()
+            if need > self.swa_pages.available():
+                return None
         full = super().alloc(num_tokens)
         if full is None or full.shape[0] == 0:
             return full
@@ -187,6 +191,10 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
             return
         super().free(indices)
         self._release_swa(self._pages(indices))
+
+    def _release_owned(self, pages: np.ndarray) -> None:
+        super()._release_owned(pages)
+        self._release_swa(pages)
 
     def free_swa(self, full_idx: torch.Tensor) -> int:
         """Free only the SWA side of ``full_idx`` (the Full slots stay allocated) and clear
