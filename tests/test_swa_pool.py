@@ -50,6 +50,19 @@ def test_free_owned_returns_both_sides_once_merged(ps: int) -> None:
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_queued_swa_and_full_frees_of_one_span_release_each_page_once(ps: int) -> None:
+    a = SWATokenSlotAllocator(8 * ps, 4 * ps, ps)
+    v = _alloc(a, 4 * ps)
+    a.free_swa_owned(v[: 2 * ps])  # tombstoned: queued
+    assert not a.swa_mapped(v[: 2 * ps])  # any map read sees the merged state
+    assert a.swa_available_size() == 2 * ps
+    a.free_swa_owned(v[2 * ps :])  # the rest tombstoned, then the whole span deleted
+    a.free_owned(v)
+    a.check_consistency()
+    assert (a.available_size(), a.swa_available_size()) == (8 * ps, 4 * ps)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_unaligned_alloc_takes_whole_pages(ps: int) -> None:
     a = SWATokenSlotAllocator(8 * ps, 8 * ps, ps)
     v = _alloc(a, ps + 1) if ps > 1 else _alloc(a, 2)

@@ -104,6 +104,8 @@ class UnifiedRadixCache:
         assert isinstance(full, FullComponent)
         self.full: FullComponent = full
         self._components_rev = self.components[::-1]
+        # (component, type) pairs in eviction order, for the per-leaf loop of eviction.
+        self._evict_order = [(c, c.component_type) for c in self._components_rev]
         self._device_evict_keys = [(c.component_type, Tier.DEVICE) for c in self.components]
         self._by_type: dict[ComponentType, TreeComponent] = {
             c.component_type: c for c in self.components
@@ -166,6 +168,13 @@ class UnifiedRadixCache:
             return (_NS, node.namespace, k)
         return k
 
+    def link_child(self, parent: TreeNode, node: TreeNode) -> None:
+        """Hang the new node ``node`` (whose ``parent`` is already ``parent``) under
+        ``parent``, remembering its child key so unlinking needs no key arithmetic."""
+        ck = node.child_key = self._child_key_of(node)
+        parent.children[ck] = node
+        self.num_nodes += 1
+
     def _prepare_tokens(self, key: RadixKey) -> list[Any]:
         """The tree view of ``key``: bigrams in EAGLE mode, truncated to whole pages."""
         if self.is_eagle and not key.is_bigram:
@@ -224,11 +233,13 @@ class UnifiedRadixCache:
         upper.creation_time = child.creation_time
         upper.hit_count = child.hit_count
         upper.priority = child.priority
-        parent.children[self._child_key_of(child)] = upper
+        upper.child_key = child.child_key
+        parent.children[child.child_key] = upper
         child.key = child.key[k:]
         child.key_len -= k
         child.parent = upper
-        upper.children[self._first_key(child.key, 0)] = child
+        ck = child.child_key = self._first_key(child.key, 0)
+        upper.children[ck] = child
         if child.hash_value is not None:
             pages = k // self.page_size
             upper.hash_value = child.hash_value[:pages]
@@ -248,8 +259,7 @@ class UnifiedRadixCache:
         assert full is not None
         full.value = value
         self.full.evictable_size += leaf.key_len
-        parent.children[self._child_key_of(leaf)] = leaf
-        self.num_nodes += 1
+        self.link_child(parent, leaf)
         self.full.note_leaf(leaf)
         return leaf
 
@@ -258,7 +268,7 @@ class UnifiedRadixCache:
         assert not node.children, f"deleting node {node.id} with {len(node.children)} children"
         parent = node.parent
         assert parent is not None
-        del parent.children[self._child_key_of(node)]
+        del parent.children[node.child_key]
         node.deleted = True
         self.num_nodes -= 1
 
@@ -542,9 +552,10 @@ class UnifiedRadixCache:
                     return False
             elif node.children:
                 return False  # host-only children need this node's structure: keep it
-        for c in self._components_rev:
-            if c.node_has_component_data(node):
-                tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
+        data = node.data
+        for c, ct in self._evict_order:
+            if data[ct].value is not None:  # type: ignore[union-attr]
+                tracker[ct] += c.evict_component(node, Tier.DEVICE)
         if fcd.host_value is not None:
             self._demoted(node)
             return True

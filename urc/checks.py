@@ -36,7 +36,8 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
     for node in nodes:
         parent = node.parent
         assert parent is not None and not node.deleted, f"node {node.id} detached"
-        assert parent.children.get(cache._child_key_of(node)) is node, (
+        ck = cache._child_key_of(node)
+        assert node.child_key == ck and parent.children.get(ck) is node, (
             f"node {node.id} is not its parent's child under its own key"
         )
         assert node.key_len == len(node.key) > 0, f"node {node.id} key_len {node.key_len}"

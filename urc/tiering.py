@@ -530,8 +530,7 @@ def _insert_host(
         assert cd is not None
         cd.host_value = host_value[pos - start : b - start]
         full._add_host(cd, b - pos)
-        node.children[cache._child_key_of(leaf)] = leaf
-        cache.num_nodes += 1
+        cache.link_child(node, leaf)
         _commit_aux(cache, leaf, pos, aux)
         node = leaf
         pos = b

@@ -85,6 +85,7 @@ class TreeNode:
     """
 
     __slots__ = (
+        "child_key",
         "children",
         "creation_time",
         "data",
@@ -113,6 +114,8 @@ class TreeNode:
     ) -> None:
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
+        # The key under which ``parent.children`` holds this node (set when it is linked).
+        self.child_key: Any = None
         self.key = key
         self.key_len = len(key)
         self.data = data

@@ -57,7 +57,8 @@ class FullComponent(TreeComponent):
 
     def __init__(self, cache: UnifiedRadixCache) -> None:
         super().__init__(cache)
-        self.allocator = cache.pools.token_allocator
+        self.allocator = alloc = cache.pools.token_allocator
+        self._free_owned = getattr(alloc, "free_owned", alloc.free)
         self._key = _policy_key(cache.config.eviction_policy)
         self._heap: list[tuple[Any, int, TreeNode]] = []
         # Host-only leaves (HiCache), same lazy rules with ``node.in_host_heap``.
@@ -115,10 +116,18 @@ class FullComponent(TreeComponent):
         key = self._key
         cache = self.cache
         skipped: dict[int, TreeNode] = {}
+        pop = heapq.heappop
         while tracker[_FULL] < target and heap:
-            k, nid, node = heapq.heappop(heap)
+            k, nid, node = pop(heap)
             node.in_heap = False
-            if nid in skipped or not self.is_device_leaf(node):
+            # is_device_leaf, inlined: the root is never in the heap.
+            cd = node.full
+            if node.deleted or cd.value is None or cd.lock_ref or nid in skipped:  # type: ignore[union-attr]
+                continue
+            if node.children and any(
+                ch.full.value is not None  # type: ignore[union-attr]
+                for ch in node.children.values()
+            ):
                 continue
             nk = key(node)
             if nk != k:
@@ -173,7 +182,7 @@ class FullComponent(TreeComponent):
             f"evicting Full of node {node.id}: value={value is not None} lock={cd.lock_ref}"
         )
         cd.value = None
-        self.cache.free_full(value)
+        self._free_owned(value)
         n = node.key_len  # == len(value) (check_node)
         self.evictable_size -= n
         return n

@@ -398,8 +398,9 @@ class SWAComponent(TreeComponent):
         )
         full = node.data[_FULL].value  # type: ignore[union-attr]
         assert full is not None, f"node {node.id} has SWA without Full"
-        # Frees the SWA pages and clears the map, so no later free can hit a reused page.
-        self.allocator.free_swa(full)
+        # Frees the SWA pages and clears the map (queued until the allocator next needs
+        # them), so no later free can hit a reused page.
+        self.allocator.free_swa_owned(full)
         cd.value = None
         del self._od[node.id]
         n = int(value.shape[0])

@@ -22,7 +22,14 @@ call                           effect
 ``move_swa(dst, src)``         hands ``src``'s SWA pages to ``dst`` (whose map must be -1)
                                and clears ``src``'s map
 ``free(full_idx)``             frees the Full pages and whatever SWA pages are still mapped
+``free_owned(full_idx)``       ``free`` for tree-owned spans, queued (see below)
+``free_swa_owned(full_idx)``   ``free_swa`` for tree-owned spans, queued
 =============================  =========================================================
+
+Queued frees (eviction's fast path) are merged in one pass, SWA-only frees first, before
+anything allocates from a short side or reads the map or the page states: every public method
+other than the two queueing ones and ``available_size`` sees the merged state.  A page whose
+SWA-only free and Full free are both queued is released once (the first clears its entry).
 
 Clearing the map whenever an SWA page is released is what makes every later free safe: a
 stale entry could point at an SWA page that was handed to someone else meanwhile, and freeing
@@ -117,7 +124,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     (numpy); :meth:`translate` returns a tensor on the allocator's device.
     """
 
-    __slots__ = ("_map", "_map_t", "_shift", "swa_pages", "swa_size")
+    __slots__ = ("_map", "_map_t", "_pending_swa", "_shift", "swa_pages", "swa_size")
 
     def __init__(
         self,
@@ -156,6 +163,14 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         super().clear()
         self.swa_pages.clear()
         self._map[:] = -1
+        self._pending_swa: list[torch.Tensor] = []
+
+    def _flush(self) -> None:
+        pending = self._pending_swa
+        if pending:
+            self._pending_swa = []
+            self._release_swa(self._pages(pending[0] if len(pending) == 1 else torch.cat(pending)))
+        super()._flush()
 
     def _pages(self, full_idx: torch.Tensor) -> np.ndarray:
         """Full page of the first token of every page run in ``full_idx`` (host array)."""
@@ -196,6 +211,11 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         super()._release_owned(pages)
         self._release_swa(pages)
 
+    def free_swa_owned(self, full_idx: torch.Tensor) -> None:
+        """:meth:`free_swa` for a span the tree owns (an SWA tombstone in the making), queued
+        like :meth:`free_owned`: O(1), ``full_idx`` must stay unmodified."""
+        self._pending_swa.append(full_idx)
+
     def free_swa(self, full_idx: torch.Tensor) -> int:
         """Free only the SWA side of ``full_idx`` (the Full slots stay allocated) and clear
         their map entries.  Entries already cleared free nothing.  Returns the SWA tokens
@@ -204,6 +224,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
             return 0
         if full_idx.dtype != torch.int64 or full_idx.device != self.device:
             raise InvalidIndicesError(f"indices must be int64 on {self.device}")
+        self._flush()
         return self._release_swa(self._pages(full_idx)) * self.page_size
 
     def _release_swa(self, pages: np.ndarray) -> int:
@@ -225,6 +246,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         Used when a tombstone whose Full slots are locked (so its indices must not change)
         adopts the SWA data a request computed in its own slots ``src_full``.
         """
+        self._flush()
         dst = self._pages(dst_full)
         src = self._pages(src_full)
         assert dst.shape == src.shape, f"move_swa of {dst.shape[0]} pages onto {src.shape[0]}"
@@ -236,6 +258,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     # ------------------------------------------------------------------ translation
     def translate(self, full_idx: torch.Tensor) -> torch.Tensor:
         """SWA slot of every Full slot in ``full_idx`` (-1 where no SWA page is mapped)."""
+        self._flush()
         if self._shift == 0 and self._map_t is not None:
             return self._map_t[full_idx]
         host = _host(full_idx)
@@ -247,12 +270,14 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         """True when every page of ``full_idx`` still maps an SWA page."""
         if full_idx.shape[0] == 0:
             return True
+        self._flush()
         return bool(self._map[self._pages(full_idx)].min() >= 0)
 
     def num_swa_mapped(self, full_idx: torch.Tensor) -> int:
         """SWA tokens still mapped by the page runs of ``full_idx``."""
         if full_idx.shape[0] == 0:
             return 0
+        self._flush()
         return int((self._map[self._pages(full_idx)] >= 0).sum()) * self.page_size
 
     # ------------------------------------------------------------------ checks
