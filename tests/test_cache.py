@@ -26,6 +26,7 @@ from urc import (
     Req,
     build_cache,
 )
+from urc.tree import TreeNode
 
 PAGE_SIZES = [1, 4, 16, 64]
 
@@ -241,15 +242,20 @@ def test_extra_key_namespaces_never_match_each_other(h: Harness) -> None:
     assert RadixKey(s, "lora").extra_key == ("lora",)
 
 
-def test_lock_moves_sizes_between_evictable_and_protected(h: Harness) -> None:
+def _two_branches(h: Harness) -> tuple[list[int], list[int], TreeNode, TreeNode]:
+    """Insert two keys that share a two-page base; returns them and their leaves."""
     ps = h.page_size
     base = seq(0, 2, ps)
     x = base + seq(100 * ps, 1, ps)
     y = base + seq(200 * ps, 1, ps)
     h.insert(x)
     h.insert(y)
-    nx = h.match(x).last_device_node
-    ny = h.match(y).last_device_node
+    return x, y, h.match(x).last_device_node, h.match(y).last_device_node
+
+
+def test_lock_moves_sizes_between_evictable_and_protected(h: Harness) -> None:
+    ps = h.page_size
+    x, y, nx, ny = _two_branches(h)
     rx = h.cache.inc_lock_ref(nx)
     assert (h.cache.protected_size(), rx.delta) == (len(x), len(x))
     ry = h.cache.inc_lock_ref(ny)
@@ -262,14 +268,7 @@ def test_lock_moves_sizes_between_evictable_and_protected(h: Harness) -> None:
 
 
 def test_full_lock_count_is_own_locks_plus_locked_children(h: Harness) -> None:
-    ps = h.page_size
-    base = seq(0, 2, ps)
-    x = base + seq(100 * ps, 1, ps)
-    y = base + seq(200 * ps, 1, ps)
-    h.insert(x)
-    h.insert(y)
-    nx = h.match(x).last_device_node
-    ny = h.match(y).last_device_node
+    _, y, nx, ny = _two_branches(h)
     shared = nx.parent
     assert shared is ny.parent and shared is not None
     receipts = [h.cache.inc_lock_ref(n) for n in (nx, nx, ny)]

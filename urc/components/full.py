@@ -201,7 +201,7 @@ class FullComponent(TreeComponent):
         # (and split) meanwhile.  A split keeps the original node as the lower piece, so the
         # recorded id stays the lowest locked node.
         skipped = False
-        while node.parent is not None and node.data[_FULL].value is None:  # type: ignore[union-attr]
+        while node.parent is not None and node.full.value is None:  # type: ignore[union-attr]
             skipped = True
             node = node.parent
         if skipped:
@@ -240,7 +240,19 @@ class FullComponent(TreeComponent):
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         if params is not None and params.full_start_id is not None:
             node = self._first_locked(node, params)
-        delta = 0
+            if node.parent is None:
+                return  # the lock covered host-only nodes only
+        cd = node.full
+        assert cd is not None and cd.lock_ref > 0, f"node {node.id} lock_ref {cd}"
+        cd.lock_ref -= 1
+        if cd.lock_ref:
+            return  # still protected by other locks or locked children
+        # Only the first node can become an evictable leaf: every node above it has it (on
+        # device) as a child.
+        if not node.in_heap and self.is_device_leaf(node):
+            self.note_leaf(node)
+        delta = node.key_len
+        node = node.parent  # type: ignore[assignment]
         while node.parent is not None:
             cd = node.full
             assert cd is not None and cd.lock_ref > 0, f"node {node.id} lock_ref {cd}"
@@ -248,8 +260,6 @@ class FullComponent(TreeComponent):
             if cd.lock_ref:
                 break  # still protected by other locks or locked children
             delta += node.key_len
-            if not node.in_heap and self.is_device_leaf(node):
-                self.note_leaf(node)
             node = node.parent
         self.evictable_size += delta
         self.protected_size -= delta

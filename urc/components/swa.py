@@ -114,6 +114,8 @@ class SWAComponent(TreeComponent):
         self._uuids = count(1)
         # Bumped on every recovery of a Full-locked tombstone (see the module docstring).
         self._epoch = 0
+        # (receipt, node, cache clock, nodes to unlock) from the last ``check_release``.
+        self._plan: tuple[DecLockRefParams | None, TreeNode, int, list[TreeNode]] | None = None
 
     def value_len(self, data: ComponentData) -> int:
         v = data.value
@@ -439,32 +441,25 @@ class SWAComponent(TreeComponent):
         self.evictable_size -= delta
         self.protected_size += delta
 
-    @staticmethod
-    def _receipt(
-        params: DecLockRefParams | None,
-    ) -> tuple[int | None, set[int] | None, int | None]:
-        """(uuid, skipped node ids, epoch) of a receipt (all ``None`` without one)."""
-        if params is None:
-            return None, None, None
-        return (
-            params.swa_uuid_for_lock,
-            params.skip_lock_node_ids.get(ComponentType.SWA),
-            params.swa_lock_epoch,
-        )
-
     # A node was locked by a receipt (uuid, skip, epoch) iff it holds SWA, was not skipped at
     # acquire, and was not recovered after the acquire (restore stamp newer than the epoch).
-    # Both walks below inline that test: they run on every unlock.
 
-    def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        """Raise :class:`InvalidLockError` unless releasing ``params`` from ``node`` walks
-        locked nodes only and ends at the receipt's boundary (or, for a lock that reached
-        the root without filling the window, at the root)."""
-        if params is not None and params.skip_swa:
-            return
-        uuid, skip, epoch = self._receipt(params)
+    def _walk_release(
+        self, node: TreeNode, params: DecLockRefParams | None, check: bool
+    ) -> list[TreeNode]:
+        """The nodes releasing ``params`` from ``node`` unlocks, bottom-up.  With ``check``,
+        raise :class:`InvalidLockError` unless the walk meets locked nodes only and ends at
+        the receipt's boundary (or, for a lock that reached the root without filling the
+        window, at the root)."""
+        if params is None:
+            uuid = skip = epoch = None
+        else:
+            uuid = params.swa_uuid_for_lock
+            skip = params.skip_lock_node_ids.get(ComponentType.SWA)
+            epoch = params.swa_lock_epoch
         window = self.window
         acc = 0
+        locked: list[TreeNode] = []
         while node.parent is not None:
             cd = node.data[_SWA]
             assert cd is not None
@@ -474,45 +469,58 @@ class SWAComponent(TreeComponent):
                 and (skip is None or node.id not in skip)
                 and (epoch is None or md is None or md.get(_RESTORED, 0) <= epoch)
             ):
-                if cd.lock_ref <= 0:
+                locked.append(node)
+                if check and cd.lock_ref <= 0:
                     raise InvalidLockError(f"SWA release on node {node.id}, which is not locked")
                 if uuid is None:
                     acc += node.key_len
-                    if acc >= window:
+                    if check and acc >= window:
                         # Acquire would have stamped a boundary here: the receipt is missing.
                         raise InvalidLockError(
                             "SWA release without the lock's swa_uuid_for_lock receipt"
                         )
                 elif md is not None and md.get(_UUID) == uuid:
-                    return
+                    return locked
             node = node.parent
-        if uuid is not None:
+        if check and uuid is not None:
             raise InvalidLockError(
                 f"SWA lock receipt {uuid} does not name a window boundary on this path"
             )
+        return locked
+
+    def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
+        """Validate the release (see ``_walk_release``) and keep the walk as the plan of the
+        ``release_component_lock`` that follows, so an unlock walks the window once."""
+        self._plan = None
+        if params is not None and params.skip_swa:
+            return
+        locked = self._walk_release(node, params, True)
+        # Valid until the tree changes: every walk that can split or recover a node ticks
+        # the cache clock.
+        self._plan = (params, node, self.cache._clock, locked)
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Undo the window lock of receipt ``params`` (``check_release`` already passed)."""
         if params is not None and params.skip_swa:
             return
-        uuid, skip, epoch = self._receipt(params)
+        plan = self._plan
+        self._plan = None
+        if (
+            plan is not None
+            and plan[0] is params
+            and plan[1] is node
+            and plan[2] == self.cache._clock
+        ):
+            locked = plan[3]
+        else:
+            locked = self._walk_release(node, params, False)
         delta = 0
-        while node.parent is not None:
-            cd = node.data[_SWA]
-            assert cd is not None
-            md = cd.metadata
-            if (
-                cd.value is not None
-                and (skip is None or node.id not in skip)
-                and (epoch is None or md is None or md.get(_RESTORED, 0) <= epoch)
-            ):
-                assert cd.lock_ref > 0, f"SWA release on unlocked node {node.id}"
-                cd.lock_ref -= 1
-                if cd.lock_ref == 0:
-                    delta += node.key_len
-                if uuid is not None and md is not None and md.get(_UUID) == uuid:
-                    break
-            node = node.parent
+        for n in locked:
+            cd = n.data[_SWA]
+            assert cd is not None and cd.lock_ref > 0, f"SWA release on unlocked node {n.id}"
+            cd.lock_ref -= 1
+            if cd.lock_ref == 0:
+                delta += n.key_len
         self.evictable_size += delta
         self.protected_size -= delta
 
