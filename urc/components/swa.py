@@ -405,7 +405,7 @@ class SWAComponent(TreeComponent):
         self.allocator.free_swa_owned(full)
         cd.value = None
         del self._od[node.id]
-        n = int(value.shape[0])
+        n = node.key_len  # == len(value) (check_node)
         self.evictable_size -= n
         return n
 
