@@ -706,7 +706,7 @@ class UnifiedRadixCache:
 
         Returns the receipt; pass ``receipt.to_dec_params()`` to :meth:`dec_lock_ref`.
         """
-        result = IncLockRefResult(node_id=node.id)
+        result = IncLockRefResult.for_node(node.id)
         if node.parent is None:
             result.delta = 0
             return result
@@ -725,7 +725,7 @@ class UnifiedRadixCache:
         locked or the receipt does not fit.  Returns the Full tokens made evictable.
         """
         if node.parent is None:
-            return DecLockRefResult(0)
+            return DecLockRefResult.of(0)
         if node.deleted:
             raise InvalidLockError(f"dec_lock_ref on node {node.id}, which was evicted")
         if params is not None and params.node_id is not None and params.node_id != node.id:
@@ -737,7 +737,7 @@ class UnifiedRadixCache:
         before = self.full.protected_size
         for c in self._components_rev:
             c.release_component_lock(node, params)
-        return DecLockRefResult(before - self.full.protected_size)
+        return DecLockRefResult.of(before - self.full.protected_size)
 
     def dec_swa_lock_only(self, node: TreeNode, params: DecLockRefParams | None = None) -> None:
         """Early window release: release the SWA part of a lock while Full stays locked.

@@ -144,6 +144,16 @@ class IncLockRefResult:
         self.node_id = node_id
         self.swa_lock_epoch = swa_lock_epoch
 
+    @classmethod
+    def for_node(cls, node_id: int) -> IncLockRefResult:
+        """A blank receipt for ``node_id`` (the lock's hot path: no keyword parsing)."""
+        r = _new_object(cls)
+        r.delta = r.full_start_id = r.swa_lock_epoch = None
+        r.swa_uuid_for_lock = r.swa_uuid_for_host_lock = None
+        r.skip_lock_node_ids = {}
+        r.node_id = node_id
+        return r
+
     def __repr__(self) -> str:
         return (
             f"IncLockRefResult(delta={self.delta}, node_id={self.node_id}, "
@@ -181,3 +191,13 @@ class DecLockRefResult(NamedTuple):
     """``delta``: Full tokens moved from protected back to evictable."""
 
     delta: int | None = None
+
+    @classmethod
+    def of(cls, delta: int) -> DecLockRefResult:
+        """``DecLockRefResult(delta)`` for the unlock hot path (half the cost of the
+        NamedTuple constructor)."""
+        return _new_tuple(cls, (delta,))
+
+
+_new_object = object.__new__
+_new_tuple = tuple.__new__
