@@ -43,7 +43,7 @@ from urc.params import (
     MatchResult,
 )
 from urc.req import Req
-from urc.stats import CacheCounters, CacheStats, ComponentStats
+from urc.stats import CacheCounters, CacheStats, ComponentStats, snapshot
 from urc.tiers import HostTier, WritePolicy
 from urc.tree import NUM_COMPONENT_TYPES, ComponentData, ComponentType, Tier, TreeNode
 
@@ -838,60 +838,9 @@ class UnifiedRadixCache:
         return False
 
     def stats(self) -> CacheStats:
-        """A snapshot of sizes (per component and tier) and cumulative counters; O(1).
-
-        The per-component part is rebuilt only when a size changed (the service takes a
-        snapshot after every batch, and most batches change no size)."""
-        tiered = self.host_tier is not None
-        figs: list[int] = []
-        for c in self.components:
-            figs += (c.evictable_size, c.protected_size, c.pool_available())
-            if tiered:
-                figs += (c.host_evictable_size, c.host_protected_size, c.host_available())
-        if figs != self._stats_figs:
-            self._stats_figs = figs
-            self._stats_comps = self._component_stats()
-        comps = self._stats_comps
-        k = self.counters
-        return CacheStats(
-            comps,
-            self.num_nodes,
-            k.match_requests,
-            k.query_tokens,
-            dict(k.hit_tokens),
-            k.inserted_tokens,
-            dict(k.evicted),
-            k.backed_up_tokens,
-            k.loaded_back_tokens,
-        )
-
-    def _component_stats(self) -> tuple[ComponentStats, ...]:
-        comps = tuple(
-            ComponentStats(
-                component=c.component_type,
-                tier=Tier.DEVICE,
-                unit=c.unit,
-                evictable=c.evictable_size,
-                protected=c.protected_size,
-                capacity=c.pool_capacity(),
-                available=c.pool_available(),
-            )
-            for c in self.components
-        )
-        if self.host_tier is not None:
-            comps += tuple(
-                ComponentStats(
-                    component=c.component_type,
-                    tier=Tier.HOST,
-                    unit=c.unit,
-                    evictable=c.host_evictable_size,
-                    protected=c.host_protected_size,
-                    capacity=c.host_capacity(),
-                    available=c.host_available(),
-                )
-                for c in self.components
-            )
-        return comps
+        """A snapshot of sizes (per component and tier) and cumulative counters; O(1) (see
+        :func:`urc.stats.snapshot`)."""
+        return snapshot(self)
 
     # ================================================================== whole-tree operations
     def _nodes(self) -> list[TreeNode]:

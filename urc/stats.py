@@ -8,10 +8,14 @@ turn snapshots into gauges and counter deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from urc.tree import ComponentType, SizeUnit, Tier
 
-__all__ = ["CacheCounters", "CacheStats", "ComponentStats"]
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+
+__all__ = ["CacheCounters", "CacheStats", "ComponentStats", "snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +76,61 @@ class CacheStats:
             if s.component is ct and s.tier is tier:
                 return s
         return None
+
+
+def snapshot(cache: UnifiedRadixCache) -> CacheStats:
+    """A :class:`CacheStats` of ``cache`` now; O(components).
+
+    The per-component part is rebuilt only when a size changed (the service takes a snapshot
+    after every batch, and most batches change no size): ``cache._stats_figs`` /
+    ``cache._stats_comps`` keep the last figures and what was built from them."""
+    tiered = cache.host_tier is not None
+    figs: list[int] = []
+    for c in cache.components:
+        figs += (c.evictable_size, c.protected_size, c.pool_available())
+        if tiered:
+            figs += (c.host_evictable_size, c.host_protected_size, c.host_available())
+    if figs != cache._stats_figs:
+        cache._stats_figs = figs
+        cache._stats_comps = _component_stats(cache)
+    k = cache.counters
+    return CacheStats(
+        cache._stats_comps,
+        cache.num_nodes,
+        k.match_requests,
+        k.query_tokens,
+        dict(k.hit_tokens),
+        k.inserted_tokens,
+        dict(k.evicted),
+        k.backed_up_tokens,
+        k.loaded_back_tokens,
+    )
+
+
+def _component_stats(cache: UnifiedRadixCache) -> tuple[ComponentStats, ...]:
+    comps = tuple(
+        ComponentStats(
+            component=c.component_type,
+            tier=Tier.DEVICE,
+            unit=c.unit,
+            evictable=c.evictable_size,
+            protected=c.protected_size,
+            capacity=c.pool_capacity(),
+            available=c.pool_available(),
+        )
+        for c in cache.components
+    )
+    if cache.host_tier is not None:
+        comps += tuple(
+            ComponentStats(
+                component=c.component_type,
+                tier=Tier.HOST,
+                unit=c.unit,
+                evictable=c.host_evictable_size,
+                protected=c.host_protected_size,
+                capacity=c.host_capacity(),
+                available=c.host_available(),
+            )
+            for c in cache.components
+        )
+    return comps
