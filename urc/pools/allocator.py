@@ -13,10 +13,12 @@ costs more than the bookkeeping itself; a slot repeated inside one ``free`` call
 ``free`` at a few microseconds.
 
 Slots the tree frees (evicted nodes) go through :meth:`TokenSlotAllocator.free_owned`, which
-only queues the tensor: the queue is merged into the free stack, in one pass, when an
-allocation runs short or anything reads page states (a checked ``free``, ``is_allocated``,
-the consistency check).  An eviction that frees k leaves thus costs k list appends instead of
-k (or one concatenated) state updates.
+only queues the tensor, unchecked: the tree validated those slots when it adopted them.  The
+queue is merged into the free stack in one pass (:meth:`TokenSlotAllocator.flush`) once it
+holds ``MERGE_BATCH`` spans -- so evictions pay for their frees, a few dozen at a time, whose
+fixed costs (a ``torch.cat``, a host view, two array updates: ~5 µs) would otherwise dominate
+a single small free -- and before anything allocates from a short stack or reads page states
+(a checked ``free``, ``is_allocated``, the consistency check).
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError
 
-__all__ = ["TokenSlotAllocator", "check_page_size"]
+__all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size"]
+
+#: Queued :meth:`TokenSlotAllocator.free_owned` spans merged in one pass.  Large enough to
+#: amortize a merge's fixed cost, small enough that its temporaries stay small.
+MERGE_BATCH = 64
 
 
 def check_page_size(page_size: int) -> None:
@@ -96,7 +102,7 @@ class TokenSlotAllocator:
         need = -(-num_tokens // ps)
         top = self._top
         if need > top:
-            self._flush()
+            self.flush()
             top = self._top
             if need > top:
                 return None
@@ -128,7 +134,7 @@ class TokenSlotAllocator:
             raise InvalidIndicesError(
                 f"indices must be int64 on {self.device}, got {indices.dtype} on {indices.device}"
             )
-        self._flush()  # a page still queued must count as free to catch a double free
+        self.flush()  # a page still queued must count as free to catch a double free
         pages = self._pages_of(indices)
         state = self._state
         try:
@@ -157,11 +163,14 @@ class TokenSlotAllocator:
         read; a bug that frees twice still shows up in :meth:`check_consistency`."""
         n = indices.shape[0]
         assert not n & (self.page_size - 1), f"free_owned of {n} slots: not whole pages"
-        self._pending.append(indices)
+        pending = self._pending
+        pending.append(indices)
         self._pending_pages += n >> self._shift
+        if len(pending) >= MERGE_BATCH:
+            self.flush()
 
-    def _flush(self) -> None:
-        """Merge the queued :meth:`free_owned` frees into the free stack."""
+    def flush(self) -> None:
+        """Merge the queued :meth:`free_owned` frees into the free stack now."""
         pending = self._pending
         if not pending:
             return
@@ -182,7 +191,7 @@ class TokenSlotAllocator:
         """True when every page owned by ``indices`` is currently allocated."""
         if indices.shape[0] == 0:
             return True
-        self._flush()
+        self.flush()
         return bool((self._state[self._pages_of(indices)] == 1).all())
 
     def check_owned(self, indices: torch.Tensor) -> None:
@@ -207,7 +216,7 @@ class TokenSlotAllocator:
         """Assert that the free stack and the page states agree (O(size); for sanity checks).
 
         Also catches a page freed twice within one ``free`` call (listed twice)."""
-        self._flush()
+        self.flush()
         free = self._stack[: self._top]
         n_state_free = int((self._state == 0).sum())
         assert n_state_free == self._top, f"{n_state_free} pages marked free, {self._top} listed"

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from urc.errors import ConfigError, InvalidIndicesError
-from urc.pools.allocator import TokenSlotAllocator
+from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator
 from urc.pools.kv_pool import KVPool, KVShape
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     # ------------------------------------------------------------------ sizes
     def swa_available_size(self) -> int:
         """Free SWA slots, in tokens (merges queued frees first)."""
-        self._flush()
+        self.flush()
         return self.swa_pages.available() * self.page_size
 
     def full_available_size(self) -> int:
@@ -164,12 +164,13 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         self._map[:] = -1
         self._pending_swa: list[torch.Tensor] = []
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Merge queued SWA-only frees, then queued Full frees (with their SWA pages)."""
         pending = self._pending_swa
         if pending:
             self._pending_swa = []
             self._release_swa(self._pages(pending[0] if len(pending) == 1 else torch.cat(pending)))
-        super()._flush()
+        super().flush()
 
     def _pages(self, full_idx: torch.Tensor) -> np.ndarray:
         """Full page of the first token of every page run in ``full_idx`` (host array)."""
@@ -183,7 +184,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         (nothing taken) when either side is short."""
         need = -(-num_tokens // self.page_size)
         if num_tokens > 0 and need > self.swa_pages.available():
-            self._flush()
+            self.flush()
             if need > self.swa_pages.available():
                 return None
         full = super().alloc(num_tokens)
@@ -213,7 +214,10 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     def free_swa_owned(self, full_idx: torch.Tensor) -> None:
         """:meth:`free_swa` for a span the tree owns (an SWA tombstone in the making), queued
         like :meth:`free_owned`: O(1), ``full_idx`` must stay unmodified."""
-        self._pending_swa.append(full_idx)
+        pending = self._pending_swa
+        pending.append(full_idx)
+        if len(pending) >= MERGE_BATCH:
+            self.flush()
 
     def free_swa(self, full_idx: torch.Tensor) -> int:
         """Free only the SWA side of ``full_idx`` (the Full slots stay allocated) and clear
@@ -223,7 +227,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
             return 0
         if full_idx.dtype != torch.int64 or full_idx.device != self.device:
             raise InvalidIndicesError(f"indices must be int64 on {self.device}")
-        self._flush()
+        self.flush()
         return self._release_swa(self._pages(full_idx)) * self.page_size
 
     def _release_swa(self, pages: np.ndarray) -> int:
@@ -245,7 +249,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         Used when a tombstone whose Full slots are locked (so its indices must not change)
         adopts the SWA data a request computed in its own slots ``src_full``.
         """
-        self._flush()
+        self.flush()
         dst = self._pages(dst_full)
         src = self._pages(src_full)
         assert dst.shape == src.shape, f"move_swa of {dst.shape[0]} pages onto {src.shape[0]}"
@@ -257,7 +261,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     # ------------------------------------------------------------------ translation
     def translate(self, full_idx: torch.Tensor) -> torch.Tensor:
         """SWA slot of every Full slot in ``full_idx`` (-1 where no SWA page is mapped)."""
-        self._flush()
+        self.flush()
         if self._shift == 0 and self._map_t is not None:
             return self._map_t[full_idx]
         host = _host(full_idx)
@@ -269,14 +273,14 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         """True when every page of ``full_idx`` still maps an SWA page."""
         if full_idx.shape[0] == 0:
             return True
-        self._flush()
+        self.flush()
         return bool(self._map[self._pages(full_idx)].min() >= 0)
 
     def num_swa_mapped(self, full_idx: torch.Tensor) -> int:
         """SWA tokens still mapped by the page runs of ``full_idx``."""
         if full_idx.shape[0] == 0:
             return 0
-        self._flush()
+        self.flush()
         return int((self._map[self._pages(full_idx)] >= 0).sum()) * self.page_size
 
     # ------------------------------------------------------------------ checks
