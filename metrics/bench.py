@@ -37,7 +37,7 @@ from urc.bench import generate_sequences
 from urc.commands import CommandKind
 from urc.config import CacheConfig, build_cache
 from urc.key import RadixKey
-from urc.observer import ServiceObserver, TransferKind
+from urc.observer import ServiceObserver, StatsSource, TransferKind
 from urc.service import AsyncUnifiedRadixCache
 from urc.stats import CacheStats
 
@@ -62,7 +62,11 @@ async def _burst(n_clients: int, ops: list[Callable[[], Awaitable[Any]]]) -> lis
 
 class _NullObserver:
     """Observer that does nothing: isolates the service's own cost of having an observer
-    (timestamps and a ``stats()`` snapshot per batch) from the exporter's."""
+    (the timestamps and the per-command call) from the exporter's.  Like the exporter it
+    pulls its snapshots (``attach`` returns ``None``), and it never pulls one."""
+
+    def attach(self, source: StatsSource) -> float | None:
+        return None
 
     def on_command(
         self, kind: CommandKind, queue_wait_s: float, latency_s: float, error: BaseException | None
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpu_us_per_command": {m: round(best_cpu[m] / commands * 1e6, 2) for m in modes},
         }
         # on vs off: the whole cost of metrics; null vs off: the service's share (timestamps,
-        # a stats() snapshot per batch); on vs null: the exporter's share.
+        # the per-command call); on vs null: the exporter's share.
         for m in ("on", "direct"):
             if m in modes:
                 suffix = "" if m == "on" else "_direct"

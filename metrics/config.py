@@ -93,6 +93,11 @@ class MetricsConfig:
     Buckets are upper bounds in seconds, strictly increasing and positive (``+Inf`` is added).
     ``max_error_types`` caps the distinct ``error_type`` label values; later classes are
     counted as ``"other"``.  ``mode`` picks the write path (:class:`ExportMode`).
+    ``direct_interval_s`` (DIRECT mode, attached to a service): while the service is busy it
+    hands the exporter a stats snapshot at most this often, plus one whenever it goes idle and
+    one at close, so the written gauges and counters are at most this stale while commands
+    flow and exact once the service is idle; ``0`` writes after every batch.  (SCRAPE mode
+    pulls a snapshot per scrape and needs no interval.)
     """
 
     enabled: bool = True
@@ -101,6 +106,7 @@ class MetricsConfig:
     gauge_multiprocess_mode: GaugeMultiprocessMode = GaugeMultiprocessMode.LIVESUM
     max_error_types: int = 32
     mode: ExportMode = ExportMode.AUTO
+    direct_interval_s: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("command_buckets", "transfer_buckets"):
@@ -111,3 +117,5 @@ class MetricsConfig:
                 raise ValueError(f"{name} must be strictly increasing: {b}")
         if self.max_error_types < 1:
             raise ValueError(f"max_error_types must be >= 1, got {self.max_error_types}")
+        if not (self.direct_interval_s >= 0 and math.isfinite(self.direct_interval_s)):
+            raise ValueError(f"direct_interval_s must be >= 0, got {self.direct_interval_s}")

@@ -38,7 +38,7 @@ from metrics.spec import (
     _unit_of,
 )
 from urc.commands import CommandKind
-from urc.observer import TransferKind
+from urc.observer import StatsSource, TransferKind
 from urc.stats import CacheStats, ComponentStats
 from urc.tree import ComponentType, Tier
 
@@ -91,7 +91,7 @@ class _DirectMetrics(CacheMetrics):
         self._series: dict[tuple[ComponentType, Tier], _SizeSeries] = {}
         self._hit_children: dict[str, Any] = {}
         self._evicted_children: dict[tuple[ComponentType, Tier], Any] = {}
-        self._error_children: dict[tuple[CommandKind, str], Any] = {}
+        self._error_children: dict[tuple[str, str], Any] = {}
         self._error_types: set[str] = set()
         self._last_nodes = -1
         self._last_queued = -1
@@ -148,7 +148,8 @@ class _DirectMetrics(CacheMetrics):
         }
         self._errors = make(_ERRORS)
         latency = make(_LATENCY, cfg.command_buckets)
-        self._latency = {k: latency.labels(k.value) for k in CommandKind}
+        # Children made once, keyed by the enum's value: an Enum's own hash is a Python call.
+        self._latency = {k._value_: latency.labels(k.value) for k in CommandKind}
         self._latency_family = latency
         self._queue_wait = make(_QUEUE_WAIT, cfg.command_buckets)
 
@@ -166,9 +167,9 @@ class _DirectMetrics(CacheMetrics):
         latency_s: float,
         error: BaseException | None,
     ) -> None:
-        child = self._latency.get(kind)
+        child = self._latency.get(kind._value_)
         if child is None:  # a kind added to the enum after this exporter was built
-            child = self._latency[kind] = self._latency_family.labels(kind.value)
+            child = self._latency[kind._value_] = self._latency_family.labels(kind.value)
         # Clocks are monotonic, but a negative value would corrupt ``_sum``; clamp defensively.
         child.observe(latency_s if latency_s > 0.0 else 0.0)
         self._queue_wait.observe(queue_wait_s if queue_wait_s > 0.0 else 0.0)
@@ -176,11 +177,16 @@ class _DirectMetrics(CacheMetrics):
             name = _error_label(
                 type(error).__name__, self._error_types, self.config.max_error_types
             )
-            key = (kind, name)
+            key = (kind._value_, name)
             err = self._error_children.get(key)
             if err is None:
                 err = self._error_children[key] = self._errors.labels(kind.value, name)
             err.inc()
+
+    def attach(self, source: StatsSource) -> float | None:
+        """Snapshots are pushed (``on_batch``) at most every ``direct_interval_s`` while the
+        service is busy, and whenever it goes idle."""
+        return self.config.direct_interval_s
 
     def on_batch(self, stats: CacheStats, queued: int) -> None:
         """Set every gauge from ``stats`` and advance counters by the snapshot deltas."""

@@ -12,8 +12,8 @@ Everything lives under the ``urc_`` namespace, in base units, with bounded label
 Units are never mixed in one series: Full and SWA sizes are tokens (``*_tokens``), Mamba sizes
 are state slots (``*_states``), so ``sum by (tier)`` over any one metric is meaningful.
 
-Gauges (the figures of the latest ``CacheStats`` snapshot passed to
-:meth:`CacheMetrics.on_batch`, or of the in-flight transfer calls):
+Gauges (the figures of the latest ``CacheStats`` snapshot -- pulled from the service at
+scrape time, or passed to :meth:`CacheMetrics.on_batch` -- or of the in-flight transfer calls):
 
 ====================================================  ==========================================
 ``urc_cache_evictable_tokens{component,tier}``        Full/SWA tokens on unlocked nodes
@@ -24,7 +24,7 @@ Gauges (the figures of the latest ``CacheStats`` snapshot passed to
 ``urc_pool_used_tokens|states{component,tier}``       capacity - free (includes request-held)
 ``urc_pool_free_tokens|states{component,tier}``       free slots
 ``urc_tree_nodes``                                    nodes in the radix tree (root excluded)
-``urc_service_queued_commands``                       commands waiting after the last batch
+``urc_service_queued_commands``                       commands waiting for the actor
 ``urc_transfers_in_flight{kind}``                     transfers started and not yet finished
 ====================================================  ==========================================
 
@@ -44,14 +44,20 @@ Histograms (seconds, microsecond-scale buckets): ``urc_command_duration_seconds{
 Two ways of getting there (:class:`ExportMode`, chosen by :attr:`MetricsConfig.mode`):
 
 - ``SCRAPE`` (the default in a single process): the observer methods only touch plain Python
-  numbers -- ``on_batch`` keeps a reference to the snapshot (O(1)), ``on_command`` bumps its own
-  histogram bucket counts (a ``bisect`` into the bounds) -- and a custom collector registered
-  on the registry builds every family at scrape time from the latest snapshot and those
-  counts.  This keeps the observer to a fraction of a microsecond per command; every
-  ``prometheus_client`` ``inc``/``set``/``observe`` costs about 1 us.
+  numbers -- ``on_command`` bumps its own histogram bucket counts (a ``bisect`` into the
+  bounds) -- and a custom collector registered on the registry builds every family at scrape
+  time from a snapshot and those counts.  Attached to a service
+  (:meth:`CacheMetrics.attach`), the exporter pulls that snapshot from the service at scrape
+  time (taken on the service's event loop, between two commands), so the actor builds no
+  ``CacheStats`` per batch and the gauges equal the cache's figures at the moment of the
+  scrape; used without a service, it keeps the snapshot last passed to :meth:`on_batch`.  This
+  keeps the observer to a fraction of a microsecond per command; every ``prometheus_client``
+  ``inc``/``set``/``observe`` costs about 1 us.
 - ``DIRECT`` (chosen automatically in ``prometheus_client`` multiprocess mode, i.e. when
   ``PROMETHEUS_MULTIPROC_DIR`` is set): classic ``Gauge``/``Counter``/``Histogram`` objects,
-  written per batch (only the values that changed) and per command.  A custom collector only
+  written per command and per snapshot (only the values that changed).  Attached to a
+  service, it asks for a snapshot at most every :attr:`MetricsConfig.direct_interval_s` while
+  the service is busy, and always when it goes idle and at close.  A custom collector only
   ever sees the scraping process, so multiprocess mode needs the values in the client's files.
   Gauges are created with :attr:`MetricsConfig.gauge_multiprocess_mode` (default ``livesum``:
   each process owns its own cache, and the sum over live processes is the fleet figure; use
@@ -71,7 +77,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from metrics.config import ExportMode, MetricsConfig
 from urc.commands import CommandKind
-from urc.observer import TransferKind
+from urc.observer import StatsSource, TransferKind
 from urc.stats import CacheStats
 
 __all__ = ["CacheMetrics", "make_observer"]
@@ -89,12 +95,16 @@ class CacheMetrics:
     - Registers its metrics on ``registry`` at construction (``ValueError`` from the client if
       another exporter already registered them there: use one registry per cache, or call
       :meth:`unregister` first).
-    - Gauges equal the figures of the latest snapshot given to :meth:`on_batch`; cumulative
-      counters equal the snapshot's counters (the first snapshot counts from zero).  A counter
-      seen going backwards means the source was replaced or reset: the new value is counted as
-      the increase since that reset (Prometheus counters never decrease).  The DIRECT mode
-      sees every snapshot; the SCRAPE mode compares the values of consecutive scrapes, so
-      what the old source gained after the last scrape before the reset is not counted.
+    - :meth:`attach` (called by the service on start) hands it the service's snapshot source;
+      from then on the figures come from there (see the module doc), not from :meth:`on_batch`
+      calls.  One exporter per service.
+    - Gauges equal the figures of the latest snapshot (pulled, or given to :meth:`on_batch`);
+      cumulative counters equal the snapshot's counters (the first snapshot counts from
+      zero).  A counter seen going backwards means the source was replaced or reset: the new
+      value is counted as the increase since that reset (Prometheus counters never
+      decrease).  The DIRECT mode sees every snapshot it is given; the SCRAPE mode compares
+      the values of consecutive scrapes, so what the old source gained after the last scrape
+      before the reset is not counted.
     - :meth:`on_command` observes latency and queue wait once per command and counts errors.
     - :meth:`on_transfer` counts a completed transfer; :meth:`transfer_started` /
       :meth:`transfer_finished` (or :meth:`track_transfer`) maintain the in-flight gauge.
@@ -137,6 +147,11 @@ class CacheMetrics:
         """Remove this exporter's metrics from its registry (idempotent)."""
 
     # ------------------------------------------------------------------ ServiceObserver
+    def attach(self, source: StatsSource) -> float | None:
+        """The service starts (:class:`~urc.observer.PullingObserver`): keep ``source``;
+        returns how often the service should call :meth:`on_batch` (``None``: never)."""
+        return None
+
     def on_command(
         self,
         kind: CommandKind,

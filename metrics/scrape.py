@@ -46,7 +46,7 @@ from metrics.spec import (
     _unit_of,
 )
 from urc.commands import CommandKind
-from urc.observer import TransferKind
+from urc.observer import ServiceSnapshot, StatsSource, TransferKind
 from urc.stats import CacheStats
 from urc.tree import ComponentType, Tier
 
@@ -84,6 +84,10 @@ class _ScrapeMetrics(CacheMetrics):
         # Actor-written state.  A histogram is a list: bucket counts (the last is +Inf), sum.
         self._gen = 0
         self._latest: tuple[CacheStats | None, int] = (None, 0)
+        # Attached to a service: where scrapes pull their snapshot, and the newest one a
+        # scrape processed (under ``_scrape_lock``).
+        self._source: StatsSource | None = None
+        self._pulled: ServiceSnapshot | None = None
         # Keyed by the enum's value (``_value_``): an Enum's own hash is a Python-level call.
         self._latency: dict[str, list[float]] = {
             k._value_: self._new_hist(self._cbounds) for k in CommandKind
@@ -153,6 +157,13 @@ class _ScrapeMetrics(CacheMetrics):
                 self._errors[key] = self._errors.get(key, 0) + 1
         finally:
             self._gen += 1
+
+    def attach(self, source: StatsSource) -> float | None:
+        """Pull a snapshot from ``source`` at every scrape; no ``on_batch`` wanted."""
+        with self._scrape_lock:
+            self._source = source
+            self._pulled = None
+        return None
 
     def on_batch(self, stats: CacheStats, queued: int) -> None:
         self._latest = (stats, queued)
@@ -224,15 +235,28 @@ class _ScrapeMetrics(CacheMetrics):
         return last + offset
 
     def collect(self) -> list[Metric]:
-        """Every family, built from the latest snapshot and the accumulated numbers."""
+        """Every family, built from a snapshot (pulled from the attached service now, else the
+        latest given to :meth:`on_batch`) and the accumulated numbers."""
+        # Outside the locks: from another thread this waits for the service's event loop,
+        # which may itself be scraping.
+        source = self._source
+        snap = source.snapshot() if source is not None else None
         with self._tlock:
             transfers = {k: tuple(v) for k, v in self._transfers.items()}
             transfer_hists = {k: tuple(v) for k, v in self._transfer_hists.items()}
             in_flight = dict(self._in_flight)
-        # Under the scrape lock: concurrent scrapes must take snapshots in order, or an older
-        # one processed last would look like a counter reset.
+        # Under the scrape lock: concurrent scrapes must process snapshots in order, or an
+        # older one processed last would look like a counter reset.
         with self._scrape_lock:
-            stats, queued = self._latest
+            if snap is not None and self._source is source:
+                pulled = self._pulled
+                if pulled is not None and pulled.seq > snap.seq:
+                    snap = pulled  # a concurrent scrape already processed a newer one
+                self._pulled = snap
+                stats: CacheStats | None = snap.stats
+                queued = snap.queued
+            else:
+                stats, queued = self._latest
             latency, wait, errors = self._read_commands()
             return self._families(stats, queued, latency, wait, errors, transfers,
                                   transfer_hists, in_flight)  # fmt: skip

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 from metrics_harness import (
     COMPONENT_SETS,
@@ -504,3 +505,118 @@ async def test_through_the_service(registry: CollectorRegistry) -> None:
                  error_type="InvalidInputError") == 1  # fmt: skip
     assert value(registry, "urc_service_queued_commands") == 0
     assert cache.counters.match_requests == 33
+
+
+async def scenario_scrapes_pull_exact_figures(registry: CollectorRegistry) -> None:
+    """Attached to a service, a SCRAPE exporter gets no snapshot per batch: each scrape pulls
+    one (from the event loop thread directly, from another thread through the loop), and
+    the gauges equal the cache's figures at that moment."""
+    service = pytest.importorskip("urc.service")
+    cache = build()
+    exporter = CacheMetrics(registry)
+    pushed: list[int] = []
+    exporter.on_batch = lambda stats, queued: pushed.append(queued)  # type: ignore[method-assign]
+    with anyio.fail_after(30):
+        async with service.AsyncUnifiedRadixCache(cache, observer=exporter) as svc:
+
+            async def figures() -> tuple[int, int, int]:
+                figs: tuple[int, int, int] = await svc.call(
+                    lambda c: (c.evictable_size(), c.protected_size(), c.num_nodes)
+                )
+                return figs
+
+            def check(figs: tuple[int, int, int]) -> None:
+                dev = {"component": "full", "tier": "device"}
+                assert value(registry, "urc_cache_evictable_tokens", **dev) == figs[0]
+                assert value(registry, "urc_cache_protected_tokens", **dev) == figs[1]
+                assert value(registry, "urc_tree_nodes") == figs[2]
+
+            v = await svc.alloc(24)
+            await svc.insert(seq(0, 24), v)
+            hit = await svc.match(seq(0, 24), lock=True)
+            assert hit.lease is not None
+            check(await figures())  # scraped on the loop thread
+            figs = await figures()
+            await anyio.to_thread.run_sync(check, figs)  # scraped from a worker thread
+
+            # Scrapes from another thread while clients keep the actor busy: counters never
+            # go backwards and every scrape succeeds.
+            seen: list[float] = []
+            done = anyio.Event()
+
+            def scraper() -> None:
+                while not done.is_set():
+                    seen.append(value(registry, "urc_match_requests_total"))
+
+            async def client(k: int) -> None:
+                for _ in range(50):
+                    await svc.match(seq(0, 8 + k))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, scraper)
+                async with anyio.create_task_group() as clients:
+                    for k in range(8):
+                        clients.start_soon(client, k)
+                done.set()
+            assert seen and seen == sorted(seen)
+            await hit.lease.release()
+            await anyio.to_thread.run_sync(check, await figures())
+        assert pushed == []  # never a snapshot per batch
+    assert_gauges_match(registry, cache)  # after close: the snapshot taken at close
+    assert_counters_match(registry, cache)
+    assert value(registry, "urc_service_queued_commands") == 0
+
+
+@pytest.mark.asyncio
+async def test_scrapes_pull_exact_figures_from_the_service(registry: CollectorRegistry) -> None:
+    await scenario_scrapes_pull_exact_figures(registry)
+
+
+def test_scrapes_pull_exact_figures_from_the_service_trio(registry: CollectorRegistry) -> None:
+    anyio.run(scenario_scrapes_pull_exact_figures, registry, backend="trio")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("interval", [0.0, 3600.0])
+async def test_direct_mode_through_the_service(
+    registry: CollectorRegistry, interval: float
+) -> None:
+    """DIRECT mode gets a snapshot at most every ``direct_interval_s`` while the service is
+    busy, always when it goes idle and at close: exact whenever idle; every command observed."""
+    service = pytest.importorskip("urc.service")
+    cache = build()
+    config = MetricsConfig(mode=ExportMode.DIRECT, direct_interval_s=interval)
+    exporter = CacheMetrics(registry, config)
+    batches: list[int] = []
+    on_batch = exporter.on_batch
+
+    def counting(stats: Any, queued: int) -> None:
+        batches.append(queued)
+        on_batch(stats, queued)
+
+    exporter.on_batch = counting  # type: ignore[method-assign]
+    commands = 0
+    with anyio.fail_after(30):
+        async with service.AsyncUnifiedRadixCache(cache, observer=exporter) as svc:
+            for i in range(5):
+                v = await svc.alloc(16)
+                await svc.insert(seq(1000 * i, 16), v)
+                commands += 2
+            async with anyio.create_task_group() as tg:
+                for k in range(32):
+                    tg.start_soon(svc.match, seq(0, 8 + k % 8))
+            commands += 32
+            await svc.evict(20)
+            commands += 1
+            while not svc._idle:  # a condition polled at checkpoints: the actor went idle
+                await anyio.lowlevel.checkpoint()
+            assert_gauges_match(registry, cache)  # exact once idle, whatever the interval
+            assert_counters_match(registry, cache)
+            during = len(batches)
+    assert_gauges_match(registry, cache)
+    assert_counters_match(registry, cache)
+    assert sum_samples(registry, "urc_command_duration_seconds_count") == commands
+    if interval:
+        assert during < commands // 4  # rate-limited: only the first batch and idle flushes
+    else:
+        assert during >= 12  # one per batch (the 32 matches may share a few)

@@ -711,3 +711,47 @@ def test_replay_detects_divergence() -> None:
     history.entries[0] = (Alloc(4), torch.tensor([9, 9, 9, 9]), None)
     with pytest.raises(AssertionError):
         replay(config, history)
+
+
+@dataclass
+class PullingRecorder(RecordingObserver):
+    """A pulling observer (``attach``) that asks for ``on_batch`` every ``interval`` s."""
+
+    interval: float | None = None
+    source: Any = None
+
+    def attach(self, source: Any) -> float | None:
+        self.source = source
+        return self.interval
+
+
+@pytest.mark.asyncio
+async def test_pulling_observer_gets_a_snapshot_source() -> None:
+    """An observer with ``attach`` gets no per-batch snapshot (interval None), pulls exact
+    ones from the source on the loop or from another thread, and the final one after close."""
+    import anyio.to_thread
+
+    from urc.observer import PullingObserver, ServiceSnapshot
+
+    with anyio.fail_after(TIMEOUT):
+        obs = PullingRecorder()
+        assert isinstance(obs, PullingObserver)
+        async with AsyncUnifiedRadixCache(small_config(), observer=obs) as svc:
+            v = await svc.alloc(4)
+            await svc.insert([1, 2, 3, 4], v)
+            snap = obs.source.snapshot()
+            assert isinstance(snap, ServiceSnapshot)
+            assert snap.stats == await svc.stats() and snap.queued == 0
+            other = await anyio.to_thread.run_sync(obs.source.snapshot)
+            assert other.seq > snap.seq and other.stats == snap.stats
+            await svc.match([1, 2])
+        assert obs.batches == [] and len(obs.commands) == 4
+        final = obs.source.snapshot()
+        assert final is obs.source.snapshot()  # fixed at close
+        assert final.stats == svc.cache.stats() and final.stats.match_requests == 1
+
+        every = PullingRecorder(interval=0.0)  # 0: on_batch after every batch, like a plain one
+        async with AsyncUnifiedRadixCache(small_config(), observer=every) as svc:
+            for _ in range(3):
+                await svc.stats()
+        assert len(every.batches) >= 3 and every.batches[-1][0] == svc.cache.stats()

@@ -476,3 +476,131 @@ async def test_overflow_fifo_under_asyncio() -> None:
 
 def test_overflow_keeps_send_order_trio() -> None:
     anyio.run(scenario_overflow_keeps_send_order, False, backend="trio")
+
+
+# ====================================================================== the command stream
+# The stream is bounded (``max_queued``): past that, callers wait for room (``await send``).
+
+
+async def wait_idle(svc: AsyncUnifiedRadixCache) -> None:
+    """Until the actor waits in ``receive()`` (a condition polled at checkpoints, no timer)."""
+    while not svc._idle:
+        await anyio.lowlevel.checkpoint()
+
+
+async def scenario_close_applies_callers_waiting_for_room() -> None:
+    with anyio.fail_after(TIMEOUT):
+        results: list[int] = []
+        async with AsyncUnifiedRadixCache(small_config(), max_queued=2) as svc:
+            await prepared(svc)
+
+            started = [0]
+
+            async def matcher() -> None:
+                started[0] += 1  # then it sends at once (or waits for room)
+                results.append((await svc.match(KEY)).prefix_len)
+
+            async def closer() -> None:
+                while started[0] < 20:  # trio runs new tasks in any order
+                    await anyio.lowlevel.checkpoint()
+                await svc.aclose()
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(20):  # most of them wait for room
+                    tg.start_soon(matcher)
+                tg.start_soon(closer)
+        assert results == [len(KEY)] * 20
+        assert svc.queued == 0
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_close_applies_callers_waiting_for_room() -> None:
+    """Callers still waiting for room in a full stream when close begins are applied."""
+    await scenario_close_applies_callers_waiting_for_room()
+
+
+def test_close_applies_callers_waiting_for_room_trio() -> None:
+    anyio.run(scenario_close_applies_callers_waiting_for_room, backend="trio")
+
+
+async def scenario_cancelled_while_waiting_for_room(strict_order: bool) -> None:
+    with anyio.fail_after(TIMEOUT):
+        history = History()
+        async with AsyncUnifiedRadixCache(small_config(), max_queued=1, trace=history) as svc:
+            await prepared(svc)
+            lease = (await svc.match(KEY, lock=True)).lease
+            assert lease is not None
+            scopes: list[anyio.CancelScope] = []
+            released: list[bool] = []
+
+            async def victim() -> None:
+                got = None
+                with anyio.CancelScope() as scope:
+                    scopes.append(scope)
+                    got = await svc.match(KEY, lock=True)  # waits for room; cancelled there
+                if strict_order:
+                    assert scope.cancelled_caught
+                if got is not None and got.lease is not None:  # it ran first (trio order)
+                    await got.lease.release()
+
+            async def releaser() -> None:
+                assert lease is not None
+                with anyio.CancelScope() as scope:
+                    scopes.append(scope)
+                    await lease.release()  # waits for room (shielded); cancelled there
+                released.append(lease.released)
+
+            n0 = len(history.entries)
+            await wait_idle(svc)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(svc.stats)  # handed to the waiting actor
+                tg.start_soon(svc.stats)  # fills the stream
+                tg.start_soon(victim)
+                tg.start_soon(releaser)
+                await anyio.lowlevel.checkpoint()
+                if strict_order:  # asyncio: the four ran in order, before the actor
+                    assert svc._sending == 2 and svc.queued == 4  # both wait for room
+                for scope in scopes:
+                    scope.cancel()
+            await svc.sanity_check({FULL: 0})
+            assert released == [True] and svc.leases_held == 0
+            assert svc.cache.protected_size() == 0
+            assert svc.queued == 0  # the count is right again once the actor drained
+            applied = [type(c) for c, _, _ in history.entries[n0:]]
+            assert Release in applied
+            assert svc.leases_held == 0
+        check_clean(svc.cache)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_while_waiting_for_room() -> None:
+    """A match cancelled while it waits for room is withdrawn (or skipped); a release
+    cancelled there is still applied; nothing leaks and the queue count recovers."""
+    await scenario_cancelled_while_waiting_for_room(strict_order=True)
+
+
+def test_cancelled_while_waiting_for_room_trio() -> None:
+    anyio.run(scenario_cancelled_while_waiting_for_room, False, backend="trio")
+
+
+@pytest.mark.asyncio
+async def test_native_cancel_of_the_actor_answers_the_handed_over_call() -> None:
+    """The actor is natively cancelled just after a call was handed to it in ``receive()``
+    (the stream drops such an item): its caller is answered, not left hanging."""
+    import asyncio
+
+    from urc.errors import ServiceClosedError
+
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncUnifiedRadixCache(small_config()) as svc:
+            await wait_idle(svc)
+            actor = next(t for t in asyncio.all_tasks() if t.get_name() == "urc-actor")
+            caller = asyncio.ensure_future(svc.alloc(4))
+            await asyncio.sleep(0)  # the caller hands its call over; the actor is woken
+            assert svc._handoff is not None
+            actor.cancel()  # lands before the actor resumes
+            with pytest.raises(ServiceClosedError):
+                await caller
+        assert svc.state.value == "closed"
+        check_clean(svc.cache)

@@ -9,19 +9,24 @@ Usage::
 
 Design (ARCHITECTURE §6)
 ------------------------
-Every public coroutine builds a frozen command (:mod:`urc.commands`), appends it to the
-actor's queue (a deque: sending never blocks or yields, so nothing happens between the
-caller's checks and the command entering the queue) and awaits a one-shot reply: on asyncio
-a bare ``asyncio.Future`` of the running loop, elsewhere (trio) an ``anyio.Event``; the
-result travels in the call object (``python -m urc.service_bench --replies`` compares reply
-objects).  One actor task takes the commands and applies them strictly in order, one at a
-time, through a :class:`~urc.executor.CommandExecutor`: it applies every command already
-queued in one wake-up (at most ``max_batch``), then yields once, so the callers it just
-answered run and their next commands form its next batch; it sleeps on a wake-up (set by the
-next sender) only when the queue is empty.  Because applying a command never awaits, no
-other task ever sees the tree mid-command and no lock is needed.  Backpressure: at most
-``max_queued`` commands are queued; later senders wait in line (FIFO) for a place, which is
-the same wait as for their reply.
+Every public coroutine builds a frozen command (:mod:`urc.commands`), wraps it in a call
+(the command plus a one-shot reply slot), sends the call on a bounded anyio memory object
+stream (``max_queued`` buffered calls) and awaits the reply: on asyncio a bare
+``asyncio.Future`` of the running loop, elsewhere (trio) an ``anyio.Event``; the result
+travels in the call object (``python -m urc.service_bench --replies`` compares reply
+objects).  Sending is ``send_nowait``: it never yields, so nothing happens between the
+caller's checks and the call entering the stream.  Only when the buffer is full does a caller
+fall back to ``await send(...)`` (backpressure); once one caller waits there, later callers
+queue behind it through the same path, so the stream keeps send order.
+
+One actor task takes the calls and applies them strictly in order, one at a time, through a
+:class:`~urc.executor.CommandExecutor`.  It blocks on ``await receive()`` only when the
+stream is empty; woken, it applies that call and every call already queued
+(``receive_nowait``, at most ``max_batch`` in all) in one batch, then yields once, so the
+callers it just answered run and their next commands form its next batch.  (It knows how many
+calls are queued from a counter the senders bump, so draining a batch raises no
+``WouldBlock``.)  Because applying a command never awaits, no other task ever sees the tree
+mid-command and no lock is needed.
 
 Handles, not nodes: results carry device indices, hit lengths, an opaque
 :class:`~urc.lease.NodeHandle` and, when asked, a :class:`~urc.lease.Lease` (released exactly
@@ -30,24 +35,30 @@ once).  ``Req`` objects passed to ``match_req`` / ``cache_*_req`` do hold tree n
 ``last_node`` / ``lock_receipt`` -- callers must never touch them.
 
 Cancellation (nothing leaks, nothing is half-applied).  A caller whose scope is already
-cancelled raises before sending anything.  After sending, by command (``_ON_CANCEL``):
+cancelled raises before sending anything.  A caller waiting for room in a full stream
+(``await send``) and cancelled there: a command that may be abandoned (below) is withdrawn or,
+if the stream took it meanwhile, skipped by the actor; any other command waits for its room in
+a shielded scope (the wait is bounded: the actor keeps draining, and a closing or failed
+service refuses it).  After sending, by command (``_ON_CANCEL``):
 
 - Commands that move ownership of slots or requests between caller and tree (insert,
   match_req, alloc, free, cache_finished_req, cache_unfinished_req, call): a cancelled caller
   still waits for the outcome and gets it; its cancellation lands at its next checkpoint.
-  The actor always answers (it drains the queue at close and fails every queued call if it
+  The actor always answers (it drains the stream at close and fails every queued call if it
   dies), so the wait is bounded.  (Rather than entering a shielded scope on every call, the
   caller catches the cancellation and, only then, waits on in a shielded scope; anyio and
   trio scopes deliver it again at the next checkpoint.  A native asyncio ``Task.cancel()``,
-  with no cancelled scope to deliver it again, goes through, as it would through a shield.)
+  with no cancelled scope to deliver it again, goes through, as it would through a shield;
+  one that hits a caller still waiting for room withdraws its command: the actor skips it if
+  the stream took it.)
 - A release is applied even if its caller is cancelled meanwhile (the lease was marked
   released before sending).
 - Other commands (match, lock, evict, stats, sanity_check) may be abandoned: a caller
   cancelled before the actor took its command marks it abandoned and the actor skips it.  If
   the reply was already delivered when the cancellation hit (the window between the actor
   taking a lock and the caller resuming), the caller's handler releases the lease it never
-  received by queueing a release (or parking it for the actor's next batch when the queue is
-  full).
+  received by queueing a release (or parking it for the actor's next batch when the stream
+  is full).
 - Every command is atomic: the core raises a :class:`~urc.errors.URCError` before changing
   anything, or applies the command fully.
 
@@ -57,19 +68,26 @@ observer or background worker) fails the service: the failing call and every que
 later call get :class:`~urc.errors.ServiceFailedError` with the cause chained.  Calls after
 close (or before start) raise :class:`~urc.errors.ServiceClosedError`.
 
+Observers (:mod:`urc.observer`): the actor times every command (one clock read when the
+caller sends, two around the command) and reports it; a plain observer also gets a
+``cache.stats()`` snapshot after every batch, a :class:`~urc.observer.PullingObserver` pulls
+snapshots from the service when it needs them (``metrics`` does so at scrape time) or asks
+for them at most every so often.
+
 Background work (HiCache): :meth:`start_background` (or ``workers=``) runs coroutines in the
 service's task group; they reach the tree only through commands (``await svc.call(fn)`` runs
 ``fn(cache)`` inside the actor).  Close cancels them first (their cancellation handlers may
-still make shielded calls), then drains the queue, then releases every lease still held
-(pins included) and reports how many.
+still make shielded calls), then closes the stream to new calls, lets the actor drain it,
+then releases every lease still held (pins included) and reports how many.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections import deque
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from enum import Enum
 from time import perf_counter
@@ -78,9 +96,17 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 import torch
-from anyio import CancelScope, current_effective_deadline
+from anyio import (
+    BrokenResourceError,
+    CancelScope,
+    ClosedResourceError,
+    EndOfStream,
+    WouldBlock,
+    current_effective_deadline,
+)
 from anyio.abc import TaskGroup
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 try:  # the running backend's class: calling it directly skips a per-call backend lookup
     from anyio._core._eventloop import get_async_backend as _get_async_backend
@@ -119,7 +145,7 @@ from urc.errors import (
 from urc.executor import CommandExecutor
 from urc.key import ExtraKey, RadixKey
 from urc.lease import Lease, NodeHandle
-from urc.observer import ServiceObserver
+from urc.observer import PullingObserver, ServiceObserver, ServiceSnapshot
 from urc.params import EvictParams, EvictResult
 from urc.req import Req
 from urc.stats import CacheStats
@@ -144,6 +170,10 @@ T = TypeVar("T")
 # Trace hook: called by the actor after applying each command, before the reply is delivered,
 # with (command, result, error).  For tests (history recording, fault injection).
 TraceHook = Callable[[Command, Any, BaseException | None], None]
+
+# How long a snapshot asked for from another thread waits for the event loop before it falls
+# back to the newest one taken (the loop only runs it between two task steps).
+_SNAPSHOT_WAIT_S = 1.0
 
 
 class _OnCancel(Enum):
@@ -177,7 +207,7 @@ class ServiceState(Enum):
 
     NEW = "new"  # constructed, not entered
     RUNNING = "running"
-    CLOSING = "closing"  # no new calls; the actor drains the queue
+    CLOSING = "closing"  # no new calls; the actor drains the stream
     CLOSED = "closed"
     FAILED = "failed"  # the actor (or a background worker) died; see ``failure``
 
@@ -189,11 +219,13 @@ class BackgroundWorker(Protocol):
 
 
 class _Call:
-    """One in-flight command: the one-shot reply slot the actor fills.
+    """One in-flight command: what travels on the stream, and the one-shot reply slot the
+    actor fills.
 
     ``reply`` wakes the caller: a bare ``asyncio.Future`` on asyncio (awaited directly; a
     cancelled caller cancels it, so the actor only sets it if not done), an ``anyio.Event``
-    otherwise (trio)."""
+    otherwise (trio), ``None`` for calls the service sends on behalf of a caller that is gone.
+    """
 
     __slots__ = ("abandoned", "command", "done", "error", "reply", "result", "sent_at")
 
@@ -206,6 +238,71 @@ class _Call:
         self.done = False
         # Set by a caller that stopped waiting before the actor took the command.
         self.abandoned = False
+
+
+class _Snapshots:
+    """The service's :class:`~urc.observer.StatsSource` (see its contract).
+
+    Snapshots are only ever built on the event loop thread, between task steps, so never in
+    the middle of a command; another thread asks the loop for one with ``call_soon``.
+    """
+
+    __slots__ = ("_call_soon", "_final", "_last", "_seq", "_svc", "_thread")
+
+    def __init__(
+        self, svc: AsyncUnifiedRadixCache, call_soon: Callable[[Callable[[], None]], object]
+    ) -> None:
+        self._svc = svc
+        self._thread = threading.get_ident()
+        self._call_soon = call_soon
+        self._seq = 0
+        self._final: ServiceSnapshot | None = None
+        self._last = self.take()
+
+    def take(self) -> ServiceSnapshot:
+        """A new snapshot (event loop thread only)."""
+        self._seq += 1
+        snap = ServiceSnapshot(self._svc._cache.stats(), self._svc.queued, self._seq)
+        self._last = snap
+        return snap
+
+    def finish(self) -> None:
+        """The service stopped: from now on every caller gets the snapshot taken now."""
+        self._final = self.take()
+
+    def snapshot(self) -> ServiceSnapshot:
+        final = self._final
+        if final is not None:
+            return final
+        if threading.get_ident() == self._thread:
+            return self.take()
+        box: list[ServiceSnapshot] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append(self._final or self.take())
+            finally:
+                done.set()
+
+        try:
+            self._call_soon(run)
+        except Exception:  # the loop is gone (closed, or the trio run finished)
+            pass
+        else:
+            if done.wait(_SNAPSHOT_WAIT_S) and box:
+                return box[0]
+        return self._final or self._last
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], None]], object]:
+    """How another thread schedules a callback on the running event loop."""
+    loop = _running_asyncio_loop()
+    if loop is not None:
+        return loop.call_soon_threadsafe
+    import trio  # the only other backend anyio runs on
+
+    return trio.lowlevel.current_trio_token().run_sync_soon
 
 
 def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
@@ -239,11 +336,11 @@ class AsyncUnifiedRadixCache:
     """Async facade over a :class:`UnifiedRadixCache` (see the module docstring).
 
     ``cache``: the core to own (or a :class:`CacheConfig` to build one).  While the service
-    runs, nothing else may touch the core.  ``max_queued`` bounds the command queue (callers
-    wait when it is full); ``max_batch`` bounds how many commands the actor applies before
-    yielding to the event loop.  ``observer`` gets per-command and per-batch callbacks
-    (:mod:`urc.observer`).  ``workers`` are started as background coroutines on entry.
-    ``trace`` is a test hook (see :data:`TraceHook`).
+    runs, nothing else may touch the core.  ``max_queued`` bounds the command stream's buffer
+    (callers wait for room when it is full); ``max_batch`` bounds how many commands the actor
+    applies before yielding to the event loop.  ``observer`` gets per-command callbacks and
+    stats snapshots (:mod:`urc.observer`).  ``workers`` are started as background coroutines
+    on entry.  ``trace`` is a test hook (see :data:`TraceHook`).
     """
 
     def __init__(
@@ -269,19 +366,35 @@ class AsyncUnifiedRadixCache:
         self._failure: BaseException | None = None
         self._released_at_close = 0
         self._closing = False
-        # Leases whose caller vanished while the queue was full; released at the next batch.
+        # Leases whose caller vanished while the stream was full; released at the next batch.
         self._orphans: list[Lease] = []
         self._worker_scopes: set[CancelScope] = set()
         self._workers_done: anyio.Event | None = None
         self._tg: TaskGroup | None = None
         self._actor_done: anyio.Event | None = None
-        # The command queue: at most ``max_queued`` calls; later senders wait in line in
-        # ``_overflow`` (FIFO, the actor moves one in per command it takes).  Every sender
-        # awaits its own reply, so the wait "to send" and the wait for the reply are one.
-        self._queue: deque[_Call] = deque()
-        self._overflow: deque[_Call] = deque()
-        # Set while the actor sleeps on an empty queue: the next sender wakes it.
-        self._wakeup: Any = None
+        # The command stream (created on entry).  ``_pending``: calls sent or being sent and
+        # not yet taken by the actor -- the senders add, the actor subtracts; it drives the
+        # batch drain and ``queued``.  (A caller cancelled while waiting for room cannot
+        # tell whether the stream took its call; the actor corrects the count when it finds
+        # the stream empty.)  ``_sending``: callers inside ``await send`` (the slow path).
+        self._send: MemoryObjectSendStream[_Call] | None = None
+        self._recv: MemoryObjectReceiveStream[_Call] | None = None
+        self._send_nowait: Callable[[_Call], None] = self._refuse
+        self._pending = 0
+        self._sending = 0
+        # While the actor waits in ``receive()`` the next call is handed to it directly,
+        # outside the buffer: kept here until the actor has it, so that a cancellation of
+        # the actor at that moment still answers that call.
+        self._idle = False
+        self._handoff: _Call | None = None
+        # Observer: ``_push_interval`` None: never push snapshots (the observer pulls);
+        # 0.0: after every batch (plain observers); else at most that often, plus when the
+        # actor goes idle.  ``_last_t``: end of the latest command (perf_counter).
+        self._snapshots: _Snapshots | None = None
+        self._push_interval: float | None = 0.0
+        self._pushed_at = -math.inf
+        self._push_due = False
+        self._last_t = 0.0
         # Reply primitives of the running backend (see ``_Call``), chosen on entry.
         self._on_asyncio = False
         self._new_reply: Callable[[], Any] = anyio.Event
@@ -305,6 +418,12 @@ class AsyncUnifiedRadixCache:
             # The running backend's Event class: instantiating it directly skips anyio's
             # per-call backend lookup.
             self._new_reply = type(self._actor_done)
+        self._send, self._recv = anyio.create_memory_object_stream[_Call](self._max_queued)
+        self._send_nowait = self._send.send_nowait
+        obs = self._observer
+        if isinstance(obs, PullingObserver):
+            self._snapshots = _Snapshots(self, _call_soon_threadsafe())
+            self._push_interval = obs.attach(self._snapshots)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -331,9 +450,10 @@ class AsyncUnifiedRadixCache:
         """Stop the service; returns the number of leases it released because they were
         still held (also :attr:`leases_released_at_close`).
 
-        Order: cancel background workers and wait for them; refuse new calls; let the actor
-        apply everything already queued; release every remaining lease.  Idempotent, and
-        shielded from cancellation (it only waits for bounded work).
+        Order: cancel background workers and wait for them; refuse new calls and close the
+        stream's sending side (once no caller is still waiting for room); let the actor apply
+        everything already queued; release every remaining lease.  Idempotent, and shielded
+        from cancellation (it only waits for bounded work).
         """
         if self._state is ServiceState.NEW:
             self._state = ServiceState.CLOSED
@@ -345,7 +465,7 @@ class AsyncUnifiedRadixCache:
                 await self._stop_workers()
                 if self._state is ServiceState.RUNNING:
                     self._state = ServiceState.CLOSING
-                self._wake_actor()  # it drains the queue, then shuts down
+                self._close_sending()  # the actor drains the stream, then shuts down
             await self._actor_done.wait()
         return self._released_at_close
 
@@ -372,8 +492,8 @@ class AsyncUnifiedRadixCache:
 
     @property
     def queued(self) -> int:
-        """Commands waiting for the actor (buffered plus blocked senders)."""
-        return len(self._queue) + len(self._overflow)
+        """Commands waiting for the actor (buffered, plus callers waiting for room)."""
+        return self._pending if self._pending > 0 else 0
 
     @property
     def cache(self) -> UnifiedRadixCache:
@@ -563,16 +683,24 @@ class AsyncUnifiedRadixCache:
             await self._checkpoint_if_cancelled()
         reply = self._new_reply()
         call = _Call(cmd, perf_counter() if self._observer is not None else 0.0, reply)
-        # Send.  Never blocks (see ``_queue``), so nothing can happen between the state check
-        # and the command entering the queue.
-        queue = self._queue
-        if len(queue) < self._max_queued and not self._overflow:
-            queue.append(call)
-        else:
-            self._overflow.append(call)
-        if self._wakeup is not None:
-            self._wake_actor()
         on_cancel = _ON_CANCEL[type(cmd)]
+        # Send.  The fast path (``_post``, inlined) never yields, so nothing can happen
+        # between the state check and the call entering the stream; the state is RUNNING,
+        # so the stream is open.
+        if self._sending:  # callers wait for room: get in line behind them
+            await self._send_waiting(call, on_cancel)
+        else:
+            try:
+                self._send_nowait(call)
+            except WouldBlock:
+                await self._send_waiting(call, on_cancel)
+            except (BrokenResourceError, ClosedResourceError):  # not while RUNNING
+                raise self._not_running_error() from self._failure
+            else:
+                self._pending += 1
+                if self._idle:  # handed straight to the waiting actor (see ``_handoff``)
+                    self._idle = False
+                    self._handoff = call
         try:
             if self._on_asyncio:
                 await reply
@@ -605,6 +733,61 @@ class AsyncUnifiedRadixCache:
             raise call.error
         return call.result
 
+    def _refuse(self, call: _Call) -> None:
+        """``_send_nowait`` before the stream exists (never reached: the state is NEW)."""
+        raise self._not_running_error()
+
+    def _post(self, call: _Call) -> bool:
+        """``send_nowait``: False when the buffer is full (nothing sent then)."""
+        try:
+            self._send_nowait(call)
+        except WouldBlock:
+            return False
+        except (BrokenResourceError, ClosedResourceError):  # not while RUNNING; defensive
+            raise self._not_running_error() from self._failure
+        self._pending += 1
+        if self._idle:  # handed straight to the waiting actor (see ``_handoff``)
+            self._idle = False
+            self._handoff = call
+        return True
+
+    async def _send_waiting(self, call: _Call, on_cancel: _OnCancel) -> None:
+        """The slow path: wait for room in the stream (``await send``), in line behind any
+        caller already waiting (``_sending``), so the stream keeps send order."""
+        assert self._send is not None
+        self._pending += 1
+        self._sending += 1
+        try:
+            if on_cancel is _OnCancel.SKIP:
+                await self._send.send(call)
+            else:  # a release or an ownership move is sent for sure once asked for
+                with CancelScope(shield=True):
+                    await self._send.send(call)
+        except (BrokenResourceError, ClosedResourceError):
+            self._pending -= 1  # refused: the stream never took it
+            raise self._not_running_error() from self._failure
+        except BaseException:
+            # Cancelled (a command that may be abandoned, or a native asyncio cancellation):
+            # the stream may have taken the call or not.  Withdraw it either way: the actor
+            # skips it if it has it.
+            call.abandoned = True
+            cmd = call.command
+            if call.done:
+                self._discard(call)
+            elif isinstance(cmd, Release):  # the lease is marked released: release it anew
+                self._release_for(cmd.lease)
+            raise
+        finally:
+            self._sending -= 1
+            if not self._sending and self._state is not ServiceState.RUNNING:
+                self._close_sending()
+
+    def _close_sending(self) -> None:
+        """Close the sending side once closing and no caller still waits for room: the actor
+        then drains what is queued and gets ``EndOfStream``."""
+        if self._sending == 0 and self._send is not None:
+            self._send.close()
+
     def _abandon(self, call: _Call, on_cancel: _OnCancel) -> None:
         """Its caller stopped waiting for ``call`` (cancelled)."""
         if call.done:
@@ -613,68 +796,81 @@ class AsyncUnifiedRadixCache:
             call.abandoned = True  # the actor skips it
         # APPLY (a release) is applied anyway: the lease is already marked released.
 
-    def _wake_actor(self) -> None:
-        wakeup = self._wakeup
-        if wakeup is not None:
-            self._wakeup = None
-            if self._on_asyncio:
-                if not wakeup.done():
-                    wakeup.set_result(None)
-            else:
-                wakeup.set()
-
     def _discard(self, call: _Call) -> None:
         """The reply arrived but its caller is gone: give back a lease it would hold."""
         lease = _leased(call.result)
         if lease is None or lease.released:
             return
         lease.mark_released()
+        self._release_for(lease)
+
+    def _release_for(self, lease: Lease) -> None:
+        """Release ``lease`` (already marked released) for a caller that is gone."""
         if self._state is not ServiceState.RUNNING:
             return  # closing: the actor releases every remaining lease; failed: nothing to do
-        if len(self._queue) >= self._max_queued or self._overflow:
-            self._orphans.append(lease)  # the actor is busy; it releases it after this batch
-            return
-        self._queue.append(_Call(Release(lease), perf_counter(), None))
-        self._wake_actor()
+        if not self._post(_Call(Release(lease), perf_counter(), None)):
+            self._orphans.append(lease)  # the stream is full; released after this batch
 
     # ================================================================== actor side
     async def _actor(self) -> None:
-        assert self._actor_done is not None
-        queue = self._queue
-        overflow = self._overflow
+        assert self._actor_done is not None and self._recv is not None
+        recv = self._recv
+        receive_nowait = recv.receive_nowait
         max_batch = self._max_batch
-        apply = self._apply
+        hooked = self._observer is not None or self._trace is not None
+        apply = self._apply_hooked if hooked else self._apply
         on_asyncio = self._on_asyncio
-        new_reply = self._new_reply
-        running = ServiceState.RUNNING
         try:
-            while True:
-                if not queue:
-                    if self._state is not running:
-                        break  # closing (the queue is drained) or failed
-                    self._wakeup = wakeup = new_reply()
-                    if on_asyncio:
-                        await wakeup
-                    else:
-                        await wakeup.wait()
-                    continue
-                # Apply every command already queued (at most max_batch), then yield once:
-                # the callers just answered run, and their next commands form the next batch.
-                n = 0
-                while queue and n < max_batch:
-                    call = queue.popleft()
-                    if overflow:
-                        queue.append(overflow.popleft())
+            try:
+                while True:
+                    # First call of a batch: block on ``receive()`` only when nothing is queued.
+                    call: _Call | None = None
+                    if self._pending > 0:
+                        try:
+                            call = receive_nowait()
+                        except WouldBlock:  # a sender still on its way in, or a count off
+                            if not self._sending:
+                                self._pending = 0
+                    if call is None:
+                        if self._push_due:
+                            self._push_stats()  # going idle: hand over the final figures
+                        self._idle = True
+                        try:
+                            call = await recv.receive()
+                        except BaseException:
+                            self._idle = False  # ``_handoff`` stays for the cancel handler
+                            raise
+                        self._idle = False
+                        self._handoff = None
+                    # Apply it and every call already queued (at most max_batch), then yield
+                    # once: the callers just answered run, and their next commands form the
+                    # next batch.
+                    self._pending -= 1
                     apply(call)
-                    n += 1
-                self._end_batch()
-                if on_asyncio:
-                    await asyncio.sleep(0)
-                else:
-                    await checkpoint()
+                    n = 1
+                    while self._pending > 0 and n < max_batch:
+                        try:
+                            call = receive_nowait()
+                        except WouldBlock:
+                            if not self._sending:
+                                self._pending = 0
+                            break
+                        self._pending -= 1
+                        apply(call)
+                        n += 1
+                    if self._orphans or hooked:
+                        self._end_batch()
+                    if on_asyncio:
+                        await asyncio.sleep(0)
+                    else:
+                        await checkpoint()
+            except (EndOfStream, ClosedResourceError):
+                # EndOfStream: closing, and everything queued was applied.
+                # ClosedResourceError: the service failed (``_fail`` closed the stream).
+                pass
             if self._state is not ServiceState.FAILED:
                 self._shutdown()
-        except anyio.get_cancelled_exc_class():
+        except self._cancelled_exc:
             # Cancelled from outside (the host scope): refuse what is queued, free leases.
             with CancelScope(shield=True):
                 self._shutdown_cancelled()
@@ -682,12 +878,33 @@ class AsyncUnifiedRadixCache:
         except Exception as exc:
             self._fail(exc)
         finally:
-            self._wakeup = None
+            self._idle = False
+            self._handoff = None
+            recv.close()
+            if self._send is not None:
+                self._send.close()
             self._actor_done.set()
 
     def _apply(self, call: _Call) -> None:
+        """Apply one call: the path without observer or trace hook."""
         if call.abandoned:
             return  # its caller left before we got here: skipping is "never happened"
+        try:
+            result = self._executor.apply(call.command)
+        except URCError as exc:
+            self._deliver(call, None, exc)
+            return
+        except BaseException as exc:
+            # Not a typed error: the core may be half-updated.  This caller learns it here;
+            # the actor loop fails everyone else.
+            self._deliver(call, None, self._failed_error(exc))
+            raise
+        self._deliver(call, result, None)
+
+    def _apply_hooked(self, call: _Call) -> None:
+        """Apply one call, timing it for the observer and reporting it to the trace hook."""
+        if call.abandoned:
+            return
         cmd = call.command
         obs = self._observer
         t0 = perf_counter() if obs is not None else 0.0
@@ -698,10 +915,11 @@ class AsyncUnifiedRadixCache:
                 result = self._executor.apply(cmd)
             except URCError as exc:
                 error = exc
+            if obs is not None:
+                self._last_t = t1 = perf_counter()
+                obs.on_command(cmd.kind, t0 - call.sent_at, t1 - t0, error)
             if self._trace is not None:
                 self._trace(cmd, result, error)
-            if obs is not None:
-                obs.on_command(cmd.kind, t0 - call.sent_at, perf_counter() - t0, error)
         except BaseException as exc:
             # Not a typed error (or a failing hook): the core may be half-updated.  This
             # caller learns it here; the actor loop fails everyone else.
@@ -715,7 +933,7 @@ class AsyncUnifiedRadixCache:
         call.done = True
         reply = call.reply
         if reply is None:
-            return  # sent on behalf of a caller that is gone (``_discard``)
+            return  # sent on behalf of a caller that is gone (``_release_for``)
         if self._on_asyncio:
             if not reply.done():  # a cancelled caller cancelled its future
                 reply.set_result(None)
@@ -724,38 +942,73 @@ class AsyncUnifiedRadixCache:
 
     def _end_batch(self) -> None:
         if self._orphans:
-            orphans, self._orphans = self._orphans, []
-            for lease in orphans:
-                # Applied like a queued Release so traces and observers see it.
-                self._apply(_Call(Release(lease), perf_counter(), None))
+            self._release_orphans()
         obs = self._observer
         if obs is not None:
-            obs.on_batch(self._cache.stats(), self.queued)
+            interval = self._push_interval
+            if interval is None:
+                return  # the observer pulls snapshots when it needs them
+            if self._last_t - self._pushed_at >= interval:
+                self._push_stats()
+            else:
+                self._push_due = True
+
+    def _release_orphans(self) -> None:
+        orphans, self._orphans = self._orphans, []
+        for lease in orphans:
+            # Applied like a queued Release so traces and observers see it.
+            self._apply_hooked(_Call(Release(lease), perf_counter(), None))
+
+    def _push_stats(self) -> None:
+        """Hand the observer a fresh snapshot (``on_batch``)."""
+        assert self._observer is not None
+        self._push_due = False
+        self._pushed_at = self._last_t
+        self._observer.on_batch(self._cache.stats(), self.queued)
+
+    def _final_stats(self) -> None:
+        """The service stopped (the tree is final): give observers the last figures."""
+        if self._observer is None:
+            return
+        if self._snapshots is not None:
+            self._snapshots.finish()
+        if self._push_interval is not None:
+            self._push_stats()
 
     def _shutdown(self) -> None:
-        """The queue is drained and closed: release what callers still hold."""
-        self._end_batch()
+        """The stream is drained and closed: release what callers still hold."""
+        self._release_orphans()
         n = self._executor.release_all()
         self._released_at_close = n
         if n:
             logger.info("cache service closed with %d leases held; released them", n)
+        self._final_stats()
         if self._state is not ServiceState.FAILED:
             self._state = ServiceState.CLOSED
 
-    def _take_all(self) -> list[_Call]:
-        calls = [*self._queue, *self._overflow]
-        self._queue.clear()
-        self._overflow.clear()
-        return calls
+    def _drain(self, error: BaseException) -> None:
+        """Answer every call still in the stream (and the one handed to a waiting actor)
+        with ``error``; senders still waiting for room are let in and answered too."""
+        assert self._recv is not None
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None and not handoff.done:
+            self._deliver(handoff, None, error)
+        while True:
+            try:
+                call = self._recv.receive_nowait()
+            except (WouldBlock, EndOfStream, ClosedResourceError):
+                break
+            if not call.done:
+                self._deliver(call, None, error)
+        self._pending = 0
 
     def _shutdown_cancelled(self) -> None:
         self._closing = True
         if self._state is ServiceState.RUNNING:
             self._state = ServiceState.CLOSING
-        closed = ServiceClosedError("the cache service was cancelled before this command ran")
-        for call in self._take_all():
-            if not call.done:
-                self._deliver(call, None, closed)
+        self._drain(ServiceClosedError("the cache service was cancelled before this command ran"))
+        assert self._recv is not None
+        self._recv.close()  # callers still on their way in are refused
         for scope in self._worker_scopes:
             scope.cancel()
         self._shutdown()
@@ -772,8 +1025,13 @@ class AsyncUnifiedRadixCache:
         logger.error("cache service failed", exc_info=exc)
         self._failure = exc
         self._state = ServiceState.FAILED
-        for call in self._take_all():
-            self._deliver(call, None, self._failed_error(exc))
-        self._wake_actor()  # it exits (a background worker failed while it slept)
+        if self._recv is not None:
+            self._drain(self._failed_error(exc))
+            # Wakes an actor waiting in ``receive()`` (a background worker failed) and refuses
+            # callers still on their way in.
+            self._recv.close()
+        if self._snapshots is not None:
+            with contextlib.suppress(Exception):  # the core may be half-updated
+                self._snapshots.finish()
         for scope in self._worker_scopes:
             scope.cancel()
