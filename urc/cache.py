@@ -50,6 +50,9 @@ from urc.tree import NUM_COMPONENT_TYPES, ComponentData, ComponentType, Tier, Tr
 __all__ = ["UnifiedRadixCache"]
 
 _FULL = 0
+_new_tuple = tuple.__new__
+# ``evict`` builds its result straight from the per-component tracker.
+assert len(EvictResult._fields) == NUM_COMPONENT_TYPES
 # Child keys of the root's namespaced children are (_NS, namespace, first page): the sentinel
 # keeps them from ever colliding with a plain (or bigram) token key.
 _NS = object()
@@ -521,7 +524,7 @@ class UnifiedRadixCache:
 
         Never frees locked data.  Returns what was freed per component.
         """
-        if min(params.num_tokens, params.swa_num_tokens, params.mamba_num) < 0:
+        if params.num_tokens < 0 or params.swa_num_tokens < 0 or params.mamba_num < 0:
             raise InvalidInputError(f"evict amounts must not be negative: {params}")
         tracker = [0] * NUM_COMPONENT_TYPES
         for c in self._evict_drivers:
@@ -532,7 +535,7 @@ class UnifiedRadixCache:
             n = tracker[k[0]]
             if n:
                 evicted[k] = evicted.get(k, 0) + n
-        return EvictResult(tracker[0], tracker[1], tracker[2])
+        return _new_tuple(EvictResult, tracker)  # EvictResult(*tracker), minus the call
 
     def evict_device_leaf(self, node: TreeNode, tracker: list[int]) -> bool:
         """Evict every component's device data of the device leaf ``node``.
@@ -542,7 +545,7 @@ class UnifiedRadixCache:
         backed up first; if that fails (host full), nothing happens and False is returned.
         Caller checked that nothing on it is locked.
         """
-        fcd = node.data[_FULL]
+        fcd = node.full
         assert fcd is not None
         if self.host_tier is not None and fcd.host_value is None:
             if self.write_policy is WritePolicy.WRITE_BACK:
@@ -564,7 +567,16 @@ class UnifiedRadixCache:
             return True
         parent = node.parent
         assert parent is not None
-        self.delete_leaf(node)  # nothing is left on it: no need to ask the components again
+        # Nothing is left on it: unlink it (``delete_leaf``, inlined: this runs per leaf).
+        del parent.children[node.child_key]
+        node.deleted = True
+        self.num_nodes -= 1
+        if parent.children:  # the usual case: the parent stays, maybe as a new device leaf
+            if parent.parent is not None and not parent.in_heap:
+                full = self.full
+                if full.is_device_leaf(parent):
+                    full.note_leaf(parent)
+            return True
         self.drop_if_empty(parent, tracker)
         return True
 

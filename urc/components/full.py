@@ -117,23 +117,30 @@ class FullComponent(TreeComponent):
         cache = self.cache
         skipped: dict[int, TreeNode] = {}
         pop = heapq.heappop
+        replace = heapq.heapreplace
         while tracker[_FULL] < target and heap:
-            k, nid, node = pop(heap)
-            node.in_heap = False
+            k, nid, node = heap[0]
             # is_device_leaf, inlined: the root is never in the heap.
             cd = node.full
-            if node.deleted or cd.value is None or cd.lock_ref or nid in skipped:  # type: ignore[union-attr]
-                continue
-            if node.children and any(
-                ch.full.value is not None  # type: ignore[union-attr]
-                for ch in node.children.values()
+            if (
+                node.deleted
+                or cd.value is None  # type: ignore[union-attr]
+                or cd.lock_ref  # type: ignore[union-attr]
+                or nid in skipped
+                or (
+                    node.children
+                    and any(ch.full.value is not None for ch in node.children.values())  # type: ignore[union-attr]
+                )
             ):
+                pop(heap)
+                node.in_heap = False
                 continue
             nk = key(node)
             if nk != k:
-                node.in_heap = True
-                heapq.heappush(heap, (nk, nid, node))
+                replace(heap, (nk, nid, node))  # re-keyed in place: one sift, not pop + push
                 continue
+            pop(heap)
+            node.in_heap = False
             if not cache.evict_device_leaf(node, tracker):
                 skipped[nid] = node  # could not be demoted (host full): keep it this call
         for node in skipped.values():
