@@ -134,6 +134,11 @@ class UnifiedRadixCache:
         self._req_checks = hooked("validate_caching_req")
         # Run by an early partial release (SWA's ``dec_swa_lock_only``) on the same receipt.
         self._early_release_hooks = hooked("release_lock_early")
+        # Lock hooks as bound methods: a lock or an unlock is a handful of attribute loads,
+        # so the per-component method lookup is worth saving.
+        self._acquire = [c.acquire_component_lock for c in comps]
+        self._release = [c.release_component_lock for c in self._components_rev]
+        self._check_release = [c.check_release for c in self._release_checks]
         self.root = self._new_root()
 
     # ================================================================== structure helpers
@@ -724,8 +729,8 @@ class UnifiedRadixCache:
             return result
         if node.deleted:
             raise InvalidLockError(f"inc_lock_ref on node {node.id}, which was evicted")
-        for c in self.components:
-            c.acquire_component_lock(node, result)
+        for acquire in self._acquire:
+            acquire(node, result)
         return result
 
     def dec_lock_ref(
@@ -744,12 +749,13 @@ class UnifiedRadixCache:
             raise InvalidLockError(
                 f"receipt for node {params.node_id} used to release node {node.id}"
             )
-        for c in self._release_checks:
-            c.check_release(node, params)
-        before = self.full.protected_size
-        for c in self._components_rev:
-            c.release_component_lock(node, params)
-        return DecLockRefResult.of(before - self.full.protected_size)
+        for check in self._check_release:
+            check(node, params)
+        full = self.full
+        before = full.protected_size
+        for release in self._release:
+            release(node, params)
+        return DecLockRefResult.of(before - full.protected_size)
 
     def dec_swa_lock_only(self, node: TreeNode, params: DecLockRefParams | None = None) -> None:
         """Early window release: release the SWA part of a lock while Full stays locked.

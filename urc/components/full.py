@@ -207,11 +207,9 @@ class FullComponent(TreeComponent):
         # where the lock starts so release starts there too, even if they are loaded back
         # (and split) meanwhile.  A split keeps the original node as the lower piece, so the
         # recorded id stays the lowest locked node.
-        skipped = False
-        while node.parent is not None and node.full.value is None:  # type: ignore[union-attr]
-            skipped = True
-            node = node.parent
-        if skipped:
+        if node.full.value is None:  # type: ignore[union-attr]
+            while node.parent is not None and node.full.value is None:  # type: ignore[union-attr]
+                node = node.parent
             result.full_start_id = node.id
         # Counting rule (see the module docstring): only nodes going 0 -> 1 tell their parent.
         delta = 0

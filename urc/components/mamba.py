@@ -77,6 +77,7 @@ __all__ = ["MambaComponent"]
 
 _FULL = 0
 _M = 2  # ComponentType.MAMBA
+_MAMBA = ComponentType.MAMBA
 _EVICT_ONE = EvictParams(mamba_num=1)
 
 
@@ -439,7 +440,7 @@ class MambaComponent(TreeComponent):
         assert cd is not None
         if cd.value is None or (self._above and not self._may_lock(node, cd)):
             # Record the skip: state adopted later must not be "released" by this receipt.
-            result.skip_lock_node_ids.setdefault(ComponentType.MAMBA, set()).add(node.id)
+            result.skip_lock_node_ids.setdefault(_MAMBA, set()).add(node.id)
             return
         if cd.lock_ref == 0:
             self.evictable_size -= 1
@@ -457,7 +458,7 @@ class MambaComponent(TreeComponent):
             # ``skip_swa``: an early release already dropped this receipt's Mamba lock.
             if params.skip_swa and self._above:
                 return
-            skip = params.skip_lock_node_ids.get(ComponentType.MAMBA)
+            skip = params.skip_lock_node_ids.get(_MAMBA)
             if skip is not None and node.id in skip:
                 return
             if cd.lock_ref <= 0:
@@ -473,7 +474,7 @@ class MambaComponent(TreeComponent):
         cd = node.data[_M]
         assert cd is not None
         if params is not None:
-            skip = params.skip_lock_node_ids.setdefault(ComponentType.MAMBA, set())
+            skip = params.skip_lock_node_ids.setdefault(_MAMBA, set())
             if params.skip_swa or node.id in skip:
                 return
             # Shared with the receipt: the final release (and a repeated early one) skips it.
