@@ -80,7 +80,7 @@ class UnifiedRadixCache:
         # Tree-owned slots were checked when the tree adopted them (insert): free them
         # without re-validating.  Allocators of callers' own pools may lack the fast path.
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
-        self._is_allocated = getattr(alloc, "is_allocated", None)
+        self._check_owned = getattr(alloc, "check_owned", None)
         self.num_nodes = 0
         self._clock = 0
         self.counters = CacheCounters()
@@ -405,12 +405,13 @@ class UnifiedRadixCache:
         if value.shape[0] != n_key:
             raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
         if n_key:
-            lo, hi = torch.aminmax(value)
-            size = self.token_to_kv_pool_allocator.size
-            if int(lo) < 0 or int(hi) >= size:
-                raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
-            if self._is_allocated is not None and not self._is_allocated(value):
-                raise InvalidIndicesError("value holds slots that are not allocated")
+            if self._check_owned is not None:
+                self._check_owned(value)  # range and allocation state, host side
+            else:
+                lo, hi = torch.aminmax(value)
+                size = self.token_to_kv_pool_allocator.size
+                if int(lo) < 0 or int(hi) >= size:
+                    raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
         return value
 
     def insert(self, params: InsertParams) -> InsertResult:

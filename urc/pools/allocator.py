@@ -140,7 +140,7 @@ class TokenSlotAllocator:
         try:
             if pages.min() < 0:
                 raise IndexError
-            if not state[pages].all():
+            if np.count_nonzero(state[pages]) != pages.shape[0]:
                 raise DoubleFreeError("freeing a slot that is not allocated")
         except IndexError:
             raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
@@ -192,12 +192,14 @@ class TokenSlotAllocator:
         if indices.shape[0] == 0:
             return True
         self.flush()
-        return bool((self._state[self._pages_of(indices)] == 1).all())
+        pages = self._pages_of(indices)
+        return bool(int(np.count_nonzero(self._state[pages])) == pages.shape[0])
 
     def check_owned(self, indices: torch.Tensor) -> None:
         """Raise :class:`InvalidIndicesError` unless ``indices`` is a valid allocated span.
 
-        Checks dtype, device, range and allocation state without changing anything.
+        Checks dtype, device, range and allocation state without changing anything (host
+        side: a handful of array operations, what ``insert`` pays to validate a value).
         """
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
@@ -206,10 +208,18 @@ class TokenSlotAllocator:
             )
         if indices.shape[0] == 0:
             return
-        lo, hi = torch.aminmax(indices)
-        if int(lo) < 0 or int(hi) >= self.size:
+        self.flush()
+        host = _host(indices)
+        lo = int(host.min())
+        hi = int(host.max()) if self.page_size > 1 else 0  # page 1: the lookup catches it
+        if lo < 0 or hi >= self.size:
             raise InvalidIndicesError(f"indices outside [0, {self.size}): min {lo}, max {hi}")
-        if not self.is_allocated(indices):
+        pages = host if self.page_size == 1 else host[:: self.page_size] >> self._shift
+        try:
+            held = int(np.count_nonzero(self._state[pages]))
+        except IndexError:
+            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
+        if held != pages.shape[0]:
             raise InvalidIndicesError("value holds slots that are not allocated")
 
     def check_consistency(self) -> None:
