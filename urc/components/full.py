@@ -118,6 +118,7 @@ class FullComponent(TreeComponent):
         skipped: dict[int, TreeNode] = {}
         pop = heapq.heappop
         replace = heapq.heapreplace
+        no_host = cache.host_tier is None
         while tracker[_FULL] < target and heap:
             k, nid, node = heap[0]
             # is_device_leaf, inlined: the root is never in the heap.
@@ -129,7 +130,10 @@ class FullComponent(TreeComponent):
                 or nid in skipped
                 or (
                     node.children
-                    and any(ch.full.value is not None for ch in node.children.values())  # type: ignore[union-attr]
+                    and (
+                        no_host  # without a host tier every child is on device
+                        or any(ch.full.value is not None for ch in node.children.values())  # type: ignore[union-attr]
+                    )
                 )
             ):
                 pop(heap)
