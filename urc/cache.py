@@ -578,7 +578,8 @@ class UnifiedRadixCache:
         node.deleted = True
         self.num_nodes -= 1
         if parent.children:  # the usual case: the parent stays, maybe as a new device leaf
-            if parent.parent is not None and not parent.in_heap:
+            # (only if its other children are host-only: never without a host tier)
+            if self.host_tier is not None and parent.parent is not None and not parent.in_heap:
                 full = self.full
                 if full.is_device_leaf(parent):
                     full.note_leaf(parent)

@@ -103,7 +103,10 @@ class FullComponent(TreeComponent):
         assert cd is not None
         if cd.value is None or cd.lock_ref:
             return False
-        for child in node.children.values():
+        children = node.children
+        if children and self.cache.host_tier is None:
+            return False  # without a host tier every child is on device
+        for child in children.values():
             ccd = child.data[_FULL]
             assert ccd is not None
             if ccd.value is not None:
