@@ -726,11 +726,11 @@ class UnifiedRadixCache:
         Returns the receipt; pass ``receipt.to_dec_params()`` to :meth:`dec_lock_ref`.
         """
         result = IncLockRefResult.for_node(node.id)
-        if node.parent is None:
+        if node.deleted or node.parent is None:  # one test on the hot path
+            if node.deleted:
+                raise InvalidLockError(f"inc_lock_ref on node {node.id}, which was evicted")
             result.delta = 0
             return result
-        if node.deleted:
-            raise InvalidLockError(f"inc_lock_ref on node {node.id}, which was evicted")
         for acquire in self._acquire:
             acquire(node, result)
         return result

@@ -110,19 +110,17 @@ class IncLockRefResult:
     ``swa_lock_epoch`` tells SWA release which tombstones were recovered after the acquire.
     ``full_start_id`` is the first node the Full lock covers when the locked node and the
     nodes above it were host-only (release starts there, whatever was loaded back since).
-    (A plain slotted class: it is built on every lock, and a dataclass with a dict
-    default factory costs more than the lock walk itself.)
+    (A plain class, built on every lock: the three fields every lock sets are slots; the
+    rest, which only some components set, default to ``None`` through the class and go to the
+    instance dict when set -- a FULL-only lock writes three fields, not seven.)
     """
 
-    __slots__ = (
-        "delta",
-        "full_start_id",
-        "node_id",
-        "skip_lock_node_ids",
-        "swa_lock_epoch",
-        "swa_uuid_for_host_lock",
-        "swa_uuid_for_lock",
-    )
+    __slots__ = ("__dict__", "delta", "node_id", "skip_lock_node_ids")
+
+    swa_uuid_for_lock: int | None = None
+    swa_uuid_for_host_lock: int | None = None
+    swa_lock_epoch: int | None = None
+    full_start_id: int | None = None
 
     def __init__(
         self,
@@ -135,21 +133,24 @@ class IncLockRefResult:
         full_start_id: int | None = None,
     ) -> None:
         self.delta = delta
-        self.full_start_id = full_start_id
-        self.swa_uuid_for_lock = swa_uuid_for_lock
-        self.swa_uuid_for_host_lock = swa_uuid_for_host_lock
         self.skip_lock_node_ids: dict[ComponentType, set[int]] = (
             {} if skip_lock_node_ids is None else skip_lock_node_ids
         )
         self.node_id = node_id
-        self.swa_lock_epoch = swa_lock_epoch
+        if swa_uuid_for_lock is not None:
+            self.swa_uuid_for_lock = swa_uuid_for_lock
+        if swa_uuid_for_host_lock is not None:
+            self.swa_uuid_for_host_lock = swa_uuid_for_host_lock
+        if swa_lock_epoch is not None:
+            self.swa_lock_epoch = swa_lock_epoch
+        if full_start_id is not None:
+            self.full_start_id = full_start_id
 
     @classmethod
     def for_node(cls, node_id: int) -> IncLockRefResult:
         """A blank receipt for ``node_id`` (the lock's hot path: no keyword parsing)."""
         r = _new_object(cls)
-        r.delta = r.full_start_id = r.swa_lock_epoch = None
-        r.swa_uuid_for_lock = r.swa_uuid_for_host_lock = None
+        r.delta = None
         r.skip_lock_node_ids = {}
         r.node_id = node_id
         return r
