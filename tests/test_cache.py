@@ -285,6 +285,20 @@ def test_full_lock_count_is_own_locks_plus_locked_children(h: Harness) -> None:
     h.check()
 
 
+def test_extending_leaves_keeps_the_eviction_heap_compact(h: Harness) -> None:
+    ps = h.page_size
+    h = Harness(page_size=ps, kv_size=512 * ps)  # room for a 200-page key twice
+    tokens: list[int] = []
+    for i in range(200):  # every insert turns the previous leaf into an internal node
+        tokens += seq(1000 * ps + i * ps, 1, ps)
+        h.insert(tokens)  # checks the heap invariants after every step
+    heap = h.cache.full._heap
+    assert len(heap) < 140, f"{len(heap)} heap entries for 1 leaf: dead entries not dropped"
+    assert h.cache.evict(EvictParams(num_tokens=ps)).num_tokens_evicted == ps  # the leaf
+    assert h.match(tokens).device_indices.shape[0] == len(tokens) - ps
+    h.check()
+
+
 def test_dec_lock_ref_on_an_unlocked_node_is_a_typed_error_and_changes_nothing(
     h: Harness,
 ) -> None:

@@ -266,9 +266,11 @@ class UnifiedRadixCache:
         full = leaf.data[_FULL]
         assert full is not None
         full.value = value
-        self.full.evictable_size += leaf.key_len
+        full_c = self.full
+        full_c.evictable_size += leaf.key_len
         self.link_child(parent, leaf)
-        self.full.note_leaf(leaf)
+        full_c.note_child(parent)
+        full_c.note_leaf(leaf)
         return leaf
 
     def delete_leaf(self, node: TreeNode) -> None:

@@ -61,6 +61,7 @@ class FullComponent(TreeComponent):
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
         self._key = _policy_key(cache.config.eviction_policy)
         self._heap: list[tuple[Any, int, TreeNode]] = []
+        self._dead = 0  # entries of leaves that got a child since (see ``note_child``)
         # Host-only leaves (HiCache), same lazy rules with ``node.in_host_heap``.
         self._host_heap: list[tuple[Any, int, TreeNode]] = []
 
@@ -74,6 +75,15 @@ class FullComponent(TreeComponent):
 
     def evict_request(self, params: EvictParams) -> int:
         return params.num_tokens
+
+    def note_child(self, parent: TreeNode) -> None:
+        """``parent`` just got a child on device: if it was a leaf with a heap entry, that
+        entry is dead now.  Once dead entries are half the heap, compact it: one pass over
+        the heap costs less than popping each dead entry during an eviction."""
+        if parent.in_heap and len(parent.children) == 1:
+            self._dead += 1
+            if self._dead > 64 and 2 * self._dead > len(self._heap):
+                self._compact()
 
     def note_leaf(self, node: TreeNode) -> None:
         """Make sure ``node`` (which may have become an evictable leaf) has a heap entry."""
@@ -94,6 +104,7 @@ class FullComponent(TreeComponent):
                 node.in_heap = False
         heapq.heapify(keep)
         self._heap = keep
+        self._dead = 0
 
     def is_device_leaf(self, node: TreeNode) -> bool:
         """An unlocked node with Full data on device and no child with Full data on device."""
@@ -340,4 +351,5 @@ class FullComponent(TreeComponent):
     def reset(self) -> None:
         super().reset()
         self._heap = []
+        self._dead = 0
         self._host_heap = []
