@@ -51,6 +51,7 @@ __all__ = ["UnifiedRadixCache"]
 
 _FULL = 0
 _new_tuple = tuple.__new__
+_receipt_for = IncLockRefResult.for_node
 # ``evict`` builds its result straight from the per-component tracker.
 assert len(EvictResult._fields) == NUM_COMPONENT_TYPES
 # Child keys of the root's namespaced children are (_NS, namespace, first page): the sentinel
@@ -727,7 +728,7 @@ class UnifiedRadixCache:
 
         Returns the receipt; pass ``receipt.to_dec_params()`` to :meth:`dec_lock_ref`.
         """
-        result = IncLockRefResult.for_node(node.id)
+        result = _receipt_for(node.id)
         if node.deleted or node.parent is None:  # one test on the hot path
             if node.deleted:
                 raise InvalidLockError(f"inc_lock_ref on node {node.id}, which was evicted")

@@ -225,12 +225,25 @@ class FullComponent(TreeComponent):
         # where the lock starts so release starts there too, even if they are loaded back
         # (and split) meanwhile.  A split keeps the original node as the lower piece, so the
         # recorded id stays the lowest locked node.
-        if node.full.value is None:  # type: ignore[union-attr]
+        cd = node.full
+        assert cd is not None
+        if cd.value is None:
             while node.parent is not None and node.full.value is None:  # type: ignore[union-attr]
                 node = node.parent
             result.full_start_id = node.id
+            if node.parent is None:
+                result.delta = 0
+                return
+            cd = node.full
+            assert cd is not None
         # Counting rule (see the module docstring): only nodes going 0 -> 1 tell their parent.
-        delta = 0
+        # (The first step is unrolled: most locks stop after it or after one more node.)
+        cd.lock_ref += 1
+        if cd.lock_ref != 1:
+            result.delta = 0
+            return
+        delta = node.key_len
+        node = node.parent  # type: ignore[assignment]
         while node.parent is not None:
             cd = node.full
             cd.lock_ref += 1  # type: ignore[union-attr]
