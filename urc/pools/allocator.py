@@ -158,7 +158,7 @@ class TokenSlotAllocator:
 
     def free_owned(self, indices: torch.Tensor) -> None:
         """Free whole pages the caller is known to own: slots the tree adopted after checking
-        them (``is_allocated`` at insert).  O(1): ``indices`` is queued (keep it unmodified)
+        them (``check_owned`` at insert).  O(1): ``indices`` is queued (keep it unmodified)
         and merged without re-validation when an allocation runs short or page states are
         read; a bug that frees twice still shows up in :meth:`check_consistency`."""
         n = indices.shape[0]
