@@ -14,6 +14,7 @@ from urc.tree import ComponentType, SizeUnit, Tier
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
+    from urc.components.base import TreeComponent
 
 __all__ = ["CacheCounters", "CacheStats", "ComponentStats", "snapshot"]
 
@@ -108,29 +109,14 @@ def snapshot(cache: UnifiedRadixCache) -> CacheStats:
 
 
 def _component_stats(cache: UnifiedRadixCache) -> tuple[ComponentStats, ...]:
-    comps = tuple(
-        ComponentStats(
-            component=c.component_type,
-            tier=Tier.DEVICE,
-            unit=c.unit,
-            evictable=c.evictable_size,
-            protected=c.protected_size,
-            capacity=c.pool_capacity(),
-            available=c.pool_available(),
-        )
-        for c in cache.components
-    )
-    if cache.host_tier is not None:
-        comps += tuple(
-            ComponentStats(
-                component=c.component_type,
-                tier=Tier.HOST,
-                unit=c.unit,
-                evictable=c.host_evictable_size,
-                protected=c.host_protected_size,
-                capacity=c.host_capacity(),
-                available=c.host_available(),
-            )
-            for c in cache.components
-        )
-    return comps
+    tiers = (Tier.DEVICE, Tier.HOST) if cache.host_tier is not None else (Tier.DEVICE,)
+    return tuple(_stats_of(c, tier) for tier in tiers for c in cache.components)
+
+
+def _stats_of(c: TreeComponent, tier: Tier) -> ComponentStats:
+    if tier is Tier.DEVICE:
+        sizes = (c.evictable_size, c.protected_size, c.pool_capacity(), c.pool_available())
+    else:
+        host = c.host_evictable_size, c.host_protected_size
+        sizes = (*host, c.host_capacity(), c.host_available())
+    return ComponentStats(c.component_type, tier, c.unit, *sizes)
