@@ -15,6 +15,7 @@ from urc import (
     ComponentType,
     ConfigError,
     DecLockRefParams,
+    EvictionPolicy,
     EvictParams,
     InsertParams,
     InvalidIndicesError,
@@ -296,6 +297,31 @@ def test_extending_leaves_keeps_the_eviction_heap_compact(h: Harness) -> None:
     assert len(heap) < 140, f"{len(heap)} heap entries for 1 leaf: dead entries not dropped"
     assert h.cache.evict(EvictParams(num_tokens=ps)).num_tokens_evicted == ps  # the leaf
     assert h.match(tokens).device_indices.shape[0] == len(tokens) - ps
+    h.check()
+
+
+@pytest.mark.parametrize(
+    ("policy", "victim"),
+    [
+        (EvictionPolicy.LRU, "a"),  # least recently used
+        (EvictionPolicy.FIFO, "d"),  # inserted first
+        (EvictionPolicy.LFU, "b"),  # fewest hits; ties broken by last access
+        (EvictionPolicy.PRIORITY, "c"),  # lowest priority
+    ],
+)
+def test_eviction_policy_picks_its_victim(policy: EvictionPolicy, victim: str, h: Harness) -> None:
+    ps = h.page_size
+    h = Harness(page_size=ps, kv_size=64 * ps, eviction_policy=policy)
+    keys = {name: seq(100 * i * ps, 1, ps) for i, name in enumerate("abcd", start=1)}
+    for name, prio in (("d", 1), ("a", 1), ("b", 1), ("c", 0)):
+        v = h.new_value(ps)
+        h.cache.insert(InsertParams(key=RadixKey(keys[name]), value=v, priority=prio))
+        h.held -= ps
+    for name in "aaabcd":  # a: most hits but least recent; b, c, d: one hit each
+        h.match(keys[name])
+    assert h.cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == ps
+    gone = [name for name, k in keys.items() if h.match(k).device_indices.shape[0] == 0]
+    assert gone == [victim]
     h.check()
 
 

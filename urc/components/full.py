@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from urc.components.base import EvictTracker, TreeComponent
@@ -41,13 +42,14 @@ _FULL = 0
 
 
 def _policy_key(policy: EvictionPolicy) -> Callable[[TreeNode], Any]:
+    """The heap key of a node under ``policy`` (an ``attrgetter``: evaluated per candidate)."""
     if policy is EvictionPolicy.LRU:
-        return lambda n: n.last_access_time
+        return attrgetter("last_access_time")
     if policy is EvictionPolicy.LFU:
-        return lambda n: (n.hit_count, n.last_access_time)
+        return attrgetter("hit_count", "last_access_time")
     if policy is EvictionPolicy.FIFO:
-        return lambda n: n.creation_time
-    return lambda n: (n.priority, n.last_access_time)
+        return attrgetter("creation_time")
+    return attrgetter("priority", "last_access_time")
 
 
 class FullComponent(TreeComponent):
