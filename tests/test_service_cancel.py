@@ -373,9 +373,10 @@ def test_cancelled_while_queued_is_skipped_without_hooks_trio() -> None:
     anyio.run(scenario_cancelled_while_queued_fast_path, False, backend="trio")
 
 
-async def scenario_ownership_move_cancelled_while_queued() -> None:
+async def scenario_ownership_move_cancelled_while_queued(strict_order: bool) -> None:
     """An insert whose caller is cancelled while the insert still waits in the queue: the
-    caller waits for it anyway, gets the outcome, and is cancelled at its next checkpoint."""
+    caller waits for it anyway, gets the outcome, and is cancelled at its next checkpoint.
+    (Trio may start the tasks in either order: then only the outcome is checked.)"""
     with anyio.fail_after(TIMEOUT):
         hook = CancelOnApply(Stats)
         async with AsyncUnifiedRadixCache(small_config(), max_batch=1, trace=hook) as svc:
@@ -394,8 +395,11 @@ async def scenario_ownership_move_cancelled_while_queued() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(svc.stats)
                 tg.start_soon(victim)
-            assert hook.fired == 1 and caught == [True]
-            assert len(got) == 1 and got[0].total_len == 3
+            if strict_order:
+                assert hook.fired == 1 and caught == [True]
+            # Cancelled (at the checkpoint after the insert) exactly when the second append
+            # was not reached; the insert's outcome arrived either way.
+            assert len(got) == (1 if caught == [True] else 2) and got[0].total_len == 3
             assert (await svc.match([5, 6, 7])).prefix_len == 3  # the tree took the slots
             await svc.sanity_check({FULL: 0})
         check_clean(svc.cache)
@@ -403,11 +407,11 @@ async def scenario_ownership_move_cancelled_while_queued() -> None:
 
 @pytest.mark.asyncio
 async def test_ownership_move_cancelled_while_queued_completes() -> None:
-    await scenario_ownership_move_cancelled_while_queued()
+    await scenario_ownership_move_cancelled_while_queued(strict_order=True)
 
 
 def test_ownership_move_cancelled_while_queued_completes_trio() -> None:
-    anyio.run(scenario_ownership_move_cancelled_while_queued, backend="trio")
+    anyio.run(scenario_ownership_move_cancelled_while_queued, False, backend="trio")
 
 
 @pytest.mark.asyncio
