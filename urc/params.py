@@ -162,14 +162,19 @@ class IncLockRefResult:
         )
 
     def to_dec_params(self) -> DecLockRefParams:
-        return DecLockRefParams(
-            swa_uuid_for_lock=self.swa_uuid_for_lock,
-            swa_uuid_for_host_lock=self.swa_uuid_for_host_lock,
-            skip_lock_node_ids=self.skip_lock_node_ids,
-            node_id=self.node_id,
-            swa_lock_epoch=self.swa_lock_epoch,
-            full_start_id=self.full_start_id,
-        )
+        """The release parameters for this lock (shares ``skip_lock_node_ids``).
+
+        Built field by field: every release pays for it, and the dataclass constructor with
+        seven keywords costs three times as much (a test pins the fields)."""
+        p = _new_object(DecLockRefParams)
+        p.swa_uuid_for_lock = self.swa_uuid_for_lock
+        p.swa_uuid_for_host_lock = self.swa_uuid_for_host_lock
+        p.skip_lock_node_ids = self.skip_lock_node_ids
+        p.node_id = self.node_id
+        p.skip_swa = False
+        p.swa_lock_epoch = self.swa_lock_epoch
+        p.full_start_id = self.full_start_id
+        return p
 
 
 @dataclass(slots=True)
