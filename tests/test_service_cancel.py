@@ -607,7 +607,7 @@ async def test_native_cancel_of_the_actor_answers_the_handed_over_call() -> None
             await wait_idle(svc)
             actor = next(t for t in asyncio.all_tasks() if t.get_name() == "urc-actor")
             caller = asyncio.ensure_future(svc.alloc(4))
-            await asyncio.sleep(0)  # the caller hands its call over; the actor is woken
+            await anyio.lowlevel.checkpoint()  # the caller hands its call over; the actor wakes
             assert svc._handoff is not None
             actor.cancel()  # lands before the actor resumes
             with pytest.raises(ServiceClosedError):

@@ -576,17 +576,7 @@ class UnifiedRadixCache:
             return True
         parent = node.parent
         assert parent is not None
-        # Nothing is left on it: unlink it (``delete_leaf``, inlined: this runs per leaf).
-        del parent.children[node.child_key]
-        node.deleted = True
-        self.num_nodes -= 1
-        if parent.children:  # the usual case: the parent stays, maybe as a new device leaf
-            # (only if its other children are host-only: never without a host tier)
-            if self.host_tier is not None and parent.parent is not None and not parent.in_heap:
-                full = self.full
-                if full.is_device_leaf(parent):
-                    full.note_leaf(parent)
-            return True
+        self.delete_leaf(node)  # nothing is left on it: no need to ask the components again
         self.drop_if_empty(parent, tracker)
         return True
 

@@ -134,24 +134,9 @@ class FullComponent(TreeComponent):
         skipped: dict[int, TreeNode] = {}
         pop = heapq.heappop
         replace = heapq.heapreplace
-        no_host = cache.host_tier is None
         while tracker[_FULL] < target and heap:
             k, nid, node = heap[0]
-            # is_device_leaf, inlined: the root is never in the heap.
-            cd = node.full
-            if (
-                node.deleted
-                or cd.value is None  # type: ignore[union-attr]
-                or cd.lock_ref  # type: ignore[union-attr]
-                or nid in skipped
-                or (
-                    node.children
-                    and (
-                        no_host  # without a host tier every child is on device
-                        or any(ch.full.value is not None for ch in node.children.values())  # type: ignore[union-attr]
-                    )
-                )
-            ):
+            if nid in skipped or not self.is_device_leaf(node):
                 pop(heap)
                 node.in_heap = False
                 continue
