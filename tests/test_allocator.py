@@ -112,11 +112,17 @@ def test_free_owned_counts_at_once_and_refills_an_allocation_that_runs_short(ps:
     a.check_consistency()
 
 
-def test_checked_free_of_a_queued_page_is_a_double_free() -> None:
+def _queued_span() -> tuple[TokenSlotAllocator, torch.Tensor]:
+    """An 8-slot allocator with a 4-slot span allocated and then queued by ``free_owned``."""
     a = TokenSlotAllocator(8, 1)
     x = a.alloc(4)
     assert x is not None
     a.free_owned(x)
+    return a, x
+
+
+def test_checked_free_of_a_queued_page_is_a_double_free() -> None:
+    a, x = _queued_span()
     with pytest.raises(DoubleFreeError):
         a.free(x[:1])
     assert not a.is_allocated(x[:1])
@@ -124,10 +130,7 @@ def test_checked_free_of_a_queued_page_is_a_double_free() -> None:
 
 
 def test_consistency_check_catches_an_owned_page_freed_twice() -> None:
-    a = TokenSlotAllocator(8, 1)
-    x = a.alloc(4)
-    assert x is not None
-    a.free_owned(x)
+    a, x = _queued_span()
     a.free_owned(x[:2])  # a tree bug: the fast path trusts its caller
     with pytest.raises(AssertionError):
         a.check_consistency()
