@@ -51,7 +51,7 @@ __all__ = ["UnifiedRadixCache"]
 
 _FULL = 0
 _new_tuple = tuple.__new__
-_receipt_for = IncLockRefResult.for_node
+_new_object = object.__new__
 # ``evict`` builds its result straight from the per-component tracker.
 assert len(EvictResult._fields) == NUM_COMPONENT_TYPES
 # Child keys of the root's namespaced children are (_NS, namespace, first page): the sentinel
@@ -139,7 +139,10 @@ class UnifiedRadixCache:
         # so the per-component method lookup is worth saving.
         self._acquire = [c.acquire_component_lock for c in comps]
         self._release = [c.release_component_lock for c in self._components_rev]
-        self._check_release = [c.check_release for c in self._release_checks]
+        # The component released first validates inside its own release (the hook contract:
+        # raise before changing anything), so only the later ones need a separate check.
+        first = self._components_rev[0]
+        self._check_release = [c.check_release for c in self._release_checks if c is not first]
         self.root = self._new_root()
 
     # ================================================================== structure helpers
@@ -718,11 +721,14 @@ class UnifiedRadixCache:
 
         Returns the receipt; pass ``receipt.to_dec_params()`` to :meth:`dec_lock_ref`.
         """
-        result = _receipt_for(node.id)
+        # The receipt is built inline (``IncLockRefResult.for_node`` without its call).
+        result = _new_object(IncLockRefResult)
+        result.node_id = node.id
+        result.skip_lock_node_ids = {}
+        result.delta = 0  # Full sets it when the lock protects new tokens
         if node.deleted or node.parent is None:  # one test on the hot path
             if node.deleted:
                 raise InvalidLockError(f"inc_lock_ref on node {node.id}, which was evicted")
-            result.delta = 0
             return result
         for acquire in self._acquire:
             acquire(node, result)
@@ -737,7 +743,7 @@ class UnifiedRadixCache:
         locked or the receipt does not fit.  Returns the Full tokens made evictable.
         """
         if node.parent is None:
-            return DecLockRefResult.of(0)
+            return _new_tuple(DecLockRefResult, (0,))
         if node.deleted:
             raise InvalidLockError(f"dec_lock_ref on node {node.id}, which was evicted")
         if params is not None and params.node_id is not None and params.node_id != node.id:
@@ -750,7 +756,7 @@ class UnifiedRadixCache:
         before = full.protected_size
         for release in self._release:
             release(node, params)
-        return DecLockRefResult.of(before - full.protected_size)
+        return _new_tuple(DecLockRefResult, (before - full.protected_size,))
 
     def dec_swa_lock_only(self, node: TreeNode, params: DecLockRefParams | None = None) -> None:
         """Early window release: release the SWA part of a lock while Full stays locked.
@@ -777,8 +783,7 @@ class UnifiedRadixCache:
                 )
             if params.skip_swa:
                 raise InvalidLockError("the SWA part of this lock was already released")
-        swa.check_release(node, params)
-        swa.release_component_lock(node, params)
+        swa.release_component_lock(node, params)  # validates before it releases
         prio = swa.eviction_priority(False)
         for c in self._early_release_hooks:
             if c.eviction_priority(False) < prio:

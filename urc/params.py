@@ -110,9 +110,10 @@ class IncLockRefResult:
     ``swa_lock_epoch`` tells SWA release which tombstones were recovered after the acquire.
     ``full_start_id`` is the first node the Full lock covers when the locked node and the
     nodes above it were host-only (release starts there, whatever was loaded back since).
-    (A plain class, built on every lock: the three fields every lock sets are slots; the
-    rest, which only some components set, default to ``None`` through the class and go to the
-    instance dict when set -- a FULL-only lock writes three fields, not seven.)
+    (A plain class, built field by field on every lock by ``inc_lock_ref``: the three fields
+    every lock sets are slots; the rest, which only some components set, default to ``None``
+    through the class and go to the instance dict when set -- a FULL-only lock writes three
+    fields, not seven.)
     """
 
     __slots__ = ("__dict__", "delta", "node_id", "skip_lock_node_ids")
@@ -145,15 +146,6 @@ class IncLockRefResult:
             self.swa_lock_epoch = swa_lock_epoch
         if full_start_id is not None:
             self.full_start_id = full_start_id
-
-    @classmethod
-    def for_node(cls, node_id: int) -> IncLockRefResult:
-        """A blank receipt for ``node_id`` (the lock's hot path: no keyword parsing)."""
-        r = _new_object(cls)
-        r.delta = None
-        r.skip_lock_node_ids = {}
-        r.node_id = node_id
-        return r
 
     def __repr__(self) -> str:
         return (
@@ -198,12 +190,5 @@ class DecLockRefResult(NamedTuple):
 
     delta: int | None = None
 
-    @classmethod
-    def of(cls, delta: int) -> DecLockRefResult:
-        """``DecLockRefResult(delta)`` for the unlock hot path (half the cost of the
-        NamedTuple constructor)."""
-        return _new_tuple(cls, (delta,))
-
 
 _new_object = object.__new__
-_new_tuple = tuple.__new__

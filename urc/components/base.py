@@ -206,13 +206,18 @@ class TreeComponent(ABC):
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Raise :class:`~urc.errors.InvalidLockError` if releasing would be invalid.
 
-        Called for every component before any lock is released, so a refused release leaves
-        every lock count unchanged.
+        Called, before any lock is released, for every component except the one released
+        first (the last in the cache's component order), so a refused release leaves every
+        lock count unchanged.
         """
 
     @abstractmethod
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        """Undo exactly what ``acquire_component_lock`` did for this receipt."""
+        """Undo exactly what ``acquire_component_lock`` did for this receipt.
+
+        Raises :class:`~urc.errors.InvalidLockError` *before changing anything* when the
+        release is invalid: the component released first gets no ``check_release`` call.
+        """
 
     def release_lock_early(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """A higher-priority component released its part of the lock on ``node`` early (SWA:

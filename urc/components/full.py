@@ -219,16 +219,14 @@ class FullComponent(TreeComponent):
                 node = node.parent
             result.full_start_id = node.id
             if node.parent is None:
-                result.delta = 0
-                return
+                return  # ``result.delta`` stays 0
             cd = node.full
             assert cd is not None
         # Counting rule (see the module docstring): only nodes going 0 -> 1 tell their parent.
         # (The first step is unrolled: most locks stop after it or after one more node.)
         cd.lock_ref += 1
         if cd.lock_ref != 1:
-            result.delta = 0
-            return
+            return  # ``result.delta`` stays 0 (the cache's receipt starts there)
         delta = node.key_len
         node = node.parent  # type: ignore[assignment]
         while node.parent is not None:
@@ -266,7 +264,9 @@ class FullComponent(TreeComponent):
             if node.parent is None:
                 return  # the lock covered host-only nodes only
         cd = node.full
-        assert cd is not None and cd.lock_ref > 0, f"node {node.id} lock_ref {cd}"
+        assert cd is not None
+        if cd.lock_ref <= 0:  # validated here too: Full may be the first (only) release
+            raise InvalidLockError(f"dec_lock_ref on node {node.id}, which is not locked")
         cd.lock_ref -= 1
         if cd.lock_ref:
             return  # still protected by other locks or locked children

@@ -500,7 +500,9 @@ class SWAComponent(TreeComponent):
         self._plan = (params, node, self.cache._clock, locked)
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        """Undo the window lock of receipt ``params`` (``check_release`` already passed)."""
+        """Undo the window lock of receipt ``params``.  Uses the walk of the ``check_release``
+        just before it when there was one; otherwise walks checked itself (raising, nothing
+        released, for a receipt that does not fit)."""
         if params is not None and params.skip_swa:
             return
         plan = self._plan
@@ -513,7 +515,7 @@ class SWAComponent(TreeComponent):
         ):
             locked = plan[3]
         else:
-            locked = self._walk_release(node, params, False)
+            locked = self._walk_release(node, params, True)
         delta = 0
         for n in locked:
             cd = n.data[_SWA]
