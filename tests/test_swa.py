@@ -31,7 +31,7 @@ from urc import (
     UnifiedRadixCache,
     build_cache,
 )
-from urc.components.swa import SWAComponent
+from urc.components.swa import SWAComponent, SWAData
 from urc.config import build_pools
 from urc.pools.allocator import TokenSlotAllocator
 from urc.pools.swa import SWATokenSlotAllocator
@@ -466,7 +466,9 @@ def test_window_lock_receipt_survives_a_split(h: SWAHarness) -> None:
     assert h.cache.swa_protected_size() == n_upper
     h.match(tokens[: h.ps])  # splits the locked node: the uuid moves to the upper part
     top = h.node(tokens[: h.ps])
-    assert top.data[SWA].metadata["uuid"] == receipt.swa_uuid_for_lock  # type: ignore[index,union-attr]
+    top_swa = top.data[SWA]
+    assert isinstance(top_swa, SWAData)
+    assert top_swa.uuid == receipt.swa_uuid_for_lock
     assert h.cache.swa_protected_size() == n_upper
     h.unlock(upper, receipt)
     assert h.cache.swa_protected_size() == 0

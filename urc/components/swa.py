@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from itertools import count, islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -70,14 +70,29 @@ if TYPE_CHECKING:
     )
     from urc.req import Req
 
-__all__ = ["SWAComponent"]
+__all__ = ["SWAComponent", "SWAData"]
 
 _FULL = 0
 _SWA = 1
-_UUID = "uuid"
-_RESTORED = "restored"
 # Candidates taken from the LRU end per scan while evicting (rescanned only if all locked).
 _EVICT_BATCH = 64
+
+
+class SWAData(ComponentData):
+    """SWA's data on one node: ``ComponentData`` plus the window-lock stamps.
+
+    ``uuid`` names the node as the top of window locks (stamped by the first lock whose
+    window it fills; a split moves it to the upper part).  ``restored`` is the recovery epoch
+    at which the node last got SWA back while Full-locked (0: never), see the module
+    docstring.
+    """
+
+    __slots__ = ("restored", "uuid")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uuid: int | None = None
+        self.restored = 0
 
 
 class _SWALRU(LRUList):
@@ -116,6 +131,9 @@ class SWAComponent(TreeComponent):
         self._epoch = 0
         # (receipt, node, cache clock, nodes to unlock) from the last ``check_release``.
         self._plan: tuple[DecLockRefParams | None, TreeNode, int, list[TreeNode]] | None = None
+
+    def new_data(self) -> SWAData:
+        return SWAData()
 
     def value_len(self, data: ComponentData) -> int:
         v = data.value
@@ -264,7 +282,7 @@ class SWAComponent(TreeComponent):
         Full is locked its indices stay and only the SWA pages move onto them.
         """
         cd = node.data[_SWA]
-        assert cd is not None
+        assert isinstance(cd, SWAData)
         if cd.value is not None or params.prev_prefix_len > total_prefix_len:
             return prefix_len
         start = self._boundary(params) - total_prefix_len
@@ -289,10 +307,7 @@ class SWAComponent(TreeComponent):
         # onto them; the tree then frees the incoming Full slots as duplicates.
         self.allocator.move_swa(full.value, fresh)
         self._epoch += 1
-        md = cd.metadata
-        if md is None:
-            md = cd.metadata = {}
-        md[_RESTORED] = self._epoch
+        cd.restored = self._epoch
         self._add_swa(node)
         return prefix_len
 
@@ -321,18 +336,15 @@ class SWAComponent(TreeComponent):
         window lock taken while it was a tombstone never releases it (module docstring)."""
         self._epoch += 1
         cd = node.data[_SWA]
-        assert cd is not None
-        md = cd.metadata
-        if md is None:
-            md = cd.metadata = {}
-        md[_RESTORED] = self._epoch
+        assert isinstance(cd, SWAData)
+        cd.restored = self._epoch
         self._add_swa(node)
 
     # ------------------------------------------------------------------ split
     def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
         c = child.data[_SWA]
         p = new_parent.data[_SWA]
-        assert c is not None and p is not None
+        assert isinstance(c, SWAData) and isinstance(p, SWAData)
         k = new_parent.key_len
         v = c.value
         if v is not None:
@@ -348,16 +360,10 @@ class SWAComponent(TreeComponent):
             c.host_value = hv[k:]
         p.lock_ref = c.lock_ref
         p.host_lock_ref = c.host_lock_ref
-        md = c.metadata
-        if md:
-            pm: dict[str, Any] = {}
-            # The window-lock boundary is the top of the locked span: the upper part.
-            if _UUID in md:
-                pm[_UUID] = md.pop(_UUID)
-            if _RESTORED in md:
-                pm[_RESTORED] = md[_RESTORED]
-            if pm:
-                p.metadata = pm
+        # The window-lock boundary is the top of the locked span: the upper part.
+        p.uuid = c.uuid
+        c.uuid = None
+        p.restored = c.restored
 
     # ------------------------------------------------------------------ eviction
     def eviction_priority(self, is_leaf: bool) -> int:
@@ -416,8 +422,7 @@ class SWAComponent(TreeComponent):
         delta = 0
         skipped: set[int] | None = None
         while node.parent is not None:
-            cd = node.data[_SWA]
-            assert cd is not None
+            cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
             if cd.value is None:
                 if skipped is None:
                     skipped = result.skip_lock_node_ids.setdefault(ComponentType.SWA, set())
@@ -428,12 +433,9 @@ class SWAComponent(TreeComponent):
                 cd.lock_ref += 1
                 acc += node.key_len
                 if acc >= window:
-                    md = cd.metadata
-                    if md is None:
-                        md = cd.metadata = {}
-                    uuid = md.get(_UUID)
+                    uuid = cd.uuid
                     if uuid is None:
-                        uuid = md[_UUID] = next(self._uuids)
+                        uuid = cd.uuid = next(self._uuids)
                     result.swa_uuid_for_lock = uuid
                     break
             node = node.parent
@@ -461,13 +463,11 @@ class SWAComponent(TreeComponent):
         acc = 0
         locked: list[TreeNode] = []
         while node.parent is not None:
-            cd = node.data[_SWA]
-            assert cd is not None
-            md = cd.metadata
+            cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
             if (
                 cd.value is not None
                 and (skip is None or node.id not in skip)
-                and (epoch is None or md is None or md.get(_RESTORED, 0) <= epoch)
+                and (epoch is None or cd.restored <= epoch)
             ):
                 locked.append(node)
                 if check and cd.lock_ref <= 0:
@@ -479,7 +479,7 @@ class SWAComponent(TreeComponent):
                         raise InvalidLockError(
                             "SWA release without the lock's swa_uuid_for_lock receipt"
                         )
-                elif md is not None and md.get(_UUID) == uuid:
+                elif cd.uuid == uuid:
                     return locked
             node = node.parent
         if check and uuid is not None:
