@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from urc import checks, request_caching
+from urc import checks, eviction, request_caching
 from urc.components import component_class
 from urc.components.base import MatchValidator, TreeComponent
 from urc.components.full import FullComponent
@@ -52,8 +52,6 @@ __all__ = ["UnifiedRadixCache"]
 _FULL = 0
 _new_tuple = tuple.__new__
 _new_object = object.__new__
-# ``evict`` builds its result straight from the per-component tracker.
-assert len(EvictResult._fields) == NUM_COMPONENT_TYPES
 # Child keys of the root's namespaced children are (_NS, namespace, first page): the sentinel
 # keeps them from ever colliding with a plain (or bigram) token key.
 _NS = object()
@@ -534,114 +532,10 @@ class UnifiedRadixCache:
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least the requested amounts where possible (whole nodes, so maybe more).
 
-        Never frees locked data.  Returns what was freed per component.
+        Never frees locked data.  Returns what was freed per component (see
+        :mod:`urc.eviction`).
         """
-        if params.num_tokens < 0 or params.swa_num_tokens < 0 or params.mamba_num < 0:
-            raise InvalidInputError(f"evict amounts must not be negative: {params}")
-        tracker = [0] * NUM_COMPONENT_TYPES
-        for c in self._evict_drivers:
-            if c.evict_request(params) > 0:
-                c.drive_eviction(params, tracker)
-        evicted = self.counters.evicted
-        for k in self._device_evict_keys:
-            n = tracker[k[0]]
-            if n:
-                evicted[k] = evicted.get(k, 0) + n
-        return _new_tuple(EvictResult, tracker)  # EvictResult(*tracker), minus the call
-
-    def evict_device_leaf(self, node: TreeNode, tracker: list[int]) -> bool:
-        """Evict every component's device data of the device leaf ``node``.
-
-        Without a host copy the node is deleted (and any ancestors left with no data); with
-        one it is demoted to a host-only node.  Under write-back a node without a host copy is
-        backed up first; if that fails (host full), nothing happens and False is returned.
-        Caller checked that nothing on it is locked.
-        """
-        fcd = node.full
-        assert fcd is not None
-        if self.host_tier is not None and fcd.host_value is None:
-            if self.write_policy is WritePolicy.WRITE_BACK:
-                from urc.tiering import write_backup
-
-                if not write_backup(self, node):
-                    return False
-            elif node.children:
-                return False  # host-only children need this node's structure: keep it
-        data = node.data
-        for c, ct in self._evict_order:
-            if data[ct].value is not None:  # type: ignore[union-attr]
-                tracker[ct] += c.evict_component(node, Tier.DEVICE)
-        if fcd.host_value is not None:
-            self._demoted(node)
-            return True
-        if node.children:  # host-only children keep it as structure (write-back)
-            self.drop_if_empty(node, tracker)
-            return True
-        parent = node.parent
-        assert parent is not None
-        self.delete_leaf(node)  # nothing is left on it: no need to ask the components again
-        self.drop_if_empty(parent, tracker)
-        return True
-
-    def _demoted(self, node: TreeNode) -> None:
-        """``node`` just lost its device data but keeps its host copy."""
-        if not node.children:
-            self.full.note_host_leaf(node)
-        parent = node.parent
-        assert parent is not None
-        if not parent.in_heap and self.full.is_device_leaf(parent):
-            self.full.note_leaf(parent)
-
-    def cascade_evict(self, node: TreeNode, trigger: TreeComponent, tracker: list[int]) -> None:
-        """Evict ``trigger``'s device data on ``node`` and, by priority, the data of every
-        component with priority <= the trigger's (on a leaf all priorities are 0, so the
-        node goes).  Higher-priority data that is locked on a leaf is kept; locked
-        lower-priority data is a bug (assertion)."""
-        is_leaf = not node.children
-        if is_leaf and not node.data[_FULL].lock_ref:  # type: ignore[union-attr]
-            if self.evict_device_leaf(node, tracker):
-                return
-            is_leaf = False  # it could not go (write-back with a full host): tombstone it
-        trigger_prio = trigger.eviction_priority(False)
-        p = trigger.eviction_priority(is_leaf)
-        for c in reversed(self.components):
-            if c.eviction_priority(is_leaf) > p or not c.node_has_component_data(node):
-                continue
-            cd = node.data[c.component_type]
-            assert cd is not None
-            if cd.lock_ref:
-                assert c.eviction_priority(False) > trigger_prio, (
-                    f"cascade from {trigger.component_type.name} hit locked "
-                    f"{c.component_type.name} on node {node.id} (lock {cd.lock_ref})"
-                )
-                continue
-            tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
-        self.drop_if_empty(node, tracker)
-
-    def drop_if_empty(self, node: TreeNode, tracker: list[int]) -> None:
-        """Delete ``node`` and then each ancestor that is left childless with no data on any
-        tier; a childless ancestor that still has Full on device becomes an evictable leaf."""
-        full = self.full
-        while node.parent is not None and not node.children:
-            cd = node.data[_FULL]
-            assert cd is not None
-            if cd.value is not None:
-                if not node.in_heap and full.is_device_leaf(node):
-                    full.note_leaf(node)
-                return
-            if cd.host_value is not None:
-                if not node.in_host_heap and self.full.is_host_leaf(node):
-                    self.full.note_host_leaf(node)
-                return
-            assert cd.lock_ref == 0, f"node {node.id} without data is locked ({cd.lock_ref})"
-            for c in reversed(self.components):
-                if c.node_has_component_data(node):
-                    tracker[c.component_type] += c.evict_component(node, Tier.DEVICE)
-            parent = node.parent
-            self.delete_leaf(node)
-            node = parent
-        if node.parent is not None and not node.in_heap and full.is_device_leaf(node):
-            full.note_leaf(node)
+        return eviction.evict(self, params)
 
     # ================================================================== host tier (HiCache)
     def attach_host_tier(self, tier: HostTier, policy: WritePolicy) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from urc.errors import InvalidLockError
+from urc.eviction import drop_if_empty
 from urc.key import RadixKey
 from urc.params import EvictParams
 from urc.tiers import BackupTicket, HostTier, LoadTicket, TransferItem
@@ -322,7 +323,7 @@ def evict_host_leaf(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]
     parent = node.parent
     assert parent is not None
     cache.delete_leaf(node)
-    cache.drop_if_empty(parent, tracker)
+    drop_if_empty(cache, parent, tracker)
 
 
 def host_lock(cache: UnifiedRadixCache, node: TreeNode, delta: int) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from urc.components.base import EvictTracker, TreeComponent
 from urc.config import EvictionPolicy
 from urc.errors import InvalidLockError
+from urc.eviction import evict_device_leaf
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class FullComponent(TreeComponent):
                 continue
             pop(heap)
             node.in_heap = False
-            if not cache.evict_device_leaf(node, tracker):
+            if not evict_device_leaf(cache, node, tracker):
                 skipped[nid] = node  # could not be demoted (host full): keep it this call
         for node in skipped.values():
             if self.is_device_leaf(node):

@@ -55,6 +55,7 @@ from urc.errors import (
     InvalidLockError,
     OutOfMemoryError,
 )
+from urc.eviction import cascade_evict
 from urc.lru import LRUList
 from urc.params import EvictParams, MatchResult
 from urc.tiers import TransferItem
@@ -335,7 +336,7 @@ class MambaComponent(TreeComponent):
             else:
                 # Leaf: the node goes with every component (or, if its Full data is
                 # locked, every unlocked lower-priority component's data).
-                cache.cascade_evict(node, self, tracker)
+                cascade_evict(cache, node, self, tracker)
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"

@@ -52,6 +52,7 @@ import torch
 
 from urc.components.base import EvictTracker, MatchValidator, TreeComponent
 from urc.errors import ConfigError, InvalidInputError, InvalidLockError
+from urc.eviction import cascade_evict
 from urc.lru import LRUList
 from urc.pools.swa import SWATokenSlotAllocator
 from urc.tiers import TransferItem
@@ -389,7 +390,7 @@ class SWAComponent(TreeComponent):
                 # Gone or tombstoned by an earlier cascade in this batch, or locked.
                 if node.id not in od or cd.lock_ref:  # type: ignore[union-attr]
                     continue
-                cache.cascade_evict(node, self, tracker)
+                cascade_evict(cache, node, self, tracker)
                 progressed = True
             if not progressed:
                 if len(candidates) < batch:
