@@ -87,7 +87,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from enum import Enum
 from time import perf_counter
@@ -145,9 +144,10 @@ from urc.errors import (
 from urc.executor import CommandExecutor
 from urc.key import ExtraKey, RadixKey
 from urc.lease import Lease, NodeHandle
-from urc.observer import PullingObserver, ServiceObserver, ServiceSnapshot
+from urc.observer import PullingObserver, ServiceObserver
 from urc.params import EvictParams, EvictResult
 from urc.req import Req
+from urc.snapshots import LoopSnapshots, call_soon_threadsafe, running_asyncio_loop
 from urc.stats import CacheStats
 from urc.tree import ComponentType
 
@@ -170,10 +170,6 @@ T = TypeVar("T")
 # Trace hook: called by the actor after applying each command, before the reply is delivered,
 # with (command, result, error).  For tests (history recording, fault injection).
 TraceHook = Callable[[Command, Any, BaseException | None], None]
-
-# How long a snapshot asked for from another thread waits for the event loop before it falls
-# back to the newest one taken (the loop only runs it between two task steps).
-_SNAPSHOT_WAIT_S = 1.0
 
 
 class _OnCancel(Enum):
@@ -238,80 +234,6 @@ class _Call:
         self.done = False
         # Set by a caller that stopped waiting before the actor took the command.
         self.abandoned = False
-
-
-class _Snapshots:
-    """The service's :class:`~urc.observer.StatsSource` (see its contract).
-
-    Snapshots are only ever built on the event loop thread, between task steps, so never in
-    the middle of a command; another thread asks the loop for one with ``call_soon``.
-    """
-
-    __slots__ = ("_call_soon", "_final", "_last", "_seq", "_svc", "_thread")
-
-    def __init__(
-        self, svc: AsyncUnifiedRadixCache, call_soon: Callable[[Callable[[], None]], object]
-    ) -> None:
-        self._svc = svc
-        self._thread = threading.get_ident()
-        self._call_soon = call_soon
-        self._seq = 0
-        self._final: ServiceSnapshot | None = None
-        self._last = self.take()
-
-    def take(self) -> ServiceSnapshot:
-        """A new snapshot (event loop thread only)."""
-        self._seq += 1
-        snap = ServiceSnapshot(self._svc._cache.stats(), self._svc.queued, self._seq)
-        self._last = snap
-        return snap
-
-    def finish(self) -> None:
-        """The service stopped: from now on every caller gets the snapshot taken now."""
-        self._final = self.take()
-
-    def snapshot(self) -> ServiceSnapshot:
-        final = self._final
-        if final is not None:
-            return final
-        if threading.get_ident() == self._thread:
-            return self.take()
-        box: list[ServiceSnapshot] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box.append(self._final or self.take())
-            finally:
-                done.set()
-
-        try:
-            self._call_soon(run)
-        except Exception:  # the loop is gone (closed, or the trio run finished)
-            pass
-        else:
-            if done.wait(_SNAPSHOT_WAIT_S) and box:
-                return box[0]
-        return self._final or self._last
-
-
-def _call_soon_threadsafe() -> Callable[[Callable[[], None]], object]:
-    """How another thread schedules a callback on the running event loop."""
-    loop = _running_asyncio_loop()
-    if loop is not None:
-        return loop.call_soon_threadsafe
-    import trio  # the only other backend anyio runs on
-
-    return trio.lowlevel.current_trio_token().run_sync_soon
-
-
-def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
-    """The asyncio loop running the current task, or ``None`` (trio, trio guest mode)."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        return None
-    return None if task is None else task.get_loop()
 
 
 def _as_key(key: RadixKey | Sequence[int], extra_key: ExtraKey | str | None) -> RadixKey:
@@ -390,7 +312,7 @@ class AsyncUnifiedRadixCache:
         # Observer: ``_push_interval`` None: never push snapshots (the observer pulls);
         # 0.0: after every batch (plain observers); else at most that often, plus when the
         # actor goes idle.  ``_last_t``: end of the latest command (perf_counter).
-        self._snapshots: _Snapshots | None = None
+        self._snapshots: LoopSnapshots | None = None
         self._push_interval: float | None = 0.0
         self._pushed_at = -math.inf
         self._push_due = False
@@ -410,7 +332,7 @@ class AsyncUnifiedRadixCache:
         self._cancelled_exc = anyio.get_cancelled_exc_class()
         if _get_async_backend is not None:
             self._checkpoint_if_cancelled = _get_async_backend().checkpoint_if_cancelled
-        loop = _running_asyncio_loop()
+        loop = running_asyncio_loop()
         if loop is not None:
             self._on_asyncio = True
             self._new_reply = loop.create_future
@@ -422,7 +344,9 @@ class AsyncUnifiedRadixCache:
         self._send_nowait = self._send.send_nowait
         obs = self._observer
         if isinstance(obs, PullingObserver):
-            self._snapshots = _Snapshots(self, _call_soon_threadsafe())
+            self._snapshots = LoopSnapshots(
+                self._cache.stats, lambda: self.queued, call_soon_threadsafe()
+            )
             self._push_interval = obs.attach(self._snapshots)
         tg = anyio.create_task_group()
         await tg.__aenter__()
