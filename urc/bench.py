@@ -205,14 +205,15 @@ def run_phases(
 
 
 def _lock_phases(cache: UnifiedRadixCache, nodes: list[Any]) -> tuple[PhaseStats, PhaseStats]:
-    """Lock every matched node, then unlock every one, twice over.
+    """Lock every matched node, then unlock every one: once timed per call, then
+    ``_BATCH_PASSES`` times back to back.
 
     A lock costs well under a microsecond, so the two clock reads around each call would be
-    a third of what a per-call timing measures.  Pass 1 times each call (the p50/p99); pass 2
-    runs the calls back to back and times the whole loop (the throughput, ``ops_per_s``).
-    Each pass does the same work (every lock is released before the next); the back-to-back
-    pass runs ``_BATCH_PASSES`` times and the fastest counts, as ``timeit`` does: one pass
-    lasts about a millisecond, so a single one mostly measures the machine's noise."""
+    a third of what a per-call timing measures.  The first pass times each call (the
+    p50/p99); the back-to-back passes time the whole loop (the throughput, ``ops_per_s``),
+    and the fastest counts, as ``timeit`` does: one pass lasts about a millisecond, so a
+    single one mostly measures the machine's noise.  Every pass does the same work: each
+    lock is released before the next pass."""
     clock = time.perf_counter
     inc, dec = cache.inc_lock_ref, cache.dec_lock_ref
     lat_lock: list[float] = []

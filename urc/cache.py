@@ -615,7 +615,8 @@ class UnifiedRadixCache:
 
         Returns the receipt; pass ``receipt.to_dec_params()`` to :meth:`dec_lock_ref`.
         """
-        # The receipt is built inline (``IncLockRefResult.for_node`` without its call).
+        # The receipt is built field by field: its constructor's keyword parsing would cost
+        # as much as a FULL lock itself.
         result = _new_object(IncLockRefResult)
         result.node_id = node.id
         result.skip_lock_node_ids = {}
