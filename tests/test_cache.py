@@ -317,7 +317,11 @@ def test_eviction_policy_picks_its_victim(policy: EvictionPolicy, victim: str, h
         v = h.new_value(ps)
         h.cache.insert(InsertParams(key=RadixKey(keys[name]), value=v, priority=prio))
         h.held -= ps
-    for name in "aaabcd":  # a: most hits but least recent; b, c, d: one hit each
+    for _ in range(3):  # a: most hits (hits count on insert, as in SGLang) ...
+        v = h.new_value(ps)
+        h.cache.insert(InsertParams(key=RadixKey(keys["a"]), value=v, priority=1))
+        h.held -= ps
+    for name in "bcd":  # ... but least recent; b, c, d: one hit each (their insert)
         h.match(keys[name])
     assert h.cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == ps
     gone = [name for name, k in keys.items() if h.match(k).device_indices.shape[0] == 0]

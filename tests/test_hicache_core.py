@@ -119,10 +119,13 @@ def test_write_through_backs_up_on_first_hit() -> None:
 
 
 def test_write_through_selective_backs_up_on_second_hit() -> None:
+    # A hit is an insert that reaches the node (SGLang counts hits on insert only).
     cache = make(1, WritePolicy.WRITE_THROUGH_SELECTIVE)
     insert(cache, [1, 2, 3, 4])
     assert tiering.take_pending_backups(cache, 10) == []
     match(cache, [1, 2, 3, 4])
+    assert tiering.take_pending_backups(cache, 10) == []  # a match is not a hit
+    insert(cache, [1, 2, 3, 4])
     assert [n.key for n in tiering.take_pending_backups(cache, 10)] == [[1, 2, 3, 4]]
 
 

@@ -303,18 +303,28 @@ def test_evicting_swa_breaks_only_the_broken_window(h: SWAHarness) -> None:
     assert h.match(p + h.seq(800_000, 1))[0] == 0  # stops at the tombstone
 
 
+# SGLang's legacy ``test_swa_radix_cache_1`` scenario (page 1, window 4).  The expected
+# values are those of SGLang 0.5.16's ``UnifiedRadixCache`` on the same steps (run through the
+# development shim), not of the legacy ``SWARadixCache`` the test was written for: the unified
+# cache refreshes one window plus a page on insert end, so the whole of [1..5] stays warm and
+# the evictions take the [6, 7] / [10, 11, 12] / [60, 70] leaves instead.
+_LEGACY_INSERTS = ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12], [1, 2, 3, 4, 5, 60, 70])
+_LEGACY_EVICTS = ((1, 0), (0, 1), (1, 2))
+
+
 def test_legacy_swa_scenario() -> None:
-    """SGLang's legacy ``test_swa_radix_cache_1`` (page 1, window 4, kv 128 / swa 64)."""
     h = SWAHarness(1, 4, pages=128, swa_pages=64)
-    for tokens in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12], [1, 2, 3, 4, 5, 60, 70]):
-        h.insert(tokens)
-    h.evict(full=1, swa=0)
-    h.evict(full=0, swa=1)
-    h.evict(full=1, swa=2)
-    assert h.match([1, 2, 3, 4, 5])[0] == 0
+    prefix = [h.insert(tokens)[0].prefix_len for tokens in _LEGACY_INSERTS]
+    assert prefix == [0, 3, 0, 5]
+    trace = []
+    for full, swa in _LEGACY_EVICTS:
+        trace.append(h.evict(full=full, swa=swa))
+        trace.append((h.cache.full_evictable_size(), h.cache.swa_evictable_size()))
+    assert trace == [(3, 3), (9, 9), (2, 2), (7, 7), (2, 2), (5, 5)]
+    assert h.match([1, 2, 3, 4, 5])[0] == 5
     n, last = h.match([1, 2, 3, 4, 5, 60, 70])
-    assert n == 7
-    assert last.key == [60, 70]
+    assert n == 5
+    assert last.key == [4, 5]
 
 
 def test_legacy_swa_scenario_eagle() -> None:
@@ -329,7 +339,7 @@ def test_legacy_swa_scenario_eagle() -> None:
     )
     alloc = cache.token_to_kv_pool_allocator
     prefix = []
-    for tokens in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12], [1, 2, 3, 4, 5, 60, 70]):
+    for tokens in _LEGACY_INSERTS:
         v = alloc.alloc(len(tokens))
         assert v is not None
         r = cache.insert(InsertParams(key=RadixKey(tokens), value=v[: len(tokens) - 1]))
@@ -338,16 +348,19 @@ def test_legacy_swa_scenario_eagle() -> None:
         cache.sanity_check()
         cache.check_pools()
     assert prefix == [0, 2, 0, 4]
-    for full, swa in ((1, 0), (0, 1), (1, 2)):
-        cache.evict(EvictParams(num_tokens=full, swa_num_tokens=swa))
+    trace = []
+    for full, swa in _LEGACY_EVICTS:
+        r = cache.evict(EvictParams(num_tokens=full, swa_num_tokens=swa))
+        trace.append((r.num_tokens_evicted, r.swa_num_tokens_evicted))
+        trace.append((cache.full_evictable_size(), cache.swa_evictable_size()))
         cache.sanity_check()
         cache.check_pools()
-    assert (
-        cache.match_prefix(MatchPrefixParams(RadixKey([1, 2, 3, 4, 5]))).device_indices.numel() == 0
-    )
+    assert trace == [(2, 2), (8, 8), (2, 2), (6, 6), (2, 2), (4, 4)]
+    m = cache.match_prefix(MatchPrefixParams(RadixKey([1, 2, 3, 4, 5])))
+    assert m.device_indices.numel() == 4
     m = cache.match_prefix(MatchPrefixParams(RadixKey([1, 2, 3, 4, 5, 60, 70])))
-    assert m.device_indices.numel() == 6
-    assert m.last_device_node.key == [(5, 60), (60, 70)]
+    assert m.device_indices.numel() == 4
+    assert m.last_device_node.key == [(3, 4), (4, 5)]
 
 
 # ====================================================================== insert with a boundary

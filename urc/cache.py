@@ -144,6 +144,11 @@ class UnifiedRadixCache:
         self.root = self._new_root()
 
     # ================================================================== structure helpers
+    def touch(self, node: TreeNode) -> None:
+        """Stamp ``node`` with a fresh clock tick (it was just used)."""
+        self._clock += 1
+        node.last_access_time = self._clock
+
     def _new_data(self) -> list[ComponentData | None]:
         data: list[ComponentData | None] = [None] * NUM_COMPONENT_TYPES
         for c in self.components:
@@ -159,6 +164,11 @@ class UnifiedRadixCache:
         assert full is not None
         full.value = torch.empty(0, dtype=torch.int64, device=self.device)
         return root
+
+    @property
+    def root_node(self) -> TreeNode:
+        """SGLang's name for :attr:`root`."""
+        return self.root
 
     def component(self, ct: ComponentType) -> TreeComponent:
         """The component of type ``ct`` (``KeyError`` if the cache was built without it)."""
@@ -232,14 +242,17 @@ class UnifiedRadixCache:
 
     def split_node(self, child: TreeNode, k: int) -> TreeNode:
         """Split ``child`` after ``k`` tokens; returns the new upper node (``child`` keeps the
-        rest).  Components move their data; no size changes."""
+        rest).  Components move their data; no size changes.  Stamps the upper node, then
+        ``child``, with fresh clock ticks."""
         assert 0 < k < child.key_len and k % self.page_size == 0, (
             f"split of node {child.id} (len {child.key_len}) at {k}"
         )
         parent = child.parent
         assert parent is not None
-        upper = TreeNode(child.key[:k], parent, self._new_data(), child.namespace, 0)
-        upper.last_access_time = child.last_access_time
+        # Both halves are stamped, upper first (SGLang's order): the untouched tail below a
+        # split point counts as just used.
+        self._clock += 1
+        upper = TreeNode(child.key[:k], parent, self._new_data(), child.namespace, self._clock)
         upper.creation_time = child.creation_time
         upper.hit_count = child.hit_count
         upper.priority = child.priority
@@ -256,6 +269,8 @@ class UnifiedRadixCache:
             child.hash_value = child.hash_value[pages:]
         for c in self.components:
             c.redistribute_on_node_split(upper, child)
+        self._clock += 1
+        child.last_access_time = self._clock
         self.num_nodes += 1
         return upper
 
@@ -322,14 +337,12 @@ class UnifiedRadixCache:
                 v = c.create_match_validator(False)
                 if v is not None:
                     host_validators.append(v)
-        threshold = self._backup_threshold
         path: list[TreeNode] = []
         node = root
         pos = 0
         best = 0
         best_any = 0
         on_device = True
-        clock = self._clock
         ck = self._root_child_key(tokens, params.key.extra_key)
         descend = self._descend
         while True:
@@ -342,11 +355,6 @@ class UnifiedRadixCache:
                 if not tiered or fcd.host_value is None:
                     break
                 on_device = False  # the device hit ends above the first host-only node
-            clock += 1
-            child.last_access_time = clock
-            child.hit_count += 1
-            if threshold is not None and child.hit_count >= threshold:
-                self._note_hit(child)
             path.append(child)
             pos += m
             if on_device:
@@ -367,6 +375,13 @@ class UnifiedRadixCache:
                 break
             node = child
             ck = tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
+        # Only the best match and its ancestors are stamped, after the walk, parent < child
+        # (SGLang's order); nodes walked past the best keep their age.
+        matched = best_any if tiered else best
+        clock = self._clock
+        for p in path[:matched]:
+            clock += 1
+            p.last_access_time = clock
         self._clock = clock
         counters = self.counters
         counters.match_requests += 1
@@ -386,7 +401,7 @@ class UnifiedRadixCache:
                 last_host_node=host_node, best_match_node=host_node, host_hit_length=host_len
             )
         for c in self._match_end_hooks:
-            c.on_match_end(path, best)
+            c.on_match_end(path, matched)
         for c in self._finalize_hooks:
             result = c.finalize_match_result(result, params, path, best, pos)
         hits = counters.hit_tokens
@@ -429,6 +444,8 @@ class UnifiedRadixCache:
         change.  Returns ``prefix_len`` (tokens that were already cached) and the target node.
         """
         key = params.key
+        if key is None:
+            raise InvalidInputError("insert needs a key")
         if self.is_eagle and not key.is_bigram:
             key = key.bigram()
         n_key = len(key)
@@ -445,26 +462,25 @@ class UnifiedRadixCache:
         prev = params.prev_prefix_len
         priority = params.priority
         overlap_hooks = self._overlap_hooks
+        # SGLang counts hits on insert only: not for chunked prefills, never under write-back.
+        count_hits = not params.chunked and self.write_policy is not WritePolicy.WRITE_BACK
+        note_hits = count_hits and self._backup_threshold is not None
         path: list[TreeNode] = []
         free_ranges: list[tuple[int, int]] = []
         node = self.root
         pos = 0
-        clock = self._clock
         ns = key.extra_key
         ck = self._root_child_key(tokens, ns)
         descend = self._descend
         while pos < n:
-            child, m, _ = descend(node, ck, tokens, pos)
+            child, m, split = descend(node, ck, tokens, pos)
             if child is None:
                 break
-            clock += 1
-            child.last_access_time = clock
+            if not split:  # a split stamped both halves already
+                self._clock += 1
+                child.last_access_time = self._clock
             if priority > child.priority:
                 child.priority = priority
-            if not params.chunked:
-                child.hit_count += 1
-                if self._backup_threshold is not None:
-                    self._note_hit(child)
             fcd = child.full
             assert fcd is not None
             if fcd.value is None:
@@ -484,12 +500,15 @@ class UnifiedRadixCache:
                         free_ranges[-1] = (free_ranges[-1][0], end)
                     else:
                         free_ranges.append((start, end))
+            if count_hits:  # after the hooks: a recovery split leaves ``child`` the lower part
+                child.hit_count += 1
+                if note_hits:
+                    self._note_hit(child)
             path.append(child)
             pos += m
             node = child
             if pos < n:
                 ck = tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
-        self._clock = clock
         for a, b in free_ranges:
             # A copy: the allocator keeps what it is given, and the caller may overwrite its
             # tensor (cache_unfinished_req rewrites the req_to_token row it passed).
@@ -498,10 +517,6 @@ class UnifiedRadixCache:
         if pos < n:
             self.counters.inserted_tokens += n - pos
             target = self._add_leaf(node, tokens[pos:], value[pos:n].clone(), ns, priority)
-            if not params.chunked:
-                target.hit_count = 1
-                if self._backup_threshold is not None:
-                    self._note_hit(target)
             path.append(target)
             is_new_leaf = True
         else:
@@ -513,6 +528,11 @@ class UnifiedRadixCache:
         result.last_device_node = target
         for c in self._insert_end_hooks:
             c.on_insert_end(path)
+        if is_new_leaf and count_hits:  # counted after the commit hooks split it (SGLang)
+            leaf = path[-1]
+            leaf.hit_count += 1
+            if note_hits:
+                self._note_hit(leaf)
         return result
 
     def _adopt_device_value(
@@ -737,6 +757,23 @@ class UnifiedRadixCache:
     def total_size(self) -> int:
         """Full device tokens held by the tree."""
         return self.full.evictable_size + self.full.protected_size
+
+    def available_and_evictable_str(self) -> str:
+        """Free slots plus evictable size, Full first, then one line per other component
+        (SGLang's log text)."""
+        full = self.full
+        free, evictable = full.pool_available(), full.evictable_size
+        lines = [
+            f"Available full tokens: {free + evictable} "
+            f"(full_available_size={free} + full_evictable_size_={evictable})"
+        ]
+        for c in self.components[1:]:
+            free, evictable = c.pool_available(), c.evictable_size
+            lines.append(
+                f"Available {c.component_type.name.lower()}: {free + evictable} "
+                f"(available_size={free} + component_evictable_size_={evictable})"
+            )
+        return "\n".join(lines) + "\n"
 
     def supports_swa(self) -> bool:
         return ComponentType.SWA in self._by_type

@@ -56,19 +56,48 @@ class MatchResult(NamedTuple):
     mamba_branching_seqlen: int | None = None
     cache_protected_len: int | None = None
 
+    @property
+    def device_prefix_len(self) -> int:
+        """Tokens of the device hit (SGLang 0.5.23's name for ``len(device_indices)``)."""
+        return int(self.device_indices.shape[0])
+
 
 @dataclass(slots=True)
 class InsertParams:
     """What to insert.  Indices ``value[:prev_prefix_len]`` already belong to the tree (the
-    caller got them from a match); duplicates past it are freed by ``insert``."""
+    caller got them from a match); duplicates past it are freed by ``insert``.
 
-    key: RadixKey
+    Mutable, as SGLang's: callers may build it empty and fill ``key`` and ``value`` later
+    (``insert`` raises :class:`~urc.errors.InvalidInputError` if either is still missing).
+    ``component_evicted_seqlens`` is SGLang 0.5.23's per-component form of
+    ``swa_evicted_seqlen``; when it names a component it wins (read it with
+    :meth:`get_evicted_seqlen`).
+    """
+
+    key: RadixKey | None = None
     value: torch.Tensor | None = None
     mamba_value: torch.Tensor | None = None
     prev_prefix_len: int = 0
     swa_evicted_seqlen: int = 0
     chunked: bool = False
     priority: int = 0
+    component_evicted_seqlens: dict[ComponentType, int] | None = None
+
+    def get_evicted_seqlen(self, ct: ComponentType) -> int:
+        """Tokens below which component ``ct``'s slots of the request were already freed."""
+        d = self.component_evicted_seqlens
+        if d is not None and ct in d:
+            return d[ct]
+        return self.swa_evicted_seqlen if ct is ComponentType.SWA else 0
+
+    def set_evicted_seqlen(self, ct: ComponentType, seqlen: int) -> None:
+        """Set what :meth:`get_evicted_seqlen` returns for ``ct``."""
+        if ct is ComponentType.SWA:
+            self.swa_evicted_seqlen = seqlen
+        if self.component_evicted_seqlens is not None or ct is not ComponentType.SWA:
+            if self.component_evicted_seqlens is None:
+                self.component_evicted_seqlens = {}
+            self.component_evicted_seqlens[ct] = seqlen
 
 
 @dataclass(slots=True)
@@ -83,9 +112,9 @@ class InsertResult:
     inserted_host_node: TreeNode | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EvictParams:
-    """How much to free: Full tokens, SWA tokens, Mamba states."""
+    """How much to free: Full tokens, SWA tokens, Mamba states (mutable, as SGLang's)."""
 
     num_tokens: int = 0
     swa_num_tokens: int = 0

@@ -150,6 +150,11 @@ class TreeNode:
         return self.parent is None
 
     @property
+    def component_data(self) -> list[ComponentData | None]:
+        """SGLang's name for :attr:`data` (indexed by ``ComponentType``)."""
+        return self.data
+
+    @property
     def lock_ref(self) -> int:
         """Full lock count (SGLang exposes ``node.lock_ref`` on classic trees)."""
         cd = self.data[0]

@@ -296,6 +296,7 @@ class MambaComponent(TreeComponent):
             # The node keeps its state; the caller still owns (and frees) its slot.
             result.mamba_exist = True
             self.lru.promote(node)
+            self.cache.touch(node)  # an insert onto an existing node re-stamps it (SGLang)
             return node
         mv = params.mamba_value
         if mv is None:
@@ -310,13 +311,16 @@ class MambaComponent(TreeComponent):
         self.pool.adopt(slot)
         self.lru.insert_mru(node)
         self.evictable_size += 1
+        if not is_new_leaf:
+            self.cache.touch(node)
         return node
 
     # ------------------------------------------------------------------ split
     def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
         # The state belongs to the end of the key, which stays with ``child``; the new upper
-        # node starts with no state and no lock (``new_data``).  Nothing moves.
-        return None
+        # node starts with no state and no lock (``new_data``).  A split counts as a use of
+        # ``child``: it moves to the MRU end (as in every auxiliary LRU).
+        self.lru.promote(child)
 
     # ------------------------------------------------------------------ eviction
     def evict_request(self, params: EvictParams) -> int:

@@ -144,7 +144,7 @@ class SWAComponent(TreeComponent):
         """``swa_evicted_seqlen`` rounded up to a page: below it there is no SWA data (a
         partly freed page has no usable SWA page)."""
         ps = self.page_size
-        return -(-params.swa_evicted_seqlen // ps) * ps
+        return -(-params.get_evicted_seqlen(ComponentType.SWA) // ps) * ps
 
     # ------------------------------------------------------------------ match
     def finalize_match_result(
@@ -194,9 +194,10 @@ class SWAComponent(TreeComponent):
         return validate_any_tier
 
     def _refresh(self, node: TreeNode) -> None:
-        """Move the nodes covering one window above ``node`` (inclusive) to the MRU end,
-        ancestors first; tombstones count toward the window but are not in the list."""
-        window = self.window
+        """Move the nodes covering one window plus one page above ``node`` (inclusive) to the
+        MRU end, ancestors first; tombstones count toward the span but are not in the list.
+        (SGLang's span: the extra page covers a window that starts mid-page.)"""
+        window = self.window + self.page_size
         od = self._od
         if node.key_len >= window:
             if node.data[_SWA].value is not None:  # type: ignore[union-attr]
@@ -222,7 +223,7 @@ class SWAComponent(TreeComponent):
 
     # ------------------------------------------------------------------ insert
     def validate_insert(self, params: InsertParams, key_len: int) -> None:
-        s = params.swa_evicted_seqlen
+        s = params.get_evicted_seqlen(ComponentType.SWA)
         # An EAGLE key is one shorter than the request's token ids.
         limit = key_len + 1 if self.cache.is_eagle else key_len
         if not 0 <= s <= limit:
@@ -579,7 +580,7 @@ class SWAComponent(TreeComponent):
     def prepare_for_caching_req(
         self, req: Req, params: InsertParams, token_len: int, is_finished: bool
     ) -> int | None:
-        params.swa_evicted_seqlen = min(req.swa_evicted_seqlen, token_len)
+        params.set_evicted_seqlen(ComponentType.SWA, min(req.swa_evicted_seqlen, token_len))
         return None
 
     def free_out_of_window_slots(self, req: Req, pre_len: int) -> int:
