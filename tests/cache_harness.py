@@ -107,6 +107,28 @@ def start_request(cache: UnifiedRadixCache, tokens: list[int], out_len: int) -> 
     return req
 
 
+def running_request(h: Harness, input_ids: list[int], output_ids: list[int], over: int = 0) -> Req:
+    """A request that prefilled and decoded into fresh slots (after matching its prefix),
+    with ``over`` more slots allocated past what it computed (speculative decoding)."""
+    cache = h.cache
+    req = Req(rid="r", origin_input_ids=input_ids, output_ids=output_ids)
+    row = cache.req_to_token_pool.alloc()
+    assert row is not None
+    req.req_pool_idx = row
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(input_ids)))
+    req.prefix_indices = m.device_indices
+    req.last_node = m.last_device_node
+    req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
+    req.cache_protected_len = m.device_indices.shape[0]
+    total = len(input_ids) + len(output_ids)
+    own = h.new_value(total + over - req.cache_protected_len)
+    cache.req_to_token_pool.write(row, 0, torch.cat([m.device_indices, own]))
+    req.kv_committed_len = total
+    req.kv_allocated_len = total + over
+    h.check()
+    return req
+
+
 def pins(cache: UnifiedRadixCache) -> int:
     """Device and host locks held on every node (0 once nothing is in flight)."""
     return sum(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_harness import Harness, seq
+from cache_harness import Harness, running_request, seq
 
 from urc import (
     CacheConfig,
@@ -24,10 +24,11 @@ from urc import (
     KeyValueMismatchError,
     MatchPrefixParams,
     RadixKey,
-    Req,
     build_cache,
 )
 from urc.tree import TreeNode
+
+FULL = ComponentType.FULL
 
 PAGE_SIZES = [1, 4, 16, 64]
 
@@ -350,32 +351,11 @@ def test_dec_lock_ref_on_an_unlocked_node_is_a_typed_error_and_changes_nothing(
     h.check()
 
 
-def _request(h: Harness, input_ids: list[int], output_ids: list[int]) -> Req:
-    """A request that prefilled and decoded into fresh slots (after matching its prefix)."""
-    cache = h.cache
-    req = Req(rid="r", origin_input_ids=input_ids, output_ids=output_ids)
-    row = cache.req_to_token_pool.alloc()
-    assert row is not None
-    req.req_pool_idx = row
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(input_ids)))
-    prefix = m.device_indices
-    req.prefix_indices = prefix
-    req.last_node = m.last_device_node
-    req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
-    req.cache_protected_len = prefix.shape[0]
-    total = len(input_ids) + len(output_ids)
-    own = h.new_value(total - prefix.shape[0])
-    cache.req_to_token_pool.write(row, 0, torch.cat([prefix, own]))
-    req.kv_committed_len = req.kv_allocated_len = total
-    h.check()
-    return req
-
-
 def test_cache_finished_req_inserts_and_frees_the_unaligned_tail(h: Harness) -> None:
     ps = h.page_size
     inp = seq(0, 3, ps)
     out = seq(10_000, 1, ps)[: max(1, ps // 2)]
-    req = _request(h, inp, out)
+    req = running_request(h, inp, out)
     held_by_req = h.held
     h.cache.cache_finished_req(req)
     h.held = 0
@@ -392,7 +372,7 @@ def test_cache_finished_req_reuses_a_cached_prefix(h: Harness) -> None:
     ps = h.page_size
     inp = seq(0, 3, ps)
     h.insert(inp)
-    req = _request(h, inp + seq(7000, 1, ps), seq(10_000, 1, ps))
+    req = running_request(h, inp + seq(7000, 1, ps), seq(10_000, 1, ps))
     assert req.cache_protected_len == len(inp)
     assert h.cache.protected_size() == len(inp)
     h.cache.cache_finished_req(req)
@@ -405,7 +385,7 @@ def test_cache_finished_req_reuses_a_cached_prefix(h: Harness) -> None:
 def test_cache_finished_req_without_insert_frees_everything_it_owned(h: Harness) -> None:
     ps = h.page_size
     inp = seq(0, 3, ps)
-    req = _request(h, inp, seq(10_000, 1, ps))
+    req = running_request(h, inp, seq(10_000, 1, ps))
     h.cache.cache_finished_req(req, is_insert=False)
     h.held = 0
     h.check()
@@ -416,7 +396,7 @@ def test_cache_finished_req_without_insert_frees_everything_it_owned(h: Harness)
 def test_cache_unfinished_req_locks_the_new_last_node(h: Harness) -> None:
     ps = h.page_size
     inp = seq(0, 4, ps) + [7] * (ps // 2)
-    req = _request(h, inp, [])
+    req = running_request(h, inp, [])
     req.kv_committed_len = len(inp)
     h.cache.cache_unfinished_req(req)
     aligned = len(inp) // ps * ps
@@ -547,3 +527,34 @@ def test_pretty_print_and_stats(h: Harness, capsys: pytest.CaptureFixture[str]) 
     assert stats.inserted_tokens == 2 * ps
     full = stats.component(ComponentType.FULL)
     assert full is not None and full.evictable == 2 * ps
+
+
+@pytest.mark.parametrize(
+    "components",
+    [(FULL,), (FULL, ComponentType.SWA), (FULL, ComponentType.MAMBA)],
+    ids=["full", "swa", "mamba"],
+)
+def test_sglang_names_root_node_component_data_and_available_and_evictable_str(
+    components: tuple[ComponentType, ...],
+) -> None:
+    cache = build_cache(
+        CacheConfig(components=components, kv_size=64, sliding_window_size=4, mamba_size=8)
+    )
+    assert cache.root_node is cache.root
+    v = cache.token_to_kv_pool_allocator.alloc(4)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=v))
+    (node,) = cache.iter_nodes()
+    assert node.component_data is node.data
+    assert node.component_data[FULL] is node.full
+    lines = cache.available_and_evictable_str().splitlines()
+    assert lines[0] == (
+        f"Available full tokens: {cache.full.pool_available() + 4} "
+        f"(full_available_size={cache.full.pool_available()} + full_evictable_size_=4)"
+    )
+    assert len(lines) == len(components)
+    for line, ct in zip(lines[1:], components[1:], strict=True):
+        c = cache.component(ct)
+        total = c.pool_available() + c.evictable_size
+        assert line.startswith(f"Available {ct.name.lower()}: {total} ")
+    cache.sanity_check()
+    cache.check_pools()

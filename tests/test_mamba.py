@@ -469,12 +469,13 @@ def test_freeing_a_tree_owned_slot_is_refused() -> None:
     srv.check()
 
 
-def test_unaligned_snapshot_is_refused() -> None:
+def test_snapshot_past_the_computed_tokens_is_refused() -> None:
+    # (An unaligned snapshot is aligned down to a page, as SGLang does: test_mamba_requests.)
     cache = make(4)
     srv = Server(cache)
     req = srv.start(pages(4, 1, 2), buffer=2)
     srv.compute(req, 8, track=8)
-    req.mamba_last_track_seqlen = 6
+    req.mamba_last_track_seqlen = 12
     before = snapshot(cache)
     with pytest.raises(InvalidInputError):
         cache.cache_unfinished_req(req)

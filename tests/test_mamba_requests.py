@@ -185,3 +185,15 @@ def test_alloc_helpers_raise_when_out_of_slots() -> None:
     check(cache, (req,))
     m.free_req_slots(req)
     check(cache)
+
+
+@pytest.mark.parametrize("ps", [4, 16])
+def test_unaligned_track_seqlen_is_aligned_down_to_a_page(ps: int) -> None:
+    cache = make(ps, kv_pages=64)
+    srv = Server(cache)
+    seq = pages(ps, *range(1, 7))  # 6 pages
+    req = srv.start(seq, buffer=2)
+    srv.compute(req, len(seq), track=4 * ps + ps // 2)  # a snapshot mid-page
+    srv.finish(req)
+    srv.check()
+    assert match(cache, seq).device_indices.shape[0] == 4 * ps  # the state's page boundary

@@ -707,10 +707,13 @@ class UnifiedRadixCache:
             params.skip_swa = True
 
     # ================================================================== request caching
-    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
-        """Hand a finished request's KV to the tree and release everything it held (see
+    def cache_finished_req(
+        self, req: Req, is_insert: bool = True, *, kv_len_to_handle: int | None = None
+    ) -> None:
+        """Hand a finished request's KV to the tree and release everything it held;
+        ``kv_len_to_handle`` caps the tokens cached (see
         :func:`urc.request_caching.cache_finished_req` for the KV ranges)."""
-        request_caching.cache_finished_req(self, req, is_insert)
+        request_caching.cache_finished_req(self, req, is_insert, kv_len_to_handle)
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Cache the KV computed so far and move the request's lock onto it (see

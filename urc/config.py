@@ -36,6 +36,8 @@ class CacheConfig:
     Sizes are in tokens (``kv_size``, ``swa_kv_size``) or state slots (``mamba_size``).
     ``sliding_window_size`` is required with SWA; ``mamba_chunk_size`` is the granularity at
     which Mamba state checkpoints are taken (``mamba_branching_seqlen`` is aligned to it).
+    ``strip_thinking_cache``: ``cache_finished_req`` of a request with ``reasoning_tokens``
+    caches only the prompt (the thinking and the answer after it are not reused verbatim).
     """
 
     components: tuple[ComponentType, ...] = (ComponentType.FULL,)
@@ -53,6 +55,9 @@ class CacheConfig:
     device: str = "cpu"
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     is_eagle: bool = False
+    # Reasoning models: a finished request that produced thinking tokens caches its prompt
+    # only (SGLang's ``strip_thinking_cache``); its output KV is freed.
+    strip_thinking_cache: bool = False
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)

@@ -8,6 +8,11 @@ KV ranges of a request (token positions)::
     [0, cache_protected_len)                    tree-owned: matched earlier, locked via last_node
     [cache_protected_len, kv_committed_len)     request-owned slots with computed KV
     [kv_committed_len, kv_allocated_len)        request-owned slots allocated but not computed
+                                                (over-allocated: speculative decoding)
+
+``cache_finished_req`` frees all of a request's slots that the tree does not take, unless the
+caller took a range first with ``pop_committed_kv_cache`` / ``pop_overallocated_kv_cache``
+(SGLang's scheduler protocol): a popped range is the caller's to free.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from urc.errors import InvalidInputError
 from urc.key import ExtraKey
 
 if TYPE_CHECKING:
@@ -54,11 +60,49 @@ class Req:
     mamba_ping_pong_track_buffer: torch.Tensor | None = None
     mamba_next_track_idx: int = 0
     mamba_branching_seqlen: int | None = None
+    # Thinking tokens among the output (``CacheConfig.strip_thinking_cache``).
+    reasoning_tokens: int = 0
+    # Ranges the caller took over with the ``pop_*`` methods (it frees them itself).
+    kv_committed_freed: bool = False
+    kv_overallocated_freed: bool = False
+    _fill_ids: list[int] | None = field(default=None, init=False, repr=False)
 
     @property
     def fill_ids(self) -> list[int]:
-        """Input then output token ids."""
-        return self.origin_input_ids + self.output_ids
+        """The tokens whose KV is in the request's row: input then output token ids, or what
+        was last assigned (SGLang's scheduler sets the chunk filled so far)."""
+        fill = self._fill_ids
+        return self.origin_input_ids + self.output_ids if fill is None else fill
+
+    @fill_ids.setter
+    def fill_ids(self, tokens: list[int]) -> None:
+        """Mutates: the KV of ``tokens`` counts as computed (``kv_committed_len``, and
+        ``kv_allocated_len`` if it was lower)."""
+        self._fill_ids = list(tokens)
+        self.kv_committed_len = len(tokens)
+        self.kv_allocated_len = max(self.kv_allocated_len, len(tokens))
+
+    def get_fill_ids(self) -> list[int]:
+        """:attr:`fill_ids` (SGLang's accessor)."""
+        return self.fill_ids
+
+    def pop_committed_kv_cache(self) -> int:
+        """Take over ``[cache_protected_len, kv_committed_len)``: returns
+        ``kv_committed_len``; ``cache_finished_req`` will no longer insert or free it.
+        Raises :class:`~urc.errors.InvalidInputError` if already taken."""
+        if self.kv_committed_freed:
+            raise InvalidInputError(f"request {self.rid}: committed KV already taken")
+        self.kv_committed_freed = True
+        return self.kv_committed_len
+
+    def pop_overallocated_kv_cache(self) -> tuple[int, int]:
+        """Take over the over-allocated range: returns ``(kv_committed_len,
+        kv_allocated_len)``; ``cache_finished_req`` will no longer free it.  Raises
+        :class:`~urc.errors.InvalidInputError` if already taken."""
+        if self.kv_overallocated_freed:
+            raise InvalidInputError(f"request {self.rid}: over-allocated KV already taken")
+        self.kv_overallocated_freed = True
+        return self.kv_committed_len, self.kv_allocated_len
 
     @property
     def swa_uuid_for_lock(self) -> int | None:

@@ -15,7 +15,7 @@ import torch
 
 from urc.errors import InvalidInputError
 from urc.key import RadixKey
-from urc.params import InsertParams, InsertResult
+from urc.params import InsertParams, InsertResult, MatchPrefixParams
 from urc.req import Req
 from urc.tree import TreeNode
 
@@ -36,11 +36,11 @@ def _row(cache: UnifiedRadixCache, req: Req, is_finished: bool) -> int:
 
 
 def _prepare(
-    cache: UnifiedRadixCache, req: Req, is_finished: bool, chunked: bool
+    cache: UnifiedRadixCache, req: Req, n_tokens: int, is_finished: bool, chunked: bool
 ) -> tuple[InsertParams, RadixKey, int]:
-    """Insert params filled by the components, the tree key of the committed tokens
-    (truncated where a component asked) and its page-aligned length."""
-    token_ids = req.fill_ids[: req.kv_committed_len]
+    """Insert params filled by the components, the tree key of the first ``n_tokens``
+    tokens (truncated where a component asked) and its page-aligned length."""
+    token_ids = req.fill_ids[:n_tokens]
     params = InsertParams(
         key=RadixKey(token_ids, req.extra_key),
         prev_prefix_len=req.cache_protected_len,
@@ -58,33 +58,61 @@ def _prepare(
     return params, key, n_key - n_key % cache.page_size
 
 
-def cache_finished_req(cache: UnifiedRadixCache, req: Req, is_insert: bool = True) -> None:
+def _handled_len(cache: UnifiedRadixCache, req: Req, kv_len_to_handle: int | None) -> int:
+    """Tokens ``cache_finished_req`` may cache: ``kv_len_to_handle``, or the committed
+    length (the prompt only, under ``strip_thinking_cache`` after thinking tokens)."""
+    committed = req.kv_committed_len
+    if kv_len_to_handle is not None:
+        if not 0 <= kv_len_to_handle <= committed:
+            raise InvalidInputError(
+                f"kv_len_to_handle must be in [0, {committed}], got {kv_len_to_handle}"
+            )
+        return kv_len_to_handle
+    if cache.config.strip_thinking_cache and req.reasoning_tokens > 0:
+        return min(committed, len(req.origin_input_ids))
+    return committed
+
+
+def cache_finished_req(
+    cache: UnifiedRadixCache, req: Req, is_insert: bool = True, kv_len_to_handle: int | None = None
+) -> None:
     """Hand a finished request's KV to the tree and release everything it held.
 
-    KV ranges (token positions of ``req``; ``a`` = inserted length, page-aligned)::
+    KV ranges (token positions of ``req``; ``h`` = tokens handled (``kv_len_to_handle``, or
+    see :func:`_handled_len`), ``a`` = inserted length (``h`` page-aligned and truncated
+    where a component asks), ``c`` = committed, ``e`` = allocated)::
 
         [0, cache_protected_len)           tree-owned; unlocked here
         [cache_protected_len, a)           inserted; duplicates of cached tokens freed
-        [max(a, protected), allocated)     unaligned tail, truncated or uncomputed: freed
+        [max(a, protected), c)             unaligned tail, truncated, stripped thinking: freed
+        [c, e)                             over-allocated (never computed): freed
 
-    Frees the request's ``req_to_token`` row.  With ``is_insert=False`` nothing is
-    inserted and ``[cache_protected_len, allocated)`` is freed.
+    A range the caller took with ``req.pop_committed_kv_cache()`` (``[protected, c)``: not
+    inserted either) or ``req.pop_overallocated_kv_cache()`` (``[c, e)``) is the caller's
+    to free.  Frees the request's ``req_to_token`` row.  With ``is_insert=False`` nothing
+    is inserted.  Raises :class:`~urc.errors.InvalidInputError` (nothing changed) for a
+    ``kv_len_to_handle`` outside ``[0, c]``.
     """
     row = _row(cache, req, True)
-    allocated = max(req.kv_allocated_len, req.kv_committed_len)
+    handled = _handled_len(cache, req, kv_len_to_handle)
+    committed = req.kv_committed_len
+    allocated = max(req.kv_allocated_len, committed)
     kv = cache.req_to_token_pool.read(row, 0, allocated)
     params: InsertParams | None = None
     result: InsertResult | None = None
-    keep = req.cache_protected_len
-    if is_insert:
-        params, key, aligned = _prepare(cache, req, True, False)
+    free_start = req.cache_protected_len
+    free_end = committed if req.kv_overallocated_freed else allocated
+    if req.kv_committed_freed:
+        free_start = max(free_start, committed)
+    elif is_insert:
+        params, key, aligned = _prepare(cache, req, handled, True, False)
         if aligned > 0:
             params.key = key[:aligned]
             params.value = kv[:aligned]
             result = cache.insert(params)
-        keep = max(aligned, keep)
-    if keep < allocated:
-        cache.free_request_kv(kv[keep:allocated])
+        free_start = max(aligned, free_start)
+    if free_start < free_end:
+        cache.free_request_kv(kv[free_start:free_end])
     release_req_lock(cache, req)
     for c in cache._cleanup_hooks:
         c.cleanup_after_caching_req(req, True, result, params)
@@ -95,32 +123,41 @@ def cache_finished_req(cache: UnifiedRadixCache, req: Req, is_insert: bool = Tru
 def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = False) -> None:
     """Cache the KV computed so far (chunked prefill) and keep the request going.
 
-    Inserts ``[0, a)`` (``a``: committed length, page-aligned), rewrites the request's
-    ``req_to_token`` row with the tree's indices for that range (duplicates were freed),
-    moves the request's lock to the node ending at ``a`` and sets ``prefix_indices``,
-    ``cache_protected_len == len(prefix_indices) == a`` and ``last_node``.
-    The unaligned tail stays request-owned.
+    As SGLang: inserts ``[0, a)`` (``a``: committed length, page-aligned), then matches the
+    same key, rewrites the request's ``req_to_token`` row with the tree's indices for the
+    hit (duplicates were freed), moves the request's lock to the node ending the hit and
+    sets ``prefix_indices``, ``cache_protected_len == len(prefix_indices)`` and
+    ``last_node``.  The unaligned tail stays request-owned.
+
+    One deliberate difference: where the match stops short of ``a`` (an SWA window or a
+    Mamba state missing at the end), SGLang would leave tree-owned slots in the request's
+    unprotected range (freed twice at finish); here the lock and ``cache_protected_len``
+    cover the whole inserted path instead.
     """
     row = _row(cache, req, False)
-    params, key, aligned = _prepare(cache, req, False, chunked)
+    params, key, aligned = _prepare(cache, req, req.kv_committed_len, False, chunked)
     result: InsertResult | None = None
     if aligned > 0 and aligned >= req.cache_protected_len:
         params.key = key[:aligned]
         params.value = cache.req_to_token_pool.read(row, 0, aligned)
         result = cache.insert(params)
-        last = result.last_device_node
+        hit = cache.match_prefix(MatchPrefixParams(key=params.key))
+        last: TreeNode | None = hit.last_device_node
+        indices = hit.device_indices
+        if indices.shape[0] != aligned:
+            last = result.last_device_node  # see the docstring
+            assert last is not None
+            indices = _path_indices(cache, last)
         assert last is not None
-        indices = _path_indices(cache, last)
         assert indices.shape[0] == aligned, f"path holds {indices.shape[0]} != {aligned}"
         protected = req.cache_protected_len
         if aligned > protected:
             cache.req_to_token_pool.write(row, protected, indices[protected:])
-        receipt = cache.inc_lock_ref(last)  # lock the new node before unlocking the old one
-        release_req_lock(cache, req)
+        release_req_lock(cache, req)  # SGLang's order: the old lock goes first
+        req.lock_receipt = cache.inc_lock_ref(last)
         req.prefix_indices = indices
         req.cache_protected_len = aligned
         req.last_node = last
-        req.lock_receipt = receipt
     for c in cache._cleanup_hooks:
         c.cleanup_after_caching_req(req, False, result, params)
 

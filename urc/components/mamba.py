@@ -541,10 +541,11 @@ class MambaComponent(TreeComponent):
     ) -> int | None:
         """Picks the state slot to insert (``params.mamba_value``) and the key length.
 
-        Ping-pong mode: returns ``t`` (the key is truncated to the last snapshot; ``None``
-        snapshot -> 0, nothing cached).  A finished request offers ``buffer[keep]``; an
-        unfinished one donates it (the buffer gets a fresh slot, evicting one state if
-        needed; no donation when no slot can be had or nothing will be inserted).
+        Ping-pong mode: returns ``t`` (the key is truncated to the last snapshot, aligned
+        down to a page; ``None`` snapshot -> 0, nothing cached).  A finished request offers
+        ``buffer[keep]``; an unfinished one donates it (the buffer gets a fresh slot,
+        evicting one state if needed; no donation when no slot can be had or nothing will
+        be inserted).
         Otherwise the live state ``req.mamba_pool_idx`` (finished: itself; unfinished: a
         fork) is offered when the key ends on a page boundary; no truncation.
         """
@@ -554,11 +555,11 @@ class MambaComponent(TreeComponent):
             t = req.mamba_last_track_seqlen
             if t is None:
                 return 0
+            if t > token_len:
+                raise InvalidInputError(f"mamba_last_track_seqlen {t} must be <= {token_len}")
             klen = self._key_len(t)
-            if t > token_len or klen % ps:
-                raise InvalidInputError(
-                    f"mamba_last_track_seqlen {t} must be <= {token_len} and page-aligned"
-                )
+            t -= klen % ps  # aligned down to a page, as SGLang's page-aligned key does
+            klen -= klen % ps
             keep = (req.mamba_next_track_idx - 1) % buf.shape[0]
             slot = int(buf[keep].item())
             if is_finished:

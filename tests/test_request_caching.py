@@ -1,0 +1,141 @@
+"""``cache_finished_req`` / ``cache_unfinished_req``: SGLang's request-level surface
+(``kv_len_to_handle``, ``strip_thinking_cache``, the ``pop_*`` protocol, ``fill_ids``)."""
+
+from __future__ import annotations
+
+import pytest
+from cache_harness import Harness, running_request, seq
+
+from urc import Req
+from urc.errors import InvalidInputError
+
+PAGE_SIZES = [1, 4, 16]
+
+
+@pytest.fixture(params=PAGE_SIZES, ids=lambda ps: f"page{ps}")
+def h(request: pytest.FixtureRequest) -> Harness:
+    return Harness(page_size=request.param, kv_size=64 * 64)
+
+
+def _finish(h: Harness, req: Req, **kw: object) -> None:
+    h.cache.cache_finished_req(req, **kw)  # type: ignore[arg-type]
+    h.held = 0
+    h.check()
+
+
+def test_kv_len_to_handle_caps_what_is_cached_and_the_rest_is_freed(h: Harness) -> None:
+    ps = h.page_size
+    inp, out = seq(0, 3, ps), seq(10_000, 2, ps)
+    req = running_request(h, inp, out)
+    _finish(h, req, kv_len_to_handle=len(inp) + ps)
+    assert h.match_len(inp + out) == len(inp) + ps
+    assert h.alloc.available_size() == h.alloc.size - (len(inp) + ps)
+
+
+def test_kv_len_to_handle_outside_the_committed_range_is_refused_and_changes_nothing(
+    h: Harness,
+) -> None:
+    ps = h.page_size
+    req = running_request(h, seq(0, 2, ps), [])
+    before = (h.alloc.available_size(), h.cache.protected_size(), req.req_pool_idx)
+    with pytest.raises(InvalidInputError):
+        h.cache.cache_finished_req(req, kv_len_to_handle=req.kv_committed_len + 1)
+    assert (h.alloc.available_size(), h.cache.protected_size(), req.req_pool_idx) == before
+    h.check()
+    _finish(h, req)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("reasoning_tokens", [0, 3])
+def test_strip_thinking_cache_keeps_only_the_prompt(ps: int, reasoning_tokens: int) -> None:
+    h = Harness(page_size=ps, kv_size=64 * ps, strip_thinking_cache=True)
+    inp, out = [*seq(0, 3, ps), 7], seq(10_000, 2, ps)
+    req = running_request(h, inp, out)
+    req.reasoning_tokens = reasoning_tokens
+    _finish(h, req)
+    cached = h.match_len(inp + out)
+    if reasoning_tokens:
+        assert cached == len(inp) // ps * ps  # the prompt's whole pages; the rest freed
+    else:
+        assert cached == (len(inp) + len(out)) // ps * ps
+    assert h.alloc.available_size() == h.alloc.size - cached
+
+
+def test_popped_overallocated_range_is_the_callers_to_free(h: Harness) -> None:
+    ps = h.page_size
+    req = running_request(h, seq(0, 2, ps), seq(10_000, 1, ps), over=2 * ps)
+    row = req.req_pool_idx
+    assert row is not None
+    start, end = req.pop_overallocated_kv_cache()
+    assert (start, end) == (req.kv_committed_len, req.kv_allocated_len)
+    with pytest.raises(InvalidInputError):
+        req.pop_overallocated_kv_cache()
+    tail = h.cache.req_to_token_pool.read(row, start, end).clone()
+    h.cache.cache_finished_req(req)
+    h.held = tail.shape[0]  # still the caller's
+    h.check()
+    h.alloc.free(tail)
+    h.held = 0
+    h.check()
+
+
+def test_overallocated_range_is_freed_when_nobody_popped_it(h: Harness) -> None:
+    ps = h.page_size
+    req = running_request(h, seq(0, 2, ps), [], over=3 * ps)
+    _finish(h, req)
+    assert h.alloc.available_size() == h.alloc.size - 2 * ps
+
+
+def test_popped_committed_range_is_neither_cached_nor_freed(h: Harness) -> None:
+    ps = h.page_size
+    req = running_request(h, seq(0, 2, ps), seq(10_000, 1, ps))
+    row = req.req_pool_idx
+    assert row is not None
+    assert req.pop_committed_kv_cache() == req.kv_committed_len
+    own = h.cache.req_to_token_pool.read(row, 0, req.kv_committed_len).clone()
+    h.cache.cache_finished_req(req)
+    h.held = own.shape[0]
+    h.check()
+    assert h.match_len(seq(0, 2, ps)) == 0
+    h.alloc.free(own)
+    h.held = 0
+    h.check()
+
+
+def test_assigned_fill_ids_are_what_an_unfinished_request_caches(h: Harness) -> None:
+    ps = h.page_size
+    prompt = seq(0, 4, ps)
+    req = running_request(h, prompt, [])
+    req.kv_committed_len = 0
+    req.fill_ids = prompt[: 2 * ps]  # the first chunk was prefilled
+    assert req.kv_committed_len == 2 * ps and req.get_fill_ids() == prompt[: 2 * ps]
+    h.cache.cache_unfinished_req(req)
+    assert req.cache_protected_len == 2 * ps
+    assert h.cache.protected_size() == 2 * ps
+    h.held = len(prompt) - 2 * ps
+    h.check()
+    req.fill_ids = prompt
+    h.cache.cache_unfinished_req(req)
+    assert req.cache_protected_len == len(prompt)
+    h.held = 0
+    h.check()
+    _finish(h, req)
+    assert h.match_len(prompt) == len(prompt)
+
+
+def test_unfinished_caching_rematches_so_the_path_is_the_newest(h: Harness) -> None:
+    ps = h.page_size
+    prompt = seq(0, 4, ps)
+    h.insert(prompt[: 2 * ps] + seq(5000, 2, ps))
+    req = running_request(h, prompt, [])
+    h.cache.cache_unfinished_req(req)  # inserts (splitting nothing new), then matches
+    path = []
+    node = req.last_node
+    assert node is not None
+    while node.parent is not None:
+        path.append(node.last_access_time)
+        node = node.parent
+    newest = max(n.last_access_time for n in h.cache.iter_nodes())
+    assert path[0] == newest and path == sorted(path, reverse=True)
+    h.held = 0
+    _finish(h, req)
