@@ -101,8 +101,9 @@ def test_model_profiles_pick_components() -> None:
 def test_defaults_are_documented_values() -> None:
     args = build_parser().parse_args(["replay"])
     assert args.workload == "multi-turn-chat" and args.model == "full"
-    assert args.block_size == 512 and args.write_policy == "write_through"
-    assert args.trace is None and args.metrics_port is None
+    assert args.block_size == 512 and args.write_policy == "write_back"
+    assert args.chunk_size == 8192 and args.eviction_policy == "lru"
+    assert args.trace is None and args.metrics_port is None and not args.realtime
 
 
 def test_module_entry_point_writes_json_to_stdout(tmp_path: Path) -> None:
