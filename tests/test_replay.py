@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+from trace_paths import conversation_trace, requires_conversation_trace
 
 from urc.cli import main
 from urc.errors import ConfigError
@@ -35,7 +36,7 @@ from urc.workloads import (
 )
 
 TIMEOUT = 60
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+REAL_TRACE = conversation_trace()
 
 # Blocks of 4 tokens.  Hand-computed hits (page 1, unbounded, one request at a time):
 #   r0 [1,2]    8 tokens: 0
@@ -281,7 +282,7 @@ def test_output_token_ids_are_deterministic_and_disjoint_from_prompts() -> None:
 
 
 # ---------------------------------------------------------------------- the real trace
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="../shared/traces is not available")
+@requires_conversation_trace
 @pytest.mark.asyncio
 async def test_conversation_trace_prefix_equals_the_block_ideal() -> None:
     """The first 300 requests of the conversation trace, unbounded, prefill-only: the replay's

@@ -194,7 +194,7 @@ def _add_replay_parser(sub: Any) -> None:
     cache.add_argument(
         "--host-tokens",
         type=_capacity,
-        default=Capacity(fraction=0.5),
+        default=Capacity(fraction=0.25),
         help="host tier (HiCache, in RAM) size: " + _CAPACITY_HELP + "; 0 turns it off",
     )
     cache.add_argument(

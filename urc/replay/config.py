@@ -122,7 +122,7 @@ def _default_device() -> Capacity:
 
 
 def _default_host() -> Capacity:
-    return Capacity(fraction=0.5)
+    return Capacity(fraction=0.25)
 
 
 @dataclass(frozen=True, slots=True)
