@@ -57,6 +57,8 @@ def test_same_seed_and_flags_give_byte_identical_reports_minus_timings(tmp_path:
     assert rc1 == rc2 == 0
     assert first["config"]["deterministic"] is True
     assert first["backed_up_tokens"] > 0 and first["loaded_back_tokens"] > 0
+    for part in ("tokens", "evicted", "backed_up_tokens", "loaded_back_tokens"):
+        assert first[part] == second[part], part  # raced in worker threads before
     assert without_timings(first) == without_timings(second)
     assert set(first["timings"]) == {
         "startup_s", "setup_s", "replay_s", "flush_s", "total_s", "latency_us",
