@@ -312,7 +312,9 @@ async def test_conversation_trace_prefix_equals_the_block_ideal() -> None:
 
 
 @pytest.mark.asyncio
-async def test_l3_storage_tier_serves_a_second_run(tmp_path: Path) -> None:
+async def test_l3_storage_tier_serves_a_second_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Pages that fell out of host are written to the L3 directory; a second run with the
     same directory (a fresh cache) hits them from storage."""
     config = ReplayConfig(
@@ -326,13 +328,20 @@ async def test_l3_storage_tier_serves_a_second_run(tmp_path: Path) -> None:
         write_policy=WritePolicy.WRITE_THROUGH,
         l3_dir=tmp_path / "l3",
     )
-    first = await replay(config)
+    first = await replay(config, progress=True)
     assert first.check_ok, first.check_error
     assert first.storage_stats["pages_written"] > 0
+    # The flush of queued writes has its own progress bar and time, inside the total.
+    assert "L3 flush" in capsys.readouterr().err
+    t = first.to_dict()["timings"]
+    assert t["total_s"] >= t["setup_s"] + t["replay_s"] + t["flush_s"]
+    assert "L3 flush" in first.format() and first.deterministic is False
     second = await replay(config)
     assert second.check_ok, second.check_error
     assert second.hit_tokens["storage"] > 0
     assert second.to_dict()["config"]["l3"].endswith("(on_host_eviction)")
+    if second.hit_rate > second.ideal_hit_rate:
+        assert any("above the cold-start ideal" in n for n in second.notes)
 
 
 def test_l3_needs_full_attention_and_a_host_tier(tmp_path: Path) -> None:

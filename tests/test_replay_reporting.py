@@ -16,7 +16,6 @@ from trace_paths import TRACE_DIR_ENV, conversation_trace, requires_conversation
 from urc.cli import main
 from urc.replay import Capacity, ModelProfile, ReplayConfig, ReplayReport, run_replay
 from urc.replay.chunk_bench import format_costs, measure
-from urc.tiers import WritePolicy
 
 TIMEOUT = 60
 
@@ -120,29 +119,8 @@ def test_run_that_rejects_every_request_warns_and_fails(capsys: pytest.CaptureFi
     assert "no request was served" in err
 
 
-# ---------------------------------------------------------------------- timings, L3 flush
-@pytest.mark.asyncio
-async def test_l3_flush_is_timed_shown_and_part_of_the_total(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    config = ReplayConfig(
-        num_requests=120,
-        page_size=64,
-        device_tokens=Capacity(fraction=0.05),
-        host_tokens=Capacity(fraction=0.1),
-        write_policy=WritePolicy.WRITE_THROUGH,
-        l3_dir=tmp_path / "l3",
-    )
-    rep = await replay(config, progress=True)
-    assert rep.check_ok, rep.check_error
-    assert rep.storage_stats["pages_written"] > 0
-    assert "L3 flush" in capsys.readouterr().err  # its own progress bar
-    t = rep.to_dict()["timings"]
-    assert t["total_s"] >= t["setup_s"] + t["replay_s"] + t["flush_s"]
-    assert "L3 flush" in rep.format()
-    assert rep.deterministic is False  # file I/O in threads
-
-
+# ---------------------------------------------------------------------- timings
+# (the L3 flush: tests/test_replay.py::test_l3_storage_tier_serves_a_second_run)
 def test_cli_report_includes_process_start_up_in_the_total(tmp_path: Path) -> None:
     rc, rep = cli_json(tmp_path, "t", "--num-requests", "30")
     t = rep["timings"]

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,11 @@ def build_parser(*, with_replay_options: bool = True) -> argparse.ArgumentParser
     return parser
 
 
+def _enum_option(group: Any, flag: str, members: Sequence[Enum], default: Enum, help: str) -> None:
+    """An option whose choices are the values of ``members`` (enum members)."""
+    group.add_argument(flag, choices=[m.value for m in members], default=default.value, help=help)
+
+
 def _add_replay_parser(sub: Any) -> None:
     from hicache.config import StorageBackupPolicy
     from urc.config import EvictionPolicy
@@ -145,11 +151,12 @@ def _add_replay_parser(sub: Any) -> None:
         help="a Mooncake-format trace (JSON lines: timestamp, input_length, output_length, "
         "hash_ids), read streaming; e.g. the traces in Mooncake's FAST25-release/traces/",
     )
-    excl.add_argument(
+    _enum_option(
+        excl,
         "--workload",
-        choices=[k.value for k in WorkloadKind],
-        default=WorkloadKind.MULTI_TURN_CHAT.value,
-        help="built-in synthetic workload (used when no --trace is given)",
+        list(WorkloadKind),
+        WorkloadKind.MULTI_TURN_CHAT,
+        "built-in synthetic workload (used when no --trace is given)",
     )
     src.add_argument(
         "--num-requests",
@@ -166,11 +173,12 @@ def _add_replay_parser(sub: Any) -> None:
     )
 
     cache = p.add_argument_group("cache")
-    cache.add_argument(
+    _enum_option(
+        cache,
         "--model",
-        choices=[m.value for m in ModelProfile],
-        default=ModelProfile.FULL.value,
-        help="full attention, hybrid sliding-window (SWA) or hybrid Mamba",
+        list(ModelProfile),
+        ModelProfile.FULL,
+        "full attention, hybrid sliding-window (SWA) or hybrid Mamba",
     )
     cache.add_argument(
         "--window", type=_positive_int, default=4096, help="SWA window (tokens; --model swa)"
@@ -197,20 +205,22 @@ def _add_replay_parser(sub: Any) -> None:
         default=Capacity(fraction=0.25),
         help="host tier (HiCache, in RAM) size: " + _CAPACITY_HELP + "; 0 turns it off",
     )
-    cache.add_argument(
+    _enum_option(
+        cache,
         "--write-policy",
-        choices=[w.value for w in WritePolicy],
-        default=WritePolicy.WRITE_BACK.value,
-        help="when device KV is copied to host: write_back copies a device leaf when it is "
+        list(WritePolicy),
+        WritePolicy.WRITE_BACK,
+        "when device KV is copied to host: write_back copies a device leaf when it is "
         "evicted (device + host then act like one cache of their combined size); "
         "write_through copies a node after its first hit (selective: second), so KV "
         "evicted before it was hit again is lost",
     )
-    cache.add_argument(
+    _enum_option(
+        cache,
         "--eviction-policy",
-        choices=[e.value for e in EvictionPolicy],
-        default=EvictionPolicy.LRU.value,
-        help="order in which device leaves are evicted",
+        list(EvictionPolicy),  # every member, so new policies appear here by themselves
+        EvictionPolicy.LRU,
+        "order in which device leaves are evicted",
     )
     cache.add_argument(
         "--l3-dir",
@@ -219,11 +229,12 @@ def _add_replay_parser(sub: Any) -> None:
         help="add the L3 storage tier: page files in this directory (kept between runs, so "
         "a second run can hit pages the first one wrote); --model full only",
     )
-    cache.add_argument(
+    _enum_option(
+        cache,
         "--l3-backup",
-        choices=[p.value for p in StorageBackupPolicy if p is not StorageBackupPolicy.OFF],
-        default=StorageBackupPolicy.ON_HOST_EVICTION.value,
-        help="when host pages are written to L3",
+        [p for p in StorageBackupPolicy if p is not StorageBackupPolicy.OFF],
+        StorageBackupPolicy.ON_HOST_EVICTION,
+        "when host pages are written to L3",
     )
     cache.add_argument(
         "--page-size", type=_positive_int, default=16, help="tree page (a power of two)"
