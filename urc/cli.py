@@ -371,7 +371,7 @@ def _failure_status(prog: str, exc: BaseException) -> int | None:
     return None
 
 
-def output_path_problem(path: Path) -> str | None:
+def _output_path_problem(path: Path) -> str | None:
     """Why ``path`` cannot receive an output file, or ``None`` when it can (``-``: stdout).
 
     Checked before a run starts, so a finished run is never lost to a bad path."""
@@ -451,7 +451,7 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"{prog}: error: --plot needs --sweep", file=sys.stderr)
         return 2
     for option, path in (("--json", args.json), ("--plot", args.plot)):
-        problem = None if path is None else output_path_problem(path)
+        problem = None if path is None else _output_path_problem(path)
         if problem is not None:
             print(f"{prog}: error: {option}: {problem}", file=sys.stderr)
             return 2

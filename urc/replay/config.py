@@ -10,6 +10,11 @@ Capacities (:class:`Capacity`) are either a token count or a fraction of the wor
 *unique tokens*: the prompt tokens an unbounded prefix cache would have had to compute,
 ``input tokens - ideal hit tokens`` at the replay's page size (prefill-only, unbounded,
 :mod:`urc.workloads.ideal`).  ``--device-tokens 0.25`` is a device pool a quarter of that.
+
+Defaults (device and host 0.25 each, write-back, chunks of :data:`DEFAULT_CHUNK_SIZE`) keep
+the conversation trace (145M prompt tokens, 91M unique) within 0.4 points of its ideal hit
+rate in about 1.2 GB: a cached token costs ~19 bytes (a key pointer in the tree, an int64
+slot index, a 2-byte KV row), on device or on host.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ For each request, in workload order, with up to ``concurrency`` in flight (one t
 3. prefill the uncached tail in chunks of ``chunk_size`` tokens on the chunk grid (Mamba: a
    chunk also ends at the match's ``mamba_branching_seqlen``, so a state is checkpointed where
    the cached prefix branches): ``svc.alloc`` the chunk's slots (the service evicts when
-   full), write them into the request's row (``svc.call``), ``cache_unfinished_req``.  The
+   full), write them into the request's row (``svc.call``), ``cache_unfinished_req(chunked=
+   True)`` (as SGLang's scheduler does between chunks: no hit counted on the request's own
+   earlier chunks).  The
    last prompt chunk allocates the output tokens' slots too (one allocation keeps the row's
    pages contiguous; decode then needs no cache call);
 4. decode: the output token ids are deterministic (``OUTPUT_TOKEN_BASE + (index << 24) + i``,
@@ -23,6 +25,10 @@ like a server's admission queue.  When every other request in flight is waiting 
 is), waiting could deadlock, so the request is rejected instead: it gives back what it holds
 (``cache_finished_req(is_insert=False)``; chunks it already cached stay cached) and counts as
 rejected.  Nothing crashes on memory pressure.
+
+Determinism: the loop never looks at a clock to decide anything (paced arrivals aside), the
+HiCache controller copies inside the event loop unless ``ReplayConfig.realtime``, and the
+trace is read without threads, so the order of every command is a function of the config.
 
 Latencies are measured in the client around each await (queueing in the actor included).
 After the run the service is closed (background work stopped, pins released) and the core's

@@ -250,10 +250,10 @@ class ReplayReport:
             f"start-up {self.startup_time_s:.2f} s + " if self.startup_time_s is not None else ""
         )
         total = self.total_time_s + (self.startup_time_s or 0.0)
+        flush = f" + L3 flush {self.flush_time_s:.2f} s" if self.l3 else ""
         lines.append(
             f"wall time  {self.wall_time_s:.2f} s replay (total {total:.2f} s: "
-            f"{startup}setup {self.setup_time_s:.2f} s + replay + L3 flush "
-            f"{self.flush_time_s:.2f} s)"
+            f"{startup}setup {self.setup_time_s:.2f} s + replay{flush})"
         )
         check = "ok" if self.check_ok else f"FAILED: {self.check_error}"
         lines.append(f"check      sanity_check + pool conservation: {check}")
