@@ -116,8 +116,8 @@ class SweepResult:
         lines = [f"  {'device tokens':>14}  hit rate (0 .. {top:.1%}; '|' = ideal)"]
         for p in self.points:
             n = round(p.hit_rate / top * _BAR_WIDTH)
-            bar = ["#"] * n + [" "] * (_BAR_WIDTH - n)
-            if 0 <= ideal_col < _BAR_WIDTH and bar[ideal_col] == " ":
+            bar = ["#"] * n + [" "] * (_BAR_WIDTH + 1 - n)
+            if bar[ideal_col] == " ":
                 bar[ideal_col] = "|"
             lines.append(f"  {p.device_tokens:>14,}  {''.join(bar)} {p.hit_rate:6.2%}")
         return lines
