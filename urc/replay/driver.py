@@ -548,7 +548,7 @@ async def run_replay(
             "(raise --device-tokens or lower --concurrency)"
         )
     hit_total = sum(loop.hits.values())
-    if loop.input_tokens and hit_total > summary.ideal_hit_tokens:
+    if storage is not None and hit_total > summary.ideal_hit_tokens:
         notes.append(
             "the hit rate is above the cold-start ideal: pages an earlier run left in the L3 "
             "store were hits"

@@ -19,7 +19,7 @@ streamed with aiofiles, like a server reading its input.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterator
-from contextlib import aclosing
+from contextlib import aclosing, closing
 from dataclasses import dataclass, replace
 
 from urc.replay.config import ReplayConfig
@@ -124,10 +124,11 @@ async def aiter_requests(config: ReplayConfig) -> AsyncGenerator[TraceRequest, N
             yield r
         return
     if not config.realtime:
-        for r in iter_mooncake_trace(config.trace, block_size=config.block_size):
-            if limit is not None and r.index >= limit:
-                break
-            yield r
+        with closing(iter_mooncake_trace(config.trace, block_size=config.block_size)) as it:
+            for r in it:
+                if limit is not None and r.index >= limit:
+                    break
+                yield r
         return
     trace = aiter_mooncake_trace(config.trace, block_size=config.block_size)
     async with aclosing(trace):
