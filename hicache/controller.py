@@ -14,6 +14,12 @@ only through ``svc.call`` (a command applied by the actor).  Byte copies run in 
 Every transfer is atomic with respect to cancellation: once slots are reserved, the copy and
 the commit (or the abort) run shielded, so a cancelled caller or a closing service never
 leaves pinned nodes or reserved slots behind.
+
+Copies run in worker threads by default (``copy_in_thread=True``): the event loop keeps
+serving while bytes move, and when a copy finishes relative to other commands depends on the
+machine.  ``copy_in_thread=False`` copies inside the event loop instead (the loop blocks for
+the copy): the order of every command is then a function of the workload alone, which is
+what a reproducible benchmark (``urc replay``) needs.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ class HiCacheController:
     """Backup, host eviction and load-back for one cache (see the module docstring).
 
     Build it after :func:`~hicache.tier.attach_hicache` and pass it to the service as a
-    worker: ``AsyncUnifiedRadixCache(cache, workers=[controller])``.
+    worker: ``AsyncUnifiedRadixCache(cache, workers=[controller])``.  ``copy_in_thread``:
+    see the module docstring.
     """
 
     def __init__(
@@ -55,8 +62,11 @@ class HiCacheController:
         tier: HostMemoryTier,
         config: HiCacheConfig,
         observer: ServiceObserver | None = None,
+        *,
+        copy_in_thread: bool = True,
     ) -> None:
         self.cache = cache
+        self.copy_in_thread = copy_in_thread
         self.tier = tier
         self.config = config
         self.observer = observer
@@ -135,7 +145,10 @@ class HiCacheController:
                     for t in tickets:
                         copy(tier, t)
 
-                await anyio.to_thread.run_sync(copy_all)
+                if self.copy_in_thread:
+                    await anyio.to_thread.run_sync(copy_all)
+                else:
+                    copy_all()
         except Exception:
             ok = False
             raise

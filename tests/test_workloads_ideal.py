@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import islice
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trace_paths import conversation_trace, requires_conversation_trace
 
 from urc.workloads import (
     BlockPrefixOracle,
@@ -21,7 +21,7 @@ from urc.workloads import (
     iter_mooncake_records,
 )
 
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+REAL_TRACE = conversation_trace()
 
 
 def _record(hash_ids: tuple[int, ...], input_length: int) -> MooncakeRecord:
@@ -130,7 +130,7 @@ def test_block_oracle_equals_token_oracle_on_expanded_tokens(
         assert blocks.observe(ids, length) == tokens.observe(expanded)
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="conversation trace not present")
+@requires_conversation_trace
 def test_ideal_hit_rate_of_real_trace(record_property: Callable[[str, object], None]) -> None:
     records = list(iter_mooncake_records(REAL_TRACE))
     page1 = ideal_block_hits(records, block_size=512, page_size=1)

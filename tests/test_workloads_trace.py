@@ -12,6 +12,7 @@ import pytest
 
 from urc.workloads import (
     TOKEN_ID_LIMIT,
+    VOCAB_SIZE,
     TraceFormatError,
     TraceOrderError,
     aiter_mooncake_records,
@@ -86,7 +87,10 @@ def test_small_block_size_and_file_edge_cases(tmp_path: Path) -> None:
     ]
     assert requests[1].input_ids == requests[0].input_ids[:4]
     start = block_start_token(3)
-    assert requests[1].input_ids == tuple(range(start, start + 4))
+    assert requests[1].input_ids == (
+        start,
+        *range((start + 1) % VOCAB_SIZE, (start + 4) % VOCAB_SIZE),
+    )
 
 
 def test_empty_file_and_empty_prompt(tmp_path: Path) -> None:
@@ -230,10 +234,23 @@ def _id_with_start(target: int) -> int:
     return x
 
 
-def test_block_wraps_around_the_top_of_the_id_range() -> None:
-    hash_id = _id_with_start(TOKEN_ID_LIMIT - 3)
+def test_block_after_its_first_token_wraps_around_the_shared_vocabulary() -> None:
+    hash_id = _id_with_start(VOCAB_SIZE - 3)
     tokens = expand_hash_ids((hash_id,), 6, 512)
-    assert tokens == [TOKEN_ID_LIMIT - 3, TOKEN_ID_LIMIT - 2, TOKEN_ID_LIMIT - 1, 0, 1, 2]
+    assert tokens == [VOCAB_SIZE - 3, VOCAB_SIZE - 2, VOCAB_SIZE - 1, 0, 1, 2]
+    long = expand_hash_ids((hash_id,), 3 * VOCAB_SIZE, 3 * VOCAB_SIZE)
+    assert len(long) == 3 * VOCAB_SIZE
+    assert long[1:] == [(VOCAB_SIZE - 2 + i) % VOCAB_SIZE for i in range(3 * VOCAB_SIZE - 1)]
+
+
+def test_expanded_tokens_are_shared_int_objects_across_requests() -> None:
+    """Two requests over the same block hold the same int objects after its first token
+    (the tree then stores one pointer a token and compares by identity)."""
+    a = expand_hash_ids((7, 8), 1024, 512)
+    b = expand_hash_ids((7, 8), 1024, 512)
+    assert a == b
+    assert all(x is y for x, y in zip(a[1:512], b[1:512], strict=True))
+    assert all(x is y for x, y in zip(a[513:], b[513:], strict=True))
 
 
 def test_expand_rejects_inconsistent_lengths() -> None:

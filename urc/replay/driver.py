@@ -10,7 +10,9 @@ For each request, in workload order, with up to ``concurrency`` in flight (one t
 3. prefill the uncached tail in chunks of ``chunk_size`` tokens on the chunk grid (Mamba: a
    chunk also ends at the match's ``mamba_branching_seqlen``, so a state is checkpointed where
    the cached prefix branches): ``svc.alloc`` the chunk's slots (the service evicts when
-   full), write them into the request's row (``svc.call``), ``cache_unfinished_req``.  The
+   full), write them into the request's row (``svc.call``), ``cache_unfinished_req(chunked=
+   True)`` (as SGLang's scheduler does between chunks: no hit counted on the request's own
+   earlier chunks).  The
    last prompt chunk allocates the output tokens' slots too (one allocation keeps the row's
    pages contiguous; decode then needs no cache call);
 4. decode: the output token ids are deterministic (``OUTPUT_TOKEN_BASE + (index << 24) + i``,
@@ -23,6 +25,10 @@ like a server's admission queue.  When every other request in flight is waiting 
 is), waiting could deadlock, so the request is rejected instead: it gives back what it holds
 (``cache_finished_req(is_insert=False)``; chunks it already cached stay cached) and counts as
 rejected.  Nothing crashes on memory pressure.
+
+Determinism: the loop never looks at a clock to decide anything (paced arrivals aside), the
+HiCache controller copies inside the event loop unless ``ReplayConfig.realtime``, and the
+trace is read without threads, so the order of every command is a function of the config.
 
 Latencies are measured in the client around each await (queueing in the actor included).
 After the run the service is closed (background work stopped, pins released) and the core's
@@ -40,6 +46,7 @@ from time import perf_counter
 from typing import TypeVar, cast
 
 import anyio
+import anyio.lowlevel
 import torch
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
@@ -60,7 +67,7 @@ from urc.key import RadixKey
 from urc.params import MatchPrefixParams
 from urc.replay.config import ModelProfile, ReplayConfig
 from urc.replay.report import TIERS, LatencyRecorder, ReplayReport
-from urc.replay.source import WorkloadSummary, aiter_requests, summarize
+from urc.replay.source import EmptyWorkloadError, WorkloadSummary, aiter_requests, summarize
 from urc.req import Req
 from urc.service import AsyncUnifiedRadixCache, BackgroundWorker
 from urc.tree import ComponentType
@@ -81,6 +88,21 @@ def output_token_ids(index: int, length: int) -> list[int]:
     """The deterministic output token ids of request ``index``."""
     base = OUTPUT_TOKEN_BASE + (index << 24)
     return list(range(base, base + length))
+
+
+class _ReplayReq(Req):
+    """A :class:`~urc.req.Req` whose ``fill_ids`` is the prompt list itself while there is no
+    output yet (every prefill chunk), instead of a fresh concatenation per call: the core
+    reads ``fill_ids`` once per chunk commit, so the copy made the driver's own share of a
+    request's cost grow with prompt length squared.  Safe because the core only reads it
+    (slices and keys), and the replay never mutates a request's token lists in place."""
+
+    __slots__ = ()
+
+    @property
+    def fill_ids(self) -> list[int]:
+        out = self.output_ids
+        return self.origin_input_ids + out if out else self.origin_input_ids
 
 
 # ---------------------------------------------------------------------- actor-side steps
@@ -259,7 +281,7 @@ class _ServingLoop:
 
     async def _serve_one(self, tr: TraceRequest) -> None:
         svc = self.svc
-        req = Req(f"r{tr.index}", list(tr.input_ids), extra_key=tr.namespace)
+        req = _ReplayReq(f"r{tr.index}", list(tr.input_ids), extra_key=tr.namespace)
         await self._timed("alloc_row", svc.call(_AllocRow(req)))
         self.gate.active += 1
         try:
@@ -293,8 +315,12 @@ class _ServingLoop:
                     continue
                 if controller is not None and controller.in_flight and spins < 1000:
                     # Transfers pin nodes while they copy; they finish within milliseconds.
+                    # (Deterministic runs copy in the loop: a checkpoint lets the commit run.)
                     spins += 1
-                    await anyio.sleep(0.001)
+                    if self.config.realtime:
+                        await anyio.sleep(0.001)
+                    else:
+                        await anyio.lowlevel.checkpoint()
                     continue
                 return None
             self.latency.add(kind, perf_counter() - t0)
@@ -359,7 +385,7 @@ class _ServingLoop:
             pos = end
             if last:
                 break
-            await self._timed("cache_unfinished_req", svc.cache_unfinished_req(req))
+            await self._timed("cache_unfinished_req", svc.cache_unfinished_req(req, chunked=True))
 
         if not config.prefill_only:
             if prefilled:
@@ -389,6 +415,33 @@ def _check(cache: UnifiedRadixCache) -> str | None:
     return None
 
 
+async def _flush_storage(storage: StorageWorker, progress: bool) -> float:
+    """Let queued L3 writes land (so a later run with the same ``--l3-dir`` sees them),
+    showing pages written while it waits; returns the seconds it took."""
+    t0 = perf_counter()
+    written0 = storage.stats.pages_written
+    with tqdm(
+        unit="page",
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=0.5,
+        desc="L3 flush (queued writes)",
+    ) as bar:
+        async with anyio.create_task_group() as tg:
+
+            async def show() -> None:
+                while True:
+                    await anyio.sleep(0.5)
+                    bar.n = storage.stats.pages_written - written0
+                    bar.refresh()
+
+            tg.start_soon(show)
+            await storage.flush()
+            tg.cancel_scope.cancel()
+        bar.n = storage.stats.pages_written - written0
+    return perf_counter() - t0
+
+
 async def run_replay(
     config: ReplayConfig,
     *,
@@ -399,20 +452,25 @@ async def run_replay(
 ) -> ReplayReport:
     """Replay ``config``'s workload through a fresh cache and service; returns the report.
 
-    ``progress`` shows a tqdm bar on stderr.  ``metrics_port`` (0: any free port) serves
-    ``/metrics`` on 127.0.0.1 for the duration of the run; ``on_metrics`` is awaited with its
-    URL once the endpoint and the service are up.  ``summary``: a first pass already made.
+    ``progress`` shows tqdm bars on stderr (the replay, then the L3 flush).  ``metrics_port``
+    (0: any free port) serves ``/metrics`` on 127.0.0.1 for the duration of the run;
+    ``on_metrics`` is awaited with its URL once the endpoint and the service are up.
+    ``summary``: a first pass already made (a sweep reuses one).
 
-    Raises :class:`~urc.workloads.TraceFormatError` (malformed trace), ``OSError``
-    (unreadable trace) and :class:`~urc.errors.ConfigError` (sizes that cannot be built).
+    Raises :class:`~urc.replay.source.EmptyWorkloadError` (no request to replay),
+    :class:`~urc.workloads.TraceFormatError` (malformed trace), ``OSError`` (unreadable
+    trace) and :class:`~urc.errors.ConfigError` (sizes that cannot be built).
     """
     t_setup = perf_counter()
     if summary is None:
         summary = await summarize(config)
+    if summary.requests == 0:
+        raise EmptyWorkloadError(f"{config.source_name}: the workload holds no request")
     ps = config.page_size
     device = max(ps, config.device_tokens.resolve(summary.unique_tokens, ps))
     host = config.host_tokens.resolve(summary.unique_tokens, ps)
-    cache = build_cache(config.cache_config(device, summary.max_request_tokens))
+    swa_pool = config.swa_pool_tokens(device, summary.unique_tokens)
+    cache = build_cache(config.cache_config(device, summary.max_request_tokens, swa_pool))
 
     registry = CollectorRegistry(auto_describe=True)
     metrics = CacheMetrics(registry) if metrics_port is not None else None
@@ -421,7 +479,9 @@ async def run_replay(
         hc = HiCacheConfig(write_policy=config.write_policy, host_ratio=host / device)
         tier = attach_hicache(cache, hc)
         host = tier.host_capacity(ComponentType.FULL)
-        controller = HiCacheController(cache, tier, hc, observer=metrics)
+        controller = HiCacheController(
+            cache, tier, hc, observer=metrics, copy_in_thread=config.realtime
+        )
     storage: StorageWorker | None = None
     store: FileStorage | None = None
     if config.l3_dir is not None:
@@ -451,6 +511,7 @@ async def run_replay(
         mininterval=0.5,
         desc="replay",
     )
+    flush_time = 0.0
     with bar:
         async with AsyncExitStack() as stack:
             url: str | None = None
@@ -469,25 +530,33 @@ async def run_replay(
             t0 = perf_counter()
             await loop.run(aiter_requests(config))
             wall = perf_counter() - t0
-            flush_time = 0.0
+            bar.close()
             if storage is not None:
-                # Let queued L3 writes land, so a later run with the same --l3-dir sees them.
-                t1 = perf_counter()
-                await storage.flush()
-                flush_time = perf_counter() - t1
+                flush_time = await _flush_storage(storage, progress)
         # Closed: the service first (background work drained, pins released), then /metrics.
 
     error = _check(cache)
     stats = cache.stats()
     notes = []
+    warnings = []
     if loop.oom_waits:
         notes.append(f"{loop.oom_waits} allocations found no memory and waited or gave up")
-    if storage is not None:
-        notes.append(f"L3 writes still queued at the end were flushed in {flush_time:.2f} s")
     if loop.rejected:
+        what = "every request was" if loop.done == 0 else f"{loop.rejected:,} requests were"
+        warnings.append(
+            f"{what} rejected: the device pool cannot hold the requests in flight "
+            "(raise --device-tokens or lower --concurrency)"
+        )
+    hit_total = sum(loop.hits.values())
+    if storage is not None and hit_total > summary.ideal_hit_tokens:
         notes.append(
-            f"{loop.rejected} requests rejected: the device pool cannot hold the requests in "
-            "flight (raise --device-tokens or lower --concurrency)"
+            "the hit rate is above the cold-start ideal: pages an earlier run left in the L3 "
+            "store were hits"
+        )
+    if config.model is not ModelProfile.FULL:
+        notes.append(
+            f"the ideal is the full-attention one; a {config.model.value} model hits only "
+            "where its component data survives, so it stays below it"
         )
     return ReplayReport(
         source=config.source_name,
@@ -497,9 +566,14 @@ async def run_replay(
         concurrency=config.concurrency,
         prefill_only=config.prefill_only,
         write_policy=config.write_policy.value if controller is not None else None,
+        eviction_policy=config.eviction_policy.value,
         l3=f"{config.l3_dir} ({config.l3_backup.value})" if storage is not None else None,
         device_tokens=device,
         host_tokens=host,
+        swa_window=config.window if config.model is ModelProfile.SWA else None,
+        swa_tokens=swa_pool,
+        mamba_states=cache.config.mamba_size if config.model is ModelProfile.MAMBA else None,
+        deterministic=config.deterministic,
         unique_tokens=summary.unique_tokens,
         ideal_hit_rate=summary.ideal_hit_rate,
         requests_total=loop.requests,
@@ -518,7 +592,10 @@ async def run_replay(
         latency=loop.latency.summary(),
         setup_time_s=setup_time,
         wall_time_s=wall,
+        flush_time_s=flush_time,
+        total_time_s=perf_counter() - t_setup,
         check_ok=error is None,
         check_error=error,
         notes=tuple(notes),
+        warnings=tuple(warnings),
     )

@@ -10,6 +10,14 @@ first match found on device, ``host`` what loading the host hit back added to it
 rates are over the prompt tokens of every request (served or rejected).  The core's own
 counters (``cache.stats().hit_tokens``) count every match, including the ones the load-back
 path makes internally, so they are reported separately as ``core_match_hit_tokens``.
+
+The ideal hit rate (:data:`IDEAL_SCOPE`) is that of an unbounded full-attention prefix cache
+that starts empty and caches prompts only, at the replay's page size: a Mamba or SWA model
+stays below it (its states or window KV are not kept everywhere), and a run over an L3 store
+that earlier runs filled can exceed it.
+
+Everything that depends on the machine's speed is under ``"timings"`` in :meth:`to_dict`;
+the rest of the document is a function of the config alone when ``deterministic`` is true.
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LatencyRecorder", "LatencySummary", "ReplayReport"]
+__all__ = ["IDEAL_SCOPE", "LatencyRecorder", "LatencySummary", "ReplayReport"]
 
 TIERS = ("device", "host", "storage")
+
+IDEAL_SCOPE = "unbounded full-attention cache, empty at start, prompts only"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +96,14 @@ class ReplayReport:
     concurrency: int
     prefill_only: bool
     write_policy: str | None
+    eviction_policy: str
     l3: str | None
     device_tokens: int
     host_tokens: int
+    swa_window: int | None
+    swa_tokens: int | None
+    mamba_states: int | None
+    deterministic: bool
     unique_tokens: int
     ideal_hit_rate: float
     requests_total: int
@@ -105,9 +120,18 @@ class ReplayReport:
     latency: dict[str, LatencySummary]
     setup_time_s: float
     wall_time_s: float
+    flush_time_s: float
+    total_time_s: float
     check_ok: bool
     check_error: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    startup_time_s: float | None = None  # process start to run_replay (the CLI sets it)
+
+    @property
+    def served_nothing(self) -> bool:
+        """No request was served (every one was rejected for lack of memory)."""
+        return self.requests_done == 0
 
     @property
     def hit_rate(self) -> float:
@@ -128,13 +152,19 @@ class ReplayReport:
                 "concurrency": self.concurrency,
                 "prefill_only": self.prefill_only,
                 "write_policy": self.write_policy,
+                "eviction_policy": self.eviction_policy,
                 "device_tokens": self.device_tokens,
                 "host_tokens": self.host_tokens,
+                "swa_window": self.swa_window,
+                "swa_tokens": self.swa_tokens,
+                "mamba_states": self.mamba_states,
                 "l3": self.l3,
+                "deterministic": self.deterministic,
             },
             "workload": {
                 "unique_tokens": self.unique_tokens,
                 "ideal_hit_rate": self.ideal_hit_rate,
+                "ideal_scope": IDEAL_SCOPE,
             },
             "requests": {
                 "total": self.requests_total,
@@ -155,32 +185,52 @@ class ReplayReport:
             "loaded_back_tokens": self.loaded_back_tokens,
             "core_match_hit_tokens": dict(self.core_match_hit_tokens),
             "storage": dict(self.storage_stats),
-            "latency_us": {k: v.to_dict() for k, v in self.latency.items()},
-            "setup_time_s": self.setup_time_s,
-            "wall_time_s": self.wall_time_s,
             "check": {"ok": self.check_ok, "error": self.check_error},
+            "warnings": list(self.warnings),
             "notes": list(self.notes),
+            "timings": {
+                "startup_s": self.startup_time_s,
+                "setup_s": self.setup_time_s,
+                "replay_s": self.wall_time_s,
+                "flush_s": self.flush_time_s,
+                "total_s": self.total_time_s,
+                "latency_us": {k: v.to_dict() for k, v in self.latency.items()},
+            },
         }
 
     def format(self) -> str:
         """The human-readable report."""
         pct = "{:6.2%}".format
         host = f"{self.host_tokens:,} tokens" if self.host_tokens else "off"
+        model = self.model
+        if self.swa_window is not None:
+            model += f" (window {self.swa_window:,}, SWA pool {self.swa_tokens:,} tokens)"
+        if self.mamba_states is not None:
+            model += f" ({self.mamba_states:,} state slots)"
         lines = [
             f"urc replay: {self.source}",
-            f"  model {self.model}, page {self.page_size}, chunk {self.chunk_size}, "
+            f"  model {model}, page {self.page_size}, chunk {self.chunk_size}, "
             f"concurrency {self.concurrency}" + (", prefill-only" if self.prefill_only else ""),
-            f"  device {self.device_tokens:,} tokens, host {host}"
+            f"  device {self.device_tokens:,} tokens ({self.eviction_policy}), host {host}"
             + (f" ({self.write_policy})" if self.write_policy else "")
             + (f", L3 {self.l3}" if self.l3 else "")
-            + f"; unique prompt tokens {self.unique_tokens:,}",
+            + f"; unique prompt tokens {self.unique_tokens:,}"
+            + ("" if self.deterministic else "; not deterministic"),
             f"requests   {self.requests_total:,} ({self.requests_done:,} done, "
             f"{self.requests_rejected:,} rejected)",
             f"tokens     input {self.input_tokens:,}, output {self.output_tokens:,}",
             f"hit rate   {pct(self.hit_rate)}  (device {pct(self.tier_hit_rate('device'))}, "
             f"host {pct(self.tier_hit_rate('host'))}, "
-            f"storage {pct(self.tier_hit_rate('storage'))}); "
-            f"ideal {pct(self.ideal_hit_rate)}",
+            f"storage {pct(self.tier_hit_rate('storage'))})",
+            f"ideal      {pct(self.ideal_hit_rate)}  ({IDEAL_SCOPE})",
+            *(
+                [
+                    f"host tier  +{self.tier_hit_rate('host') * 100:.2f} points of hit rate "
+                    f"(prompt tokens loaded back from host instead of recomputed)"
+                ]
+                if self.host_tokens
+                else []
+            ),
             "evicted    "
             + (", ".join(f"{k} {v:,}" for k, v in sorted(self.evicted.items())) or "none"),
             f"backed up  {self.backed_up_tokens:,} tokens, loaded back "
@@ -196,8 +246,17 @@ class ReplayReport:
             lines.append(
                 f"  {kind:<28} {s.count:>9,} {s.p50_us:>9.1f} {s.p99_us:>9.1f} {s.max_us:>9.1f}"
             )
-        lines.append(f"wall time  {self.wall_time_s:.2f} s (setup {self.setup_time_s:.2f} s)")
+        startup = (
+            f"start-up {self.startup_time_s:.2f} s + " if self.startup_time_s is not None else ""
+        )
+        total = self.total_time_s + (self.startup_time_s or 0.0)
+        flush = f" + L3 flush {self.flush_time_s:.2f} s" if self.l3 else ""
+        lines.append(
+            f"wall time  {self.wall_time_s:.2f} s replay (total {total:.2f} s: "
+            f"{startup}setup {self.setup_time_s:.2f} s + replay{flush})"
+        )
         check = "ok" if self.check_ok else f"FAILED: {self.check_error}"
         lines.append(f"check      sanity_check + pool conservation: {check}")
+        lines.extend(f"WARNING    {w}" for w in self.warnings)
         lines.extend(f"note       {n}" for n in self.notes)
         return "\n".join(lines)

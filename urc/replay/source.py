@@ -9,12 +9,17 @@ For a Mooncake trace the pass works on hash ids only (no token expansion): the 1
 conversation trace (145M prompt tokens) takes a few seconds.  It streams the file like the
 replay does, so a malformed line is reported (with its line number) before anything runs.
 A synthetic workload is generated twice from the same seed (cheaper than keeping it).
+
+During the replay a trace is read with blocking reads inside the event loop by default (a
+buffered read between two requests costs microseconds, and no worker thread decides when the
+next request arrives, so the replay is deterministic); with ``ReplayConfig.realtime`` it is
+streamed with aiofiles, like a server reading its input.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterator
-from contextlib import aclosing
+from contextlib import aclosing, closing
 from dataclasses import dataclass, replace
 
 from urc.replay.config import ReplayConfig
@@ -26,10 +31,22 @@ from urc.workloads import (
     aiter_mooncake_trace,
     default_config,
     expand_hash_ids,
+    iter_mooncake_trace,
     synthetic_workload,
 )
 
-__all__ = ["WorkloadSummary", "aiter_requests", "summarize", "synthetic_requests"]
+__all__ = [
+    "EmptyWorkloadError",
+    "WorkloadSummary",
+    "aiter_requests",
+    "summarize",
+    "synthetic_requests",
+]
+
+
+class EmptyWorkloadError(ValueError):
+    """The workload holds no request (an empty trace, ``--num-requests 0``): there is nothing
+    to measure, so a replay refuses to run instead of reporting a 0% hit rate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +117,18 @@ async def summarize(config: ReplayConfig) -> WorkloadSummary:
 
 
 async def aiter_requests(config: ReplayConfig) -> AsyncGenerator[TraceRequest, None]:
-    """The workload's requests in order (a trace is streamed with aiofiles)."""
+    """The workload's requests in order (see the module docstring for how a trace is read)."""
     limit = config.num_requests
     if config.trace is None:
         for r in synthetic_requests(config):
             yield r
+        return
+    if not config.realtime:
+        with closing(iter_mooncake_trace(config.trace, block_size=config.block_size)) as it:
+            for r in it:
+                if limit is not None and r.index >= limit:
+                    break
+                yield r
         return
     trace = aiter_mooncake_trace(config.trace, block_size=config.block_size)
     async with aclosing(trace):

@@ -1,7 +1,7 @@
 """Request workloads for replaying through the cache: Mooncake traces, synthetic generators,
 and the ideal-hit-rate oracles that check a replay's result."""
 
-from urc.workloads.blocks import TOKEN_ID_LIMIT, block_start_token, expand_hash_ids
+from urc.workloads.blocks import TOKEN_ID_LIMIT, VOCAB_SIZE, block_start_token, expand_hash_ids
 from urc.workloads.ideal import (
     BlockPrefixOracle,
     BlockRequest,
@@ -38,6 +38,7 @@ from urc.workloads.synthetic import (
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "TOKEN_ID_LIMIT",
+    "VOCAB_SIZE",
     "AgentLoopConfig",
     "BlockPrefixOracle",
     "BlockRequest",

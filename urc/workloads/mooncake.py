@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -251,7 +251,7 @@ def iter_mooncake_trace(
     namespace: tuple[str, ...] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-) -> Iterator[TraceRequest]:
+) -> Generator[TraceRequest, None, None]:
     """Yield the trace's requests with token ids expanded from hash ids, in file order.
 
     Token ids follow :func:`urc.workloads.blocks.expand_hash_ids`; every request gets
