@@ -183,10 +183,17 @@ def test_top_level_help_and_version_import_no_replay_machinery(arg: str) -> None
     assert _probe(arg).startswith("HEAVY []")
 
 
-@pytest.mark.xfail(
-    reason="urc/__init__.py imports torch eagerly (core, not the CLI's): needs lazy "
-    "package exports before 'urc --help' can skip torch",
-    strict=True,
-)
 def test_top_level_help_does_not_import_torch() -> None:
     assert _probe("--help").endswith("TORCH False")
+
+
+def test_package_exports_resolve_lazily_to_their_modules() -> None:
+    import importlib
+
+    import urc
+
+    assert sorted(urc.__all__) == sorted(urc._EXPORTS)
+    for name, module in urc._EXPORTS.items():
+        assert getattr(urc, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError):
+        _ = urc.no_such_name  # type: ignore[attr-defined]

@@ -235,3 +235,23 @@ def test_stats_report_the_host_tier() -> None:
     host = cache.stats().component(FULL, Tier.HOST)
     assert host is not None and host.evictable == 3 and host.capacity == 128
     assert cache.stats().backed_up_tokens == 3
+
+
+def test_failed_load_back_leaves_the_host_leaf_evictable() -> None:
+    # The load-back pins the host leaf, then finds no device memory: its eviction tries to
+    # write a device leaf back, whose host eviction skips the pinned leaf.  Unpinned again,
+    # the leaf must be a host-eviction candidate as before.
+    cache = make(1, WritePolicy.WRITE_BACK, kv_size=64, host_tokens=4)
+    a = list(range(4))
+    insert(cache, a)
+    cache.evict(EvictParams(num_tokens=4))  # write-back: a is backed up and demoted
+    check(cache)
+    leaf = match(cache, a).best_match_node
+    assert leaf.evicted and leaf.backuped
+    insert(cache, list(range(100, 160)))  # an unlocked device leaf without a host copy
+    held = cache.token_to_kv_pool_allocator.alloc(cache.token_to_kv_pool_allocator.available_size())
+    assert held is not None
+    assert tiering.start_load_back(cache, leaf) is None  # no device memory to be found
+    check(cache, held=held.shape[0])
+    assert cache.evict_host(4) == 4  # the leaf is evictable again
+    check(cache, held=held.shape[0])

@@ -262,15 +262,3 @@ def test_trace_dir_env_reaches_the_trace_tests(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
-
-
-def test_replay_request_does_not_copy_its_prompt_per_chunk() -> None:
-    """Each chunk commit reads ``fill_ids``: the replay's request hands out the prompt list
-    itself until there is output (no O(prompt) concatenation per chunk)."""
-    from urc.replay.driver import _ReplayReq
-
-    prompt = list(range(1000, 1600))
-    req = _ReplayReq("r0", prompt)
-    assert req.fill_ids is prompt
-    req.output_ids = [7, 8]
-    assert req.fill_ids == [*prompt, 7, 8] and req.fill_ids is not prompt

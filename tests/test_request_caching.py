@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from cache_harness import Harness, running_request, seq
 
-from urc import Req
+from urc import ComponentType, Req, UnifiedRadixCache
 from urc.errors import InvalidInputError
 
 PAGE_SIZES = [1, 4, 16]
@@ -139,3 +139,63 @@ def test_unfinished_caching_rematches_so_the_path_is_the_newest(h: Harness) -> N
     assert path[0] == newest and path == sorted(path, reverse=True)
     h.held = 0
     _finish(h, req)
+
+
+def test_fill_ids_of_a_request_without_output_is_its_prompt_list_itself() -> None:
+    """Each chunk commit reads ``fill_ids``: no O(prompt) concatenation per chunk."""
+    prompt = list(range(1000, 1600))
+    req = Req("r0", prompt)
+    assert req.fill_ids is prompt
+    req.output_ids = [7, 8]
+    assert req.fill_ids == [*prompt, 7, 8] and req.fill_ids is not prompt
+
+
+def _tree_state(cache: UnifiedRadixCache) -> list[tuple[object, ...]]:
+    """Every node's key path, stamps, counts and per-component values and locks."""
+    rows = []
+    for node in cache.iter_nodes():
+        path = tuple(tuple(p.key) for p in cache.path_to(node))
+        data = tuple(
+            None if cd is None else (None if cd.value is None else cd.value.tolist(), cd.lock_ref)
+            for cd in node.data
+        )
+        rows.append((path, node.last_access_time, node.hit_count, node.priority, data))
+    return sorted(rows, key=repr)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("swa", [False, True], ids=["full", "swa"])
+def test_resumed_chunk_commit_equals_a_walk_from_the_root(
+    ps: int, swa: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's commit resumes at the request's locked node and re-matches the inserted
+    path; the tree must end exactly as with SGLang's insert and match from the root."""
+
+    comps = (ComponentType.FULL, ComponentType.SWA) if swa else (ComponentType.FULL,)
+
+    class PairedHarness(Harness):
+        def check(self) -> None:  # the request holds as many SWA slots as Full ones
+            self.cache.sanity_check()
+            self.cache.check_pools({ct: self.held for ct in comps})
+
+    def run(from_root: bool) -> list[tuple[object, ...]]:
+        h = PairedHarness(page_size=ps, kv_size=512 * ps, components=comps, sliding_window_size=3)
+        cache = h.cache
+        if from_root:
+            plain_insert, plain_match = cache.insert, cache.match_prefix
+            monkeypatch.setattr(cache, "insert", lambda p, resume_from=None: plain_insert(p))
+            monkeypatch.setattr(cache, "match_path", lambda p, path, known=None: plain_match(p))
+        h.insert(seq(0, 3, ps))
+        h.insert(seq(0, 2, ps) + seq(900, 2, ps))
+        prompt = seq(0, 2, ps) + seq(5000, 7, ps)
+        req = running_request(h, prompt, [])
+        for end in range(3 * ps, len(prompt) + 1, 2 * ps):
+            req.kv_committed_len = end
+            cache.cache_unfinished_req(req)
+            h.held = len(prompt) - req.cache_protected_len
+            h.check()
+        req.kv_committed_len = len(prompt)
+        _finish(h, req)
+        return _tree_state(cache)
+
+    assert run(from_root=False) == run(from_root=True)

@@ -1,47 +1,72 @@
 """Unified Radix Cache: one prefix tree for full-attention KV, sliding-window KV and Mamba state.
 
 The synchronous core is :class:`UnifiedRadixCache` (SGLang-compatible surface); build one with
-:func:`build_cache` from a :class:`CacheConfig`.
+:func:`build_cache` from a :class:`CacheConfig`; the async service is
+:class:`AsyncUnifiedRadixCache`.
+
+The names below are imported on first use (PEP 562), so ``import urc`` -- and ``urc --help``
+-- does not pay for torch and anyio until something needs them.
 """
 
 from __future__ import annotations
 
-from urc.cache import UnifiedRadixCache
-from urc.config import CacheConfig, CachePools, EvictionPolicy, build_cache, build_pools
-from urc.errors import (
-    ConfigError,
-    DoubleFreeError,
-    InvalidIndicesError,
-    InvalidInputError,
-    InvalidLockError,
-    KeyValueMismatchError,
-    LeaseError,
-    OutOfMemoryError,
-    PoolError,
-    ServiceClosedError,
-    ServiceError,
-    ServiceFailedError,
-    URCError,
-)
-from urc.key import RadixKey
-from urc.params import (
-    DecLockRefParams,
-    DecLockRefResult,
-    EvictParams,
-    EvictResult,
-    IncLockRefResult,
-    InsertParams,
-    InsertResult,
-    MatchPrefixParams,
-    MatchResult,
-)
-from urc.pools.kv_pool import KVShape
-from urc.req import Req
-from urc.tree import ComponentType, Tier, TreeNode
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "UnifiedRadixCache": "urc.cache",
+    "CacheConfig": "urc.config",
+    "CachePools": "urc.config",
+    "EvictionPolicy": "urc.config",
+    "build_cache": "urc.config",
+    "build_pools": "urc.config",
+    "ConfigError": "urc.errors",
+    "DoubleFreeError": "urc.errors",
+    "InvalidIndicesError": "urc.errors",
+    "InvalidInputError": "urc.errors",
+    "InvalidLockError": "urc.errors",
+    "KeyValueMismatchError": "urc.errors",
+    "LeaseError": "urc.errors",
+    "OutOfMemoryError": "urc.errors",
+    "PoolError": "urc.errors",
+    "ServiceClosedError": "urc.errors",
+    "ServiceError": "urc.errors",
+    "ServiceFailedError": "urc.errors",
+    "URCError": "urc.errors",
+    "RadixKey": "urc.key",
+    "DecLockRefParams": "urc.params",
+    "DecLockRefResult": "urc.params",
+    "EvictParams": "urc.params",
+    "EvictResult": "urc.params",
+    "IncLockRefResult": "urc.params",
+    "InsertParams": "urc.params",
+    "InsertResult": "urc.params",
+    "MatchPrefixParams": "urc.params",
+    "MatchResult": "urc.params",
+    "KVShape": "urc.pools.kv_pool",
+    "Req": "urc.req",
+    "ComponentType": "urc.tree",
+    "Tier": "urc.tree",
+    "TreeNode": "urc.tree",
+    "CommandKind": "urc.commands",
+    "InsertOutcome": "urc.commands",
+    "MatchOutcome": "urc.commands",
+    "Lease": "urc.lease",
+    "NodeHandle": "urc.lease",
+    "ServiceObserver": "urc.observer",
+    "TransferKind": "urc.observer",
+    "AsyncUnifiedRadixCache": "urc.service",
+    "BackgroundWorker": "urc.service",
+    "ServiceState": "urc.service",
+}
 
 __all__ = [
+    "AsyncUnifiedRadixCache",
+    "BackgroundWorker",
     "CacheConfig",
     "CachePools",
+    "CommandKind",
     "ComponentType",
     "ConfigError",
     "DecLockRefParams",
@@ -51,6 +76,7 @@ __all__ = [
     "EvictResult",
     "EvictionPolicy",
     "IncLockRefResult",
+    "InsertOutcome",
     "InsertParams",
     "InsertResult",
     "InvalidIndicesError",
@@ -58,9 +84,12 @@ __all__ = [
     "InvalidLockError",
     "KVShape",
     "KeyValueMismatchError",
+    "Lease",
     "LeaseError",
+    "MatchOutcome",
     "MatchPrefixParams",
     "MatchResult",
+    "NodeHandle",
     "OutOfMemoryError",
     "PoolError",
     "RadixKey",
@@ -68,7 +97,10 @@ __all__ = [
     "ServiceClosedError",
     "ServiceError",
     "ServiceFailedError",
+    "ServiceObserver",
+    "ServiceState",
     "Tier",
+    "TransferKind",
     "TreeNode",
     "URCError",
     "UnifiedRadixCache",
@@ -76,21 +108,86 @@ __all__ = [
     "build_pools",
 ]
 
-# The async service (issue 5).
-from urc.commands import CommandKind, InsertOutcome, MatchOutcome
-from urc.lease import Lease, NodeHandle
-from urc.observer import ServiceObserver, TransferKind
-from urc.service import AsyncUnifiedRadixCache, BackgroundWorker, ServiceState
 
-__all__ += [
-    "AsyncUnifiedRadixCache",
-    "BackgroundWorker",
-    "CommandKind",
-    "InsertOutcome",
-    "Lease",
-    "MatchOutcome",
-    "NodeHandle",
-    "ServiceObserver",
-    "ServiceState",
-    "TransferKind",
-]
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'urc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from urc.cache import (
+        UnifiedRadixCache,
+    )
+    from urc.commands import (
+        CommandKind,
+        InsertOutcome,
+        MatchOutcome,
+    )
+    from urc.config import (
+        CacheConfig,
+        CachePools,
+        EvictionPolicy,
+        build_cache,
+        build_pools,
+    )
+    from urc.errors import (
+        ConfigError,
+        DoubleFreeError,
+        InvalidIndicesError,
+        InvalidInputError,
+        InvalidLockError,
+        KeyValueMismatchError,
+        LeaseError,
+        OutOfMemoryError,
+        PoolError,
+        ServiceClosedError,
+        ServiceError,
+        ServiceFailedError,
+        URCError,
+    )
+    from urc.key import (
+        RadixKey,
+    )
+    from urc.lease import (
+        Lease,
+        NodeHandle,
+    )
+    from urc.observer import (
+        ServiceObserver,
+        TransferKind,
+    )
+    from urc.params import (
+        DecLockRefParams,
+        DecLockRefResult,
+        EvictParams,
+        EvictResult,
+        IncLockRefResult,
+        InsertParams,
+        InsertResult,
+        MatchPrefixParams,
+        MatchResult,
+    )
+    from urc.pools.kv_pool import (
+        KVShape,
+    )
+    from urc.req import (
+        Req,
+    )
+    from urc.service import (
+        AsyncUnifiedRadixCache,
+        BackgroundWorker,
+        ServiceState,
+    )
+    from urc.tree import (
+        ComponentType,
+        Tier,
+        TreeNode,
+    )

@@ -321,24 +321,12 @@ class UnifiedRadixCache:
             check.validate_match(params)
         tokens = self._prepare_tokens(params.key)
         n = len(tokens)
-        root = self.root
         if n == 0:
             return self._result_at_root()
-        validators: list[MatchValidator] = []
-        host_validators: list[MatchValidator] | None = None
-        for c in self._validating:
-            v = c.create_match_validator(True)
-            if v is not None:
-                validators.append(v)
-        tiered = self.host_tier is not None
-        if tiered:
-            host_validators = []
-            for c in self._validating:
-                v = c.create_match_validator(False)
-                if v is not None:
-                    host_validators.append(v)
+        validators, host_validators = self._match_validators()
+        tiered = host_validators is not None
         path: list[TreeNode] = []
-        node = root
+        node = self.root
         pos = 0
         best = 0
         best_any = 0
@@ -375,9 +363,68 @@ class UnifiedRadixCache:
                 break
             node = child
             ck = tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
+        return self._finish_match(params, path, best, best_any if tiered else best, pos, n)
+
+    def match_path(
+        self,
+        params: MatchPrefixParams,
+        path: list[TreeNode],
+        known: tuple[int, torch.Tensor] | None = None,
+    ) -> MatchResult:
+        """:meth:`match_prefix` of a key the caller knows is exactly the device path ``path``
+        (root first, as :meth:`path_to` gives): the same validation, stamps, hooks and
+        result, without walking the key's tokens (request caching re-matches what it just
+        inserted this way, so a chunk's commit does not cost the whole prompt again).
+        ``known = (k, indices)``: the caller already holds the device indices of
+        ``path[:k]`` (one copy instead of gathering ``k`` node values)."""
+        for check in self._match_checks:
+            check.validate_match(params)
+        validators, host_validators = self._match_validators()
+        best = best_any = 0
+        pos = 0
+        for i, node in enumerate(path, 1):
+            pos += node.key_len
+            if all([validate(node) for validate in validators]):
+                best = i
+            if host_validators is not None and all([v(node) for v in host_validators]):
+                best_any = i
+        if not path:
+            return self._result_at_root()
+        matched = best if host_validators is None else best_any
+        return self._finish_match(params, path, best, matched, pos, pos, known)
+
+    def _match_validators(self) -> tuple[list[MatchValidator], list[MatchValidator] | None]:
+        """Fresh validators for one match: device-only, and (with a host tier) any-tier."""
+        validators: list[MatchValidator] = []
+        for c in self._validating:
+            v = c.create_match_validator(True)
+            if v is not None:
+                validators.append(v)
+        if self.host_tier is None:
+            return validators, None
+        host_validators: list[MatchValidator] = []
+        for c in self._validating:
+            v = c.create_match_validator(False)
+            if v is not None:
+                host_validators.append(v)
+        return validators, host_validators
+
+    def _finish_match(
+        self,
+        params: MatchPrefixParams,
+        path: list[TreeNode],
+        best: int,
+        matched: int,
+        pos: int,
+        n: int,
+        known: tuple[int, torch.Tensor] | None = None,
+    ) -> MatchResult:
+        """Stamps, counters, result and component hooks of a match whose walk visited
+        ``path`` (``path[:best]`` is the device hit, ``path[:matched]`` the best match on any
+        tier, ``pos`` the tokens walked, ``n`` the query's length; ``known``: see
+        :meth:`match_path`)."""
         # Only the best match and its ancestors are stamped, after the walk, parent < child
         # (SGLang's order); nodes walked past the best keep their age.
-        matched = best_any if tiered else best
         clock = self._clock
         for p in path[:matched]:
             clock += 1
@@ -390,12 +437,17 @@ class UnifiedRadixCache:
             result = self._result_at_root()
         else:
             last = path[best - 1]
-            values = [p.full.value for p in path[:best]]  # type: ignore[union-attr]
-            result = MatchResult(torch.cat(values), last, last, last)  # type: ignore[arg-type]
-        if best_any > best:
-            host_node = path[best_any - 1]
+            k = 0
+            values = []
+            if known is not None and known[0] <= best:
+                k = known[0]
+                values.append(known[1])
+            values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
+            result = MatchResult(torch.cat(values), last, last, last)
+        if matched > best:
+            host_node = path[matched - 1]
             host_len = 0
-            for p in path[best:best_any]:
+            for p in path[best:matched]:
                 host_len += p.key_len
             result = result._replace(
                 last_host_node=host_node, best_match_node=host_node, host_hit_length=host_len
@@ -414,7 +466,18 @@ class UnifiedRadixCache:
         return MatchResult(empty, self.root, self.root, self.root)
 
     # ================================================================== insert
-    def _check_value(self, n_key: int, value: torch.Tensor | None) -> torch.Tensor:
+    def path_to(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes from the root's child down to ``node`` (empty for the root)."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def _check_value(
+        self, n_key: int, value: torch.Tensor | None, owned_from: int = 0
+    ) -> torch.Tensor:
         if value is None:
             raise InvalidInputError("insert needs a value tensor of device indices")
         if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
@@ -423,9 +486,9 @@ class UnifiedRadixCache:
             raise InvalidIndicesError(f"value is on {value.device}, the cache on {self.device}")
         if value.shape[0] != n_key:
             raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
-        if n_key:
+        if n_key > owned_from:
             if self._check_owned is not None:
-                self._check_owned(value)  # range and allocation state, host side
+                self._check_owned(value[owned_from:])  # range and allocation, host side
             else:
                 lo, hi = torch.aminmax(value)
                 size = self.token_to_kv_pool_allocator.size
@@ -433,7 +496,7 @@ class UnifiedRadixCache:
                     raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
         return value
 
-    def insert(self, params: InsertParams) -> InsertResult:
+    def insert(self, params: InsertParams, resume_from: TreeNode | None = None) -> InsertResult:
         """Insert ``params.key`` -> ``params.value`` (Full device indices).
 
         The tree takes ownership of the value's slots: slots of new nodes are kept, slots that
@@ -442,6 +505,12 @@ class UnifiedRadixCache:
         match).  Unaligned tail tokens are ignored (not freed: the caller owns them).
         Raises a subclass of :class:`~urc.errors.InvalidInputError` on bad input, before any
         change.  Returns ``prefix_len`` (tokens that were already cached) and the target node.
+
+        ``resume_from`` (request caching: the request's locked ``last_node``): a locked node
+        whose path holds the key's first tokens, ending at or before ``prev_prefix_len``.
+        The walk starts there, with the same effects as a walk from the root (its path is
+        stamped and counted as that walk would), so a chunk's commit costs the chunk, not
+        the whole prompt.  Only the slots from ``prev_prefix_len`` on are checked then.
         """
         key = params.key
         if key is None:
@@ -449,9 +518,19 @@ class UnifiedRadixCache:
         if self.is_eagle and not key.is_bigram:
             key = key.bigram()
         n_key = len(key)
-        value = self._check_value(n_key, params.value)
-        if not params.prev_prefix_len >= 0:
-            raise InvalidInputError(f"prev_prefix_len must be >= 0, got {params.prev_prefix_len}")
+        prev = params.prev_prefix_len
+        if not prev >= 0:
+            raise InvalidInputError(f"prev_prefix_len must be >= 0, got {prev}")
+        resumed: list[TreeNode] = []
+        if resume_from is not None:
+            resumed = self.path_to(resume_from)
+            start_len = sum(p.key_len for p in resumed)
+            if resume_from.full is None or not resume_from.full.lock_ref or start_len > prev:
+                raise InvalidInputError(
+                    f"resume_from node {resume_from.id} must be locked and end at or before "
+                    f"prev_prefix_len {prev} (it ends at {start_len})"
+                )
+        value = self._check_value(n_key, params.value, prev if resumed else 0)
         for c in self._validate_hooks:
             c.validate_insert(params, n_key)
         tokens = self._prepare_tokens(key)
@@ -459,7 +538,6 @@ class UnifiedRadixCache:
         if n == 0:
             return InsertResult(prefix_len=0, mamba_exist=True)
         ps = self.page_size
-        prev = params.prev_prefix_len
         priority = params.priority
         overlap_hooks = self._overlap_hooks
         # SGLang counts hits on insert only: not for chunked prefills, never under write-back.
@@ -470,7 +548,23 @@ class UnifiedRadixCache:
         node = self.root
         pos = 0
         ns = key.extra_key
-        ck = self._root_child_key(tokens, ns)
+        ck = self._root_child_key(tokens, ns) if not resumed else None
+        for below in resumed:
+            # What the walk below does to a locked node wholly below ``prev``: stamp, raise
+            # the priority, count the hit (the overlap hooks and frees have nothing to do).
+            self._clock += 1
+            below.last_access_time = self._clock
+            if priority > below.priority:
+                below.priority = priority
+            if count_hits:
+                below.hit_count += 1
+                if note_hits:
+                    self._note_hit(below)
+            path.append(below)
+            pos += below.key_len
+            node = below
+        if resumed and pos < n:
+            ck = tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
         descend = self._descend
         while pos < n:
             child, m, split = descend(node, ck, tokens, pos)

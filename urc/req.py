@@ -70,9 +70,14 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         """The tokens whose KV is in the request's row: input then output token ids, or what
-        was last assigned (SGLang's scheduler sets the chunk filled so far)."""
+        was last assigned (SGLang's scheduler sets the chunk filled so far).  Read-only for
+        the caller: without output it is ``origin_input_ids`` itself (no copy per prefill
+        chunk, whose cost would grow with the prompt's length squared)."""
         fill = self._fill_ids
-        return self.origin_input_ids + self.output_ids if fill is None else fill
+        if fill is not None:
+            return fill
+        out = self.output_ids
+        return self.origin_input_ids + out if out else self.origin_input_ids
 
     @fill_ids.setter
     def fill_ids(self, tokens: list[int]) -> None:

@@ -37,25 +37,28 @@ def _row(cache: UnifiedRadixCache, req: Req, is_finished: bool) -> int:
 
 def _prepare(
     cache: UnifiedRadixCache, req: Req, n_tokens: int, is_finished: bool, chunked: bool
-) -> tuple[InsertParams, RadixKey, int]:
-    """Insert params filled by the components, the tree key of the first ``n_tokens``
-    tokens (truncated where a component asked) and its page-aligned length."""
-    token_ids = req.fill_ids[:n_tokens]
-    params = InsertParams(
-        key=RadixKey(token_ids, req.extra_key),
-        prev_prefix_len=req.cache_protected_len,
-        chunked=chunked,
-    )
-    eff = len(token_ids)
+) -> tuple[InsertParams, int]:
+    """Insert params filled by the components, keyed by the first ``aligned`` of the first
+    ``n_tokens`` tokens (truncated where a component asked, then page-aligned), and
+    ``aligned``.  The key is one slice of ``req.fill_ids`` (none when it is all of it)."""
+    fill = req.fill_ids
+    n_tokens = min(n_tokens, len(fill))
+    params = InsertParams(prev_prefix_len=req.cache_protected_len, chunked=chunked)
+    eff = n_tokens
     for c in cache._prepare_hooks:
-        limit = c.prepare_for_caching_req(req, params, len(token_ids), is_finished)
+        limit = c.prepare_for_caching_req(req, params, n_tokens, is_finished)
         if limit is not None and limit < eff:
             eff = max(limit, 0)
-    key = RadixKey(token_ids[:eff], req.extra_key)
+    ps = cache.page_size
     if cache.is_eagle:
-        key = key.bigram()
-    n_key = len(key)
-    return params, key, n_key - n_key % cache.page_size
+        key = RadixKey(fill[:eff], req.extra_key).bigram()
+        aligned = len(key) - len(key) % ps
+        key = key[:aligned]
+    else:
+        aligned = eff - eff % ps
+        key = RadixKey(fill if aligned == len(fill) else fill[:aligned], req.extra_key)
+    params.key = key
+    return params, aligned
 
 
 def _handled_len(cache: UnifiedRadixCache, req: Req, kv_len_to_handle: int | None) -> int:
@@ -105,9 +108,8 @@ def cache_finished_req(
     if req.kv_committed_freed:
         free_start = max(free_start, committed)
     elif is_insert:
-        params, key, aligned = _prepare(cache, req, handled, True, False)
+        params, aligned = _prepare(cache, req, handled, True, False)
         if aligned > 0:
-            params.key = key[:aligned]
             params.value = kv[:aligned]
             result = cache.insert(params)
         free_start = max(aligned, free_start)
@@ -135,13 +137,30 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
     cover the whole inserted path instead.
     """
     row = _row(cache, req, False)
-    params, key, aligned = _prepare(cache, req, req.kv_committed_len, False, chunked)
+    params, aligned = _prepare(cache, req, req.kv_committed_len, False, chunked)
     result: InsertResult | None = None
     if aligned > 0 and aligned >= req.cache_protected_len:
-        params.key = key[:aligned]
         params.value = cache.req_to_token_pool.read(row, 0, aligned)
-        result = cache.insert(params)
-        hit = cache.match_prefix(MatchPrefixParams(key=params.key))
+        # The walk resumes at the request's own locked node and the re-match is of the path
+        # just inserted: a chunk's commit costs the chunk, not the prompt so far.
+        start = req.last_node
+        resume = start if start is not None and not cache.is_eagle else None
+        result = cache.insert(params, resume)
+        inserted = result.last_device_node
+        assert inserted is not None
+        key = params.key
+        assert key is not None
+        path = cache.path_to(inserted)
+        # The row already holds the tree's indices of the old lock's path.
+        protected = req.cache_protected_len
+        known = None
+        if resume is not None and resume.parent is not None:
+            k = len(path)  # the old lock's node is on the path, a few nodes from its end
+            while k and path[k - 1] is not resume:
+                k -= 1
+            if k:
+                known = (k, cache.req_to_token_pool.read(row, 0, protected))
+        hit = cache.match_path(MatchPrefixParams(key=key), path, known)
         last: TreeNode | None = hit.last_device_node
         indices = hit.device_indices
         if indices.shape[0] != aligned:
@@ -150,11 +169,13 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
             indices = _path_indices(cache, last)
         assert last is not None
         assert indices.shape[0] == aligned, f"path holds {indices.shape[0]} != {aligned}"
-        protected = req.cache_protected_len
         if aligned > protected:
             cache.req_to_token_pool.write(row, protected, indices[protected:])
-        release_req_lock(cache, req)  # SGLang's order: the old lock goes first
-        req.lock_receipt = cache.inc_lock_ref(last)
+        # Lock the new node before releasing the old one (SGLang releases first; the end
+        # state is the same, and this way both walks stop at the first locked node).
+        receipt = cache.inc_lock_ref(last)
+        release_req_lock(cache, req)
+        req.lock_receipt = receipt
         req.prefix_indices = indices
         req.cache_protected_len = aligned
         req.last_node = last

@@ -239,7 +239,7 @@ def start_load_back(
         device = alloc.alloc(tokens)
     if device is None:
         for n in nodes:
-            full.host_lock(n, -1)
+            host_lock(cache, n, -1)  # re-enters the host heap if it is an evictable leaf again
         cache.dec_lock_ref(anchor, receipt.to_dec_params())
         return None
     items: list[tuple[int, TransferItem]] = []

@@ -90,21 +90,6 @@ def output_token_ids(index: int, length: int) -> list[int]:
     return list(range(base, base + length))
 
 
-class _ReplayReq(Req):
-    """A :class:`~urc.req.Req` whose ``fill_ids`` is the prompt list itself while there is no
-    output yet (every prefill chunk), instead of a fresh concatenation per call: the core
-    reads ``fill_ids`` once per chunk commit, so the copy made the driver's own share of a
-    request's cost grow with prompt length squared.  Safe because the core only reads it
-    (slices and keys), and the replay never mutates a request's token lists in place."""
-
-    __slots__ = ()
-
-    @property
-    def fill_ids(self) -> list[int]:
-        out = self.output_ids
-        return self.origin_input_ids + out if out else self.origin_input_ids
-
-
 # ---------------------------------------------------------------------- actor-side steps
 # Run inside the actor through ``svc.call``: each raises a URCError before changing anything,
 # or succeeds.
@@ -281,7 +266,7 @@ class _ServingLoop:
 
     async def _serve_one(self, tr: TraceRequest) -> None:
         svc = self.svc
-        req = _ReplayReq(f"r{tr.index}", list(tr.input_ids), extra_key=tr.namespace)
+        req = Req(f"r{tr.index}", list(tr.input_ids), extra_key=tr.namespace)
         await self._timed("alloc_row", svc.call(_AllocRow(req)))
         self.gate.active += 1
         try:
