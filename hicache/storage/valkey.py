@@ -153,9 +153,14 @@ class ValkeyStorage(StorageBackend):
             raise StorageUnavailableError(f"{type(exc).__name__}: {exc}") from exc
 
     def _leading(self, results: Sequence[Any], ok: Callable[[Any], bool]) -> int:
+        """Leading results that pass ``ok``.  A failed command stops the count; when it is
+        the first one the whole call failed (``StorageUnavailableError``, counted by the
+        caller), else the call served what came before it (the failure is counted here)."""
         count = 0
         for result in results:
             if isinstance(result, Exception):
+                if count == 0:
+                    raise StorageUnavailableError(f"{type(result).__name__}: {result}")
                 self._counters.errors += 1
                 _log.warning("valkey command failed: %s", result)
                 break
