@@ -34,38 +34,72 @@ once).  ``Req`` objects passed to ``match_req`` / ``cache_*_req`` do hold tree n
 (``req.last_node``): the request belongs to the server, but only the actor may read or write
 ``last_node`` / ``lock_receipt`` -- callers must never touch them.
 
-Cancellation (nothing leaks, nothing is half-applied).  A caller whose scope is already
-cancelled raises before sending anything.  A caller waiting for room in a full stream
-(``await send``) and cancelled there: a command that may be abandoned (below) is withdrawn or,
-if the stream took it meanwhile, skipped by the actor; any other command waits for its room in
-a shielded scope (the wait is bounded: the actor keeps draining, and a closing or failed
-service refuses it).  After sending, by command (``_ON_CANCEL``):
+Cancellation (nothing leaks, nothing is half-applied).  Two ways of being cancelled: a
+cancelled *scope* (anyio ``CancelScope`` / ``move_on_after`` / ``fail_after``, trio's
+scopes; level-triggered: delivered again at every checkpoint until the scope exits), and a
+*native* asyncio cancellation (``Task.cancel()``, hence ``asyncio.timeout``, ``wait_for``,
+``TaskGroup`` shutdown; delivered once).  Applying a command never awaits, so the actor's
+side of every command is atomic: the core raises a :class:`~urc.errors.URCError` before
+changing anything, or applies the command fully.  Where the caller can be cancelled, and what
+happens then (``_ON_CANCEL`` classifies the commands)::
 
-- Commands that move ownership of slots or requests between caller and tree (insert,
-  match_req, alloc, free, cache_finished_req, cache_unfinished_req, call): a cancelled caller
-  still waits for the outcome and gets it; its cancellation lands at its next checkpoint.
-  The actor always answers (it drains the stream at close and fails every queued call if it
-  dies), so the wait is bounded.  (Rather than entering a shielded scope on every call, the
-  caller catches the cancellation and, only then, waits on in a shielded scope; anyio and
-  trio scopes deliver it again at the next checkpoint.  A native asyncio ``Task.cancel()``,
-  with no cancelled scope to deliver it again, goes through, as it would through a shield;
-  one that hits a caller still waiting for room withdraws its command: the actor skips it if
-  the stream took it.)
-- A release is applied even if its caller is cancelled meanwhile (the lease was marked
-  released before sending).
-- Other commands (match, lock, evict, stats, sanity_check) may be abandoned: a caller
-  cancelled before the actor took its command marks it abandoned and the actor skips it.  If
-  the reply was already delivered when the cancellation hit (the window between the actor
-  taking a lock and the caller resuming), the caller's handler releases the lease it never
-  received by queueing a release (or parking it for the actor's next batch when the stream
-  is full).
-- Every command is atomic: the core raises a :class:`~urc.errors.URCError` before changing
-  anything, or applies the command fully.
+    command kind         | cancelled where                | what it passed in / what it got
+    ---------------------+--------------------------------+-----------------------------------
+    any                  | before sending (scope already  | nothing is sent or applied; all it
+                         | cancelled: raises at once)     | passed in is still its own
+    ---------------------+--------------------------------+-----------------------------------
+    match, lock          | waiting for room, or queued    | withdrawn: the actor skips it
+    (may be abandoned)   | (actor has not taken it)       |
+                         | after the actor applied it,    | the lease it would get is released
+                         | before the caller resumed      | by the service (queued at once)
+    evict, stats,        | same as match                  | skipped, or applied and the result
+    sanity_check         |                                | dropped (nothing to give back)
+    ---------------------+--------------------------------+-----------------------------------
+    release              | anywhere after the call began  | the lease is marked released
+                         | (scope or native)              | before the first await: the
+                         |                                | release is applied regardless
+    release_nowait,      | never yields: cannot be        | released (queued without waiting)
+    ``async with lease`` | cancelled                      |
+    ---------------------+--------------------------------+-----------------------------------
+    ownership moves:     | scope cancelled after sending  | sent for sure; the caller waits
+    insert, alloc, free, | (waiting for room or for the   | (shielded) and gets the outcome
+    alloc_mamba,         | reply)                         | (result or typed error); the
+    free_mamba,          |                                | cancellation lands at its next
+    match_req,           |                                | checkpoint
+    cache_finished_req,  | native cancellation after      | sent and applied all the same; the
+    cache_unfinished_req,| sending, waiting for room or   | CancelledError is raised once the
+    call                 | for the reply                  | actor answered.  Passed in: taken
+                         |                                | as if the call returned (insert:
+                         |                                | the tree took the value; free:
+                         |                                | freed; a Req holds its outcome).
+                         |                                | Got: given back by the service --
+                         |                                | alloc / alloc_mamba slots freed,
+                         |                                | an insert's leftovers (unaligned
+                         |                                | tail, an unadopted Mamba value)
+                         |                                | freed, a call's result handed to
+                         |                                | its ``undo`` (else dropped).  If
+                         |                                | the command failed (typed error),
+                         |                                | nothing changed: what it passed in
+                         |                                | is still its own
+
+So a caller that sees ``CancelledError`` from an ownership move knows which case it is in:
+its own anyio/trio scope was cancelled (``current_effective_deadline() == -inf``) -- nothing
+was sent; else -- the command was applied.  The waits are bounded: the actor always answers
+(it drains the stream at close and fails every queued call if it dies), and a closing or
+failed service refuses new sends.  Implementation: rather than entering a shielded scope on
+every call, the caller catches the cancellation and, only then, waits on in a shielded scope
+(looping through native cancellations, which a shield does not stop); a native cancellation
+that interrupts ``await send`` checks whether the stream took the call (``_in_stream``) and
+sends it again if not.  Give-backs (releases, frees) for callers that are gone are queued
+without waiting (``_give_back``), or parked when the stream is full or closing and applied at
+the start of the actor's next batch (so before anything queued meanwhile), or at shutdown.
 
 Errors: a ``URCError`` raised for one command reaches that caller only and the actor keeps
-serving.  Any other exception (an ``AssertionError`` from an invariant, a bug, a failing
-observer or background worker) fails the service: the failing call and every queued or
-later call get :class:`~urc.errors.ServiceFailedError` with the cause chained.  Calls after
+serving.  Any other exception inside the actor (an ``AssertionError`` from an invariant, a
+bug, a failing observer) fails the service: the failing call and every queued or later call
+get :class:`~urc.errors.ServiceFailedError` with the cause chained.  A background worker's
+exception ends that worker only (logged, kept in :attr:`background_failures`): it reaches
+the tree only through atomic commands, so it cannot leave the tree half-changed.  Calls after
 close (or before start) raise :class:`~urc.errors.ServiceClosedError`.
 
 Observers (:mod:`urc.observer`): the actor times every command (one clock read when the
@@ -515,8 +549,11 @@ class AsyncUnifiedRadixCache:
         extra_key: ExtraKey | str | None = None,
     ) -> InsertOutcome:
         """Insert ``key`` -> ``value``; the tree takes the slots (duplicates past
-        ``prev_prefix_len`` are freed; an unaligned tail stays the caller's).  Not abandoned
-        on cancellation: the caller always learns whether the tree took the slots."""
+        ``prev_prefix_len`` are freed; an unaligned tail stays the caller's, as does
+        ``mamba_value`` when the result says ``mamba_exist``).  Never withdrawn once sent: a
+        scope-cancelled caller still gets the outcome; a natively cancelled one gets
+        ``CancelledError`` after the insert was applied, and the service frees what would
+        have stayed the caller's (see the cancellation rules)."""
         cmd = Insert(
             _as_key(key, extra_key),
             value,
