@@ -222,24 +222,27 @@ class Client:
                 self.leases.remove(m.lease)
 
     async def finish(self, key: list[int], rid: str, unfinished: bool) -> None:
-        svc = self.svc
-        req = Req(rid, key)
-        try:
-            await svc.call(AllocRow(req))
-        except OutOfMemoryError:
-            return
-        try:
-            await svc.match_req(req)
-            await svc.call(FillRow(req))
-            if unfinished:
-                await svc.cache_unfinished_req(req)
-            await svc.cache_finished_req(req)
-        except OutOfMemoryError:
-            pass
-        finally:
-            if req.req_pool_idx is not None:  # not finished: give everything back
-                with anyio.CancelScope(shield=True):
-                    await svc.cache_finished_req(req, is_insert=False)
+        await serve_request(self.svc, Req(rid, key), unfinished)
+
+
+async def serve_request(svc: AsyncUnifiedRadixCache, req: Req, unfinished: bool) -> None:
+    """A request's whole life through the service: a row, ``match_req``, its slots,
+    optionally ``cache_unfinished_req``, then ``cache_finished_req``; whatever way it ends
+    (no room, cancelled), everything it holds is given back.  The row is recorded in the
+    ``Req`` by the actor, so it is found even if the caller was cancelled."""
+    try:
+        await svc.call(AllocRow(req))
+        await svc.match_req(req)
+        await svc.call(FillRow(req))
+        if unfinished:
+            await svc.cache_unfinished_req(req)
+        await svc.cache_finished_req(req)
+    except OutOfMemoryError:
+        pass
+    finally:
+        if req.req_pool_idx is not None:  # not finished: give everything back
+            with anyio.CancelScope(shield=True):
+                await svc.cache_finished_req(req, is_insert=False)
 
 
 async def run_clients(

@@ -26,7 +26,7 @@ import anyio
 import pytest
 import torch
 from anyio.lowlevel import checkpoint
-from test_service import AllocRow, FillRow
+from test_service import serve_request
 from test_service_ownership import COMPONENT_SETS, IDS
 
 from urc import CacheConfig, ComponentType, InvalidLockError, OutOfMemoryError, Req
@@ -268,21 +268,7 @@ class Client:
         self.drop(state, self.states)
 
     async def request(self, key: list[int], rid: str) -> None:
-        svc = self.svc
-        req = Req(rid, key)
-        try:
-            await svc.call(AllocRow(req))  # the row is recorded in the req, even if cancelled
-            await svc.match_req(req)
-            await svc.call(FillRow(req))
-            if self.rng.random() < 0.3:
-                await svc.cache_unfinished_req(req)
-            await svc.cache_finished_req(req)
-        except OutOfMemoryError:
-            pass
-        finally:
-            if req.req_pool_idx is not None:  # not finished: give everything back
-                with anyio.CancelScope(shield=True):
-                    await svc.cache_finished_req(req, is_insert=False)
+        await serve_request(self.svc, Req(rid, key), unfinished=self.rng.random() < 0.3)
 
     # ------------------------------------------------------------------ ownership
     def settle(

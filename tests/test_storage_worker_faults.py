@@ -18,24 +18,17 @@ import anyio
 import pytest
 import torch
 from cache_harness import pins
-from prometheus_client import CollectorRegistry
+from storage_harness import L3Stack
 
-from hicache.config import HiCacheConfig, StorageConfig
-from hicache.controller import HiCacheController
 from hicache.storage.errors import StorageUnavailableError
 from hicache.storage.file import FileStorage
 from hicache.storage.keys import PageKey
 from hicache.storage.stats import StorageOp
-from hicache.storage_worker import RetryPolicy, StorageWorker
-from hicache.tier import attach_hicache
-from metrics import CacheMetrics
-from urc import CacheConfig, ComponentType, KVShape, RadixKey, build_cache
-from urc.cache import UnifiedRadixCache
-from urc.service import AsyncUnifiedRadixCache, ServiceState
-from urc.tiers import WritePolicy
+from hicache.storage_worker import RetryPolicy
+from urc import ComponentType, RadixKey
+from urc.service import ServiceState
 
 FULL = ComponentType.FULL
-PS = 4
 FAST_RETRY = RetryPolicy(initial_s=0.01, max_s=0.05, max_attempts=50)
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,68 +63,9 @@ class FlakyStore(FileStorage):
         return await super()._put(keys, buffers)
 
 
-class Stack:
-    def __init__(self, store: FlakyStore) -> None:
-        self.cache: UnifiedRadixCache = build_cache(
-            CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
-        )
-        hconfig = HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_tokens=512)
-        self.tier = attach_hicache(self.cache, hconfig)
-        self.controller = HiCacheController(self.cache, self.tier, hconfig)
-        self.registry = CollectorRegistry()
-        self.metrics = CacheMetrics(self.registry)
-        self.worker = StorageWorker(
-            self.cache,
-            self.tier,
-            store,
-            StorageConfig(),
-            controller=self.controller,
-            observer=self.metrics,
-            retry=FAST_RETRY,
-        )
-        self.store = store
-        self.svc = AsyncUnifiedRadixCache(self.cache, workers=[self.controller, self.worker])
-
-    @property
-    def kv(self) -> torch.Tensor:
-        pool = self.cache.pools.kv_pool
-        assert pool is not None
-        return pool.kv
-
-    async def put(self, tokens: list[int]) -> torch.Tensor:
-        value = await self.svc.alloc(len(tokens))
-        data = torch.randn(self.kv[:, :, value].shape)
-
-        def write(cache: UnifiedRadixCache) -> None:
-            self.kv[:, :, value] = data
-
-        await self.svc.call(write)
-        await self.svc.insert(RadixKey(tokens), value)
-        return data
-
-    async def settle(self) -> None:
-        while True:
-            await anyio.wait_all_tasks_blocked()
-            busy = await self.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight))
-            if not busy:
-                break
-        await self.worker.flush()
-
-    async def drop_device_and_host(self) -> None:
-        await self.svc.evict(1 << 20)
-        await self.svc.call(lambda c: c.evict_host(1 << 20))
-        await self.worker.flush()
-
-    def errors(self, op: StorageOp) -> float:
-        value = self.registry.get_sample_value(
-            "urc_storage_errors_total", {"backend": "file", "op": op.value}
-        )
-        return value or 0.0
-
-
 @asynccontextmanager
-async def running(store: FlakyStore) -> AsyncIterator[Stack]:
-    stack = Stack(store)
+async def running(store: FlakyStore) -> AsyncIterator[L3Stack]:
+    stack = L3Stack(store, host_tokens=512, retry=FAST_RETRY)
     async with store, stack.svc:
         with anyio.fail_after(45):
             yield stack
@@ -164,7 +98,7 @@ async def test_an_outage_is_counted_retried_and_never_fails_the_service(
         await store.failed_three_times.wait()
         assert s.worker.stats.retried_writes >= 2
         assert s.worker.stats.errors >= 3
-        assert s.errors(StorageOp.EXISTS) >= 3  # a backup asks what is stored first
+        assert s.storage_errors(StorageOp.EXISTS) >= 3  # a backup asks what is stored first
         # A prefetch during the outage is a miss (the store failing, or the worker backing
         # off), never an exception.
         assert await s.worker.fetch(s.svc, RadixKey(tokens_of(16, 500))) == 0
@@ -179,9 +113,7 @@ async def test_an_outage_is_counted_retried_and_never_fails_the_service(
         assert s.worker.stats.errors == errors
         m = await s.svc.match(RadixKey(tokens_of(16)))
         assert m.prefix_len == 16 and torch.equal(s.kv[:, :, m.device_indices], original)
-        assert s.errors(StorageOp.EXISTS) + s.errors(StorageOp.GET) + s.errors(
-            StorageOp.PUT
-        ) == float(s.worker.stats.errors)
+        assert s.storage_errors() == float(s.worker.stats.errors)
 
 
 @pytest.mark.asyncio
@@ -204,5 +136,5 @@ async def test_a_failing_get_mid_prefetch_frees_the_reserved_host_slots(tmp_path
 
         store._get = failing_get  # type: ignore[method-assign]
         assert await s.worker.prefetch(s.svc, RadixKey(tokens_of(32))) == 0
-        assert s.worker.stats.errors == 1 and s.errors(StorageOp.GET) == 1
+        assert s.worker.stats.errors == 1 and s.storage_errors(StorageOp.GET) == 1
         assert s.worker.stats.prefetch_misses == 1
