@@ -1,20 +1,16 @@
 """Chaos: 256 clients on one service, about 10% of their calls cancelled at random points.
 
 Each client runs a seeded random mix of alloc / free / insert / match(lock=True) (released
-through ``async with lease`` or ``release()``) / lock / evict / HiCache load-back over shared
-prefixes (plus ``alloc_mamba`` states with Mamba, and whole requests -- ``match_req`` ..
-``cache_finished_req`` -- with Full only), on a cache with a host tier and its controller
-backing nodes up in the background.  A cancelled call is cancelled, after a random number of
-scheduler checkpoints, by one of: an anyio ``CancelScope``, a native asyncio
-``Task.cancel()``, an ``asyncio.timeout`` (asyncio only), or an anyio deadline
-(``move_on_after``).  (Load-backs are cancelled by scopes only: ``HiCacheController`` does
-not yet give ``svc.call`` an ``undo`` for what a natively cancelled load-back reserved.)
+through ``async with lease`` or ``release()``) / lock / evict over shared prefixes (plus
+``alloc_mamba`` states with Mamba, and whole requests -- ``match_req`` .. ``cache_finished_req``
+-- with Full only).  A cancelled call is cancelled, after a random number of scheduler
+checkpoints, by one of: an anyio ``CancelScope``, a native asyncio ``Task.cancel()``, an
+``asyncio.timeout`` (asyncio only), or an anyio deadline (``move_on_after``).
 
 Every client follows the cancellation rules of :mod:`urc.service` to know what it owns
 after each call (see ``Client.settle``) and gives it all back at the end.  Afterwards: no
-lease held, every component's protected size 0 (device and host), free + cached ==
-capacity for every pool (device and host), no pin, ``sanity_check()`` passes and no task is
-left.
+lease held, every component's protected size 0, free + cached == capacity for every pool,
+``sanity_check()`` passes and no task is left.
 """
 
 from __future__ import annotations
@@ -30,22 +26,10 @@ import anyio
 import pytest
 import torch
 from anyio.lowlevel import checkpoint
-from cache_harness import pins
 from test_service import serve_request
 from test_service_ownership import COMPONENT_SETS, IDS
 
-from hicache.config import HiCacheConfig
-from hicache.controller import HiCacheController
-from hicache.tier import attach_hicache
-from urc import (
-    CacheConfig,
-    ComponentType,
-    InvalidLockError,
-    OutOfMemoryError,
-    RadixKey,
-    Req,
-    build_cache,
-)
+from urc import CacheConfig, ComponentType, InvalidLockError, OutOfMemoryError, Req
 from urc.lease import Lease, NodeHandle
 from urc.service import AsyncUnifiedRadixCache
 
@@ -97,7 +81,6 @@ class Client:
     slots, ``leases``.  Its records follow each call synchronously."""
 
     svc: AsyncUnifiedRadixCache
-    controller: HiCacheController
     rng: random.Random
     name: str
     components: tuple[ComponentType, ...]
@@ -121,13 +104,11 @@ class Client:
 
     async def one(self, i: int) -> None:
         rng = self.rng
-        op, natively = self.pick(i)
+        op = self.pick(i)
         if rng.random() >= CANCEL_RATE:
             await op(None)
             return
-        styles = [Style.SCOPE, Style.DEADLINE]
-        if self.native and natively:
-            styles += NATIVE
+        styles = [Style.SCOPE, Style.DEADLINE] + (list(NATIVE) if self.native else [])
         style = rng.choice(styles)
         after = rng.randrange(4)  # checkpoints before the cancellation fires
         self.cancelled[style] += 1
@@ -166,29 +147,24 @@ class Client:
         else:
             await op(style)
 
-    def pick(self, i: int) -> tuple[Callable[[Style | None], Awaitable[None]], bool]:
-        """A random operation, and whether it may be cancelled natively."""
+    def pick(self, i: int) -> Callable[[Style | None], Awaitable[None]]:
         r = self.rng.random()
         key = random_key(self.rng)
         if r < 0.2:
-            return (lambda s: self.match(key)), True
+            return lambda s: self.match(key)
         if r < 0.4:
-            return (lambda s: self.match_locked(key)), True
+            return lambda s: self.match_locked(key)
         if r < 0.5:
-            return (lambda s: self.release_one()), True
+            return lambda s: self.release_one()
         if r < 0.55:
-            return (lambda s: self.lock_one()), True
+            return lambda s: self.lock_one()
         if r < 0.8:
-            return (lambda s: self.insert(key, s)), True
+            return lambda s: self.insert(key, s)
         if r < 0.9 and self.components == (FULL,):
-            return (lambda s: self.request(key, f"{self.name}-{i}")), True
-        if r < 0.93:
-            return (lambda s: self.alloc_free(s)), True
-        if r < 0.97:
-            return (lambda s: self.evict()), True
-        # The controller's load-back drops what its svc.call returned when natively
-        # cancelled (it passes no ``undo``): only scopes cancel it here.
-        return (lambda s: self.load_back(key)), False
+            return lambda s: self.request(key, f"{self.name}-{i}")
+        if r < 0.95:
+            return lambda s: self.alloc_free(s)
+        return lambda s: self.evict()
 
     # ------------------------------------------------------------------ operations
     async def match(self, key: list[int]) -> None:
@@ -219,10 +195,6 @@ class Client:
         if self.handles:
             with contextlib.suppress(InvalidLockError):  # evicted since the match
                 self.leases.append(await self.svc.lock(self.handles[-1]))
-
-    async def load_back(self, key: list[int]) -> None:
-        with contextlib.suppress(OutOfMemoryError):
-            await self.controller.load_back(self.svc, RadixKey(key))
 
     async def evict(self) -> None:
         await self.svc.evict(num_tokens=self.rng.randint(1, 16))
@@ -337,38 +309,27 @@ async def scenario(components: tuple[ComponentType, ...], seed: int) -> dict[Sty
     with anyio.fail_after(LIMIT_S):
         native = anyio.get_cancelled_exc_class() is asyncio.CancelledError
         tasks_before = {t.id for t in anyio.get_running_tasks()}
-        cache = build_cache(config_for(components))
-        hconfig = HiCacheConfig(host_ratio=1.0)
-        controller = HiCacheController(cache, attach_hicache(cache, hconfig), hconfig)
-        async with AsyncUnifiedRadixCache(cache, max_queued=64, workers=[controller]) as svc:
+        config = config_for(components)
+        async with AsyncUnifiedRadixCache(config, max_queued=64) as svc:
             clients = [
-                Client(
-                    svc,
-                    controller,
-                    random.Random(seed * 1_000_003 + k),
-                    f"c{k}",
-                    components,
-                    native,
-                )
+                Client(svc, random.Random(seed * 1_000_003 + k), f"c{k}", components, native)
                 for k in range(CLIENTS)
             ]
             async with anyio.create_task_group() as tg:
                 for c in clients:
                     tg.start_soon(c.run, OPS)
-            while controller.in_flight or await svc.call(lambda c: bool(c.backups_in_flight)):
-                await anyio.wait_all_tasks_blocked()  # the controller's copies finish
             held = dict.fromkeys(components, 0)
             await svc.sanity_check(held)
             assert svc.leases_held == 0
+            cache = svc.cache
+            assert all(c.protected_size == 0 for c in cache.components)
             assert svc.background_failures == ()
         assert svc.leases_released_at_close == 0
         cache.sanity_check()
-        cache.check_pools(held, held)  # device and host pools
+        cache.check_pools(held)
         for c in cache.components:
-            assert c.protected_size == 0 and c.host_protected_size == 0
+            assert c.protected_size == 0
             assert c.pool_available() + c.evictable_size == c.pool_capacity()
-            assert c.host_available() + c.host_evictable_size == c.host_capacity()
-        assert pins(cache) == 0
         assert sum(c.ops for c in clients) == CLIENTS * OPS
         assert {t.id for t in anyio.get_running_tasks()} == tasks_before
         totals = dict.fromkeys(Style, 0)
