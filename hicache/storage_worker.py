@@ -51,10 +51,18 @@ already had under their Full keys are assumed stored with theirs) and only where
 pages were stored; they are read only for the Full pages a prefetch fetched.  Absent or
 unreadable auxiliary pages are just not restored.
 
-Faults degrade: a store error, a miss or a timeout is a miss (the caller recomputes), counted
-in :class:`StorageWorkerStats`; reserved host slots are freed and pins released on every path
-(cancellation included).  Only pages that were read completely and verified by the codec are
-ever committed.  EAGLE bigram keys are rejected.
+Faults degrade: a store error, a miss or a timeout is a miss (the caller recomputes).  Every
+failed storage call (the worker calls the backend with ``raise_errors=True``, so a failure is
+never mistaken for a miss) is counted in :attr:`StorageWorkerStats.errors`, reported to an
+observer that takes storage errors (:class:`~hicache.storage.stats.StorageErrorObserver`, e.g.
+the Prometheus exporter: ``urc_storage_errors_total{backend,op}``) and backs the worker off
+(:class:`RetryPolicy`): while backing off, prefetches read as misses without calling the
+store, and backups wait; a backup whose write failed is retried (up to
+``RetryPolicy.max_attempts`` writes, then dropped and counted in ``dropped_writes``).  No
+storage failure ever escapes the worker, so it never fails the service (and the service
+survives a failing background worker anyway).  Reserved host slots are freed and pins
+released on every path (cancellation included).  Only pages that were read completely and
+verified by the codec are ever committed.  EAGLE bigram keys are rejected.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ from hicache.host_pool import HostPool
 from hicache.storage.base import StorageBackend
 from hicache.storage.errors import StorageError
 from hicache.storage.keys import StorageComponent, page_keys
+from hicache.storage.stats import StorageErrorObserver, StorageOp
 from hicache.tier import HostMemoryTier
 from urc import tiering
 from urc.cache import UnifiedRadixCache
@@ -87,7 +96,7 @@ if TYPE_CHECKING:
     from hicache.controller import HiCacheController
     from urc.service import AsyncUnifiedRadixCache
 
-__all__ = ["HostPageLayout", "StorageWorker", "StorageWorkerStats"]
+__all__ = ["HostPageLayout", "RetryPolicy", "StorageWorker", "StorageWorkerStats"]
 
 _log = logging.getLogger(__name__)
 FULL = ComponentType.FULL
@@ -155,8 +164,10 @@ class StorageWorkerStats:
     ``prefetch_hit_tokens`` counts tokens inserted on host from storage (also added to the
     cache's ``hit_tokens["storage"]``); ``prefetch_misses`` prefetches that brought nothing
     (no page stored, a failure, or a timeout before the first page); ``prefetch_timeouts``
-    prefetches stopped by their deadline; ``errors`` storage calls that raised a storage
-    error; ``dropped_writes`` backups skipped because a bound was reached.
+    prefetches stopped by their deadline; ``errors`` storage calls that failed (an error or
+    a timeout of the store, or a storage error raised for the call); ``retried_writes``
+    backups queued again after a failed write; ``dropped_writes`` backups skipped because a
+    bound was reached or their writes kept failing.
     """
 
     pages_written: int = 0
@@ -166,7 +177,56 @@ class StorageWorkerStats:
     prefetch_misses: int = 0
     prefetch_timeouts: int = 0
     errors: int = 0
+    retried_writes: int = 0
     dropped_writes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How the worker backs off after a failed storage call: the first failure pauses
+    storage calls for ``initial_s``, each further one in a row multiplies the pause by
+    ``multiplier`` up to ``max_s``; a success ends it.  A backup is written at most
+    ``max_attempts`` times."""
+
+    initial_s: float = 0.05
+    max_s: float = 2.0
+    multiplier: float = 2.0
+    max_attempts: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s or self.multiplier < 1 or self.max_attempts < 1:
+            raise ConfigError(f"invalid retry policy: {self}")
+
+
+class _Backoff:
+    """The worker's pause after failed storage calls (see :class:`RetryPolicy`)."""
+
+    __slots__ = ("delay", "policy", "until")
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.delay = 0.0
+        self.until = 0.0
+
+    def failed(self) -> None:
+        p = self.policy
+        self.delay = p.initial_s if self.delay == 0.0 else min(self.delay * p.multiplier, p.max_s)
+        self.until = time.monotonic() + self.delay
+
+    def succeeded(self) -> None:
+        self.delay = 0.0
+        self.until = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether storage calls are paused now."""
+        return self.until > 0.0 and time.monotonic() < self.until
+
+    async def wait(self) -> None:
+        """Sleep until the pause is over."""
+        remaining = self.until - time.monotonic()
+        if remaining > 0:
+            await anyio.sleep(remaining)
 
 
 @dataclass(slots=True, eq=False)
@@ -195,6 +255,7 @@ class _WriteJob:
     pins: list[tuple[TreeNode, int]] = field(default_factory=list)
     aux: list[_Aux] = field(default_factory=list)
     nbytes: int = 0  # staged bytes (on host eviction)
+    attempts: int = 0  # failed writes so far (staged jobs)
 
 
 @dataclass(slots=True, eq=False)
@@ -246,6 +307,7 @@ class StorageWorker:
         *,
         controller: HiCacheController | None = None,
         observer: ServiceObserver | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if cache.is_eagle:
             raise ConfigError("the storage tier does not support EAGLE bigram keys")
@@ -258,6 +320,13 @@ class StorageWorker:
         self.config = config or StorageConfig()
         self.controller = controller
         self.observer = observer
+        self._error_sink: StorageErrorObserver | None = None
+        sink: object = observer  # a ServiceObserver that may also take storage errors
+        if isinstance(sink, StorageErrorObserver):
+            self._error_sink = sink
+        self.retry = retry or RetryPolicy()
+        self._backoff = _Backoff(self.retry)
+        self._attempts: dict[int, int] = {}  # write-through: failed writes per node id
         self.layouts = {
             c.component_type: HostPageLayout(tier.pools[c.component_type]) for c in cache.components
         }
@@ -355,12 +424,33 @@ class StorageWorker:
             self._wake = anyio.Event()
             self._idle = anyio.Event()
             while self._due or self._staged:
+                await self._backoff.wait()
                 if self._staged:
                     job = self._staged.popleft()
                     self._staged_bytes -= job.nbytes
-                    await self._put(job)
+                    if not await self._put(job):
+                        self._retry_staged(job)
                 else:
                     await self._write_through(svc)
+
+    def _retry_staged(self, job: _WriteJob) -> None:
+        job.attempts += 1
+        if job.attempts >= self.retry.max_attempts:
+            self.stats.dropped_writes += 1
+            return
+        self.stats.retried_writes += 1
+        self._staged.appendleft(job)
+        self._staged_bytes += job.nbytes
+
+    def _retry_due(self, node: TreeNode) -> None:
+        attempts = self._attempts.get(node.id, 0) + 1
+        if attempts >= self.retry.max_attempts:
+            self._attempts.pop(node.id, None)
+            self.stats.dropped_writes += 1
+            return
+        self._attempts[node.id] = attempts
+        self.stats.retried_writes += 1
+        self._due.setdefault(node.id, node)
 
     async def flush(self) -> None:
         """Wait until every queued backup was written (or failed)."""
@@ -371,8 +461,11 @@ class StorageWorker:
             await self._idle.wait()
 
     async def _write_through(self, svc: AsyncUnifiedRadixCache) -> None:
+        picked: list[TreeNode] = []
+
         def start(cache: UnifiedRadixCache) -> _WriteJob | None:
             _, node = self._due.popitem()
+            picked.append(node)
             if node.deleted:
                 return None
             path = _path(node)
@@ -392,14 +485,28 @@ class StorageWorker:
                 job.pins.append((n, n.key_len))
             return job
 
-        job = await svc.call(start)
+        def undo(cache: UnifiedRadixCache, job: _WriteJob | None) -> None:
+            if job is not None:
+                self._unpin(cache, job.pins)
+
+        job = await svc.call(start, undo=undo)
         if job is None:
+            self._attempts.pop(picked[0].id, None)
             return
         try:
-            await self._put(job)
+            ok = await self._put(job)
         finally:
             with anyio.CancelScope(shield=True):
                 await svc.call(lambda cache: self._unpin(cache, job.pins))
+        if ok:
+            self._attempts.pop(picked[0].id, None)
+        else:
+            self._retry_due(picked[0])
+
+    def _free_host_full(self, cache: UnifiedRadixCache, slots: torch.Tensor | None) -> None:
+        """``undo`` of a host-slot reservation whose result never reached its caller."""
+        if slots is not None:
+            self.tier.host_free(FULL, slots)
 
     @staticmethod
     def _unpin(cache: UnifiedRadixCache, pins: Sequence[tuple[TreeNode, int]]) -> None:
@@ -418,28 +525,55 @@ class StorageWorker:
         host = aux.host.view(-1, layout.page_size)[sel].reshape(-1)
         return layout.gather(host)
 
-    async def _put(self, job: _WriteJob) -> None:
-        """Store the job's pages not yet stored; failures are counted, never raised."""
+    async def _store(self, op: StorageOp, call: Awaitable[int]) -> int | None:
+        """Await one storage call (made with ``raise_errors=True``); a failure is counted,
+        reported to the observer and backs the worker off, and returns ``None``."""
+        try:
+            n = await call
+        except StorageError as exc:
+            self.stats.errors += 1
+            self._backoff.failed()
+            if self._error_sink is not None:
+                self._error_sink.on_storage_error(self.storage.name, op)
+            _log.warning("storage %s failed: %s", op.value, exc)
+            return None
+        self._backoff.succeeded()
+        return n
+
+    async def _put(self, job: _WriteJob) -> bool:
+        """Store the job's pages not yet stored; False if a storage call failed (counted,
+        never raised; the caller retries the job)."""
         t0 = time.perf_counter()
         ps = self.page_size
+        storage = self.storage
         keys = (await anyio.to_thread.run_sync(self._keys, job.tokens, job.namespace))[
             job.first_page :
         ]
         if not keys:
-            return
-        written = nbytes = stored = 0
+            return True
+        written = nbytes = 0
+        stored: int | None = 0
+        ok = True
         try:
-            skip = 0
+            skip: int | None = 0
             if job.rows is None:
-                skip = await self.storage.exists(keys)
+                skip = await self._store(StorageOp.EXISTS, storage.exists(keys, raise_errors=True))
+                if skip is None:
+                    return False
                 if skip == len(keys):
-                    return
+                    return True
                 assert job.host is not None
                 host = job.host[skip * ps :]
                 rows = await anyio.to_thread.run_sync(self.layout.gather, host)
             else:
                 rows = job.rows
-            stored = await self.storage.put(keys[skip:], list(rows))
+            assert skip is not None
+            first = skip
+            stored = await self._store(
+                StorageOp.PUT, storage.put(keys[first:], list(rows), raise_errors=True)
+            )
+            if stored is None:
+                return False
             written += stored
             nbytes += stored * self.layout.page_bytes
             # Auxiliary pages of the Full pages just stored.
@@ -453,17 +587,22 @@ class StorageWorker:
                     self._keys, job.tokens[: hi * ps], job.namespace, aux.ct
                 )
                 arows = await anyio.to_thread.run_sync(self._aux_rows, aux, sel)
-                n = await self.storage.put([ckeys[aux.pages[i]] for i in sel], list(arows))
+                akeys = [ckeys[aux.pages[i]] for i in sel]
+                n = await self._store(
+                    StorageOp.PUT, storage.put(akeys, list(arows), raise_errors=True)
+                )
+                if n is None:
+                    ok = False
+                    break
                 written += n
                 nbytes += n * self.layouts[aux.ct].page_bytes
-        except StorageError as exc:
-            self.stats.errors += 1
-            _log.warning("storage backup failed: %s", exc)
-        self.stats.pages_written += written
-        if written and self.observer is not None:
-            self.observer.on_transfer(
-                TransferKind.STORAGE_WRITE, stored * ps, nbytes, time.perf_counter() - t0
-            )
+        finally:
+            self.stats.pages_written += written
+            if written and self.observer is not None:
+                self.observer.on_transfer(
+                    TransferKind.STORAGE_WRITE, (stored or 0) * ps, nbytes, time.perf_counter() - t0
+                )
+        return ok
 
     # ------------------------------------------------------------------ prefetch
     async def fetch(
@@ -505,31 +644,32 @@ class StorageWorker:
             pages = len(pf.tokens) // ps - pf.start // ps
             if pages < self.config.prefetch_threshold_pages:
                 return 0
+            if self._backoff.active:  # the store failed just now: do not wait for it again
+                self.stats.prefetch_misses += 1
+                return 0
             all_keys = await anyio.to_thread.run_sync(self._keys, pf.tokens, key.extra_key)
             keys = all_keys[pf.start // ps :]
-            try:
-                found = await self.storage.exists(keys)
-            except StorageError:
-                self.stats.errors += 1
-                found = 0
-            if found == 0:
+            storage = self.storage
+            found = await self._store(StorageOp.EXISTS, storage.exists(keys, raise_errors=True))
+            if not found:
                 self.stats.prefetch_misses += 1
                 return 0
             keys = keys[:found]
+            need_pages = found
 
             def reserve(cache: UnifiedRadixCache) -> torch.Tensor | None:
-                need = found * ps
+                need = need_pages * ps
                 short = need - self.tier.host_available(FULL)
                 if short > 0:
                     cache.evict_host(short)
                 return self.tier.host_alloc(FULL, need)
 
-            slots = await svc.call(reserve)
+            slots = await svc.call(reserve, undo=self._free_host_full)
             if slots is None:
                 self.stats.prefetch_misses += 1
                 return 0
             t0 = time.perf_counter()
-            rows = torch.empty((found, self.layout.page_bytes), dtype=torch.uint8)
+            rows = torch.empty((need_pages, self.layout.page_bytes), dtype=torch.uint8)
             got, timed_out = await self._read(keys, rows, stop)
             if got:
                 self.stats.pages_read += got
@@ -647,41 +787,50 @@ class StorageWorker:
     ) -> tuple[int, bool]:
         """Read leading pages into ``rows`` batch by batch under the stop policy; returns
         how many leading rows hold verified pages, and whether the deadline stopped it."""
-        batch = self.config.batch_pages
-        got = 0
+        got = [0]
 
         async def body() -> None:
-            nonlocal got
-            try:
-                for i in range(0, len(keys), batch):
-                    part = keys[i : i + batch]
-                    n = await self.storage.get(part, list(rows[i : i + len(part)]))
-                    got += n
-                    if n < len(part):
-                        break
-            except StorageError as exc:
-                self.stats.errors += 1
-                _log.warning("storage prefetch failed: %s", exc)
+            await self._get_leading(keys, rows, got)
 
         timed_out = await self._bounded(len(keys), stop, body)
-        return got, timed_out
+        return got[0], timed_out
+
+    async def _get_leading(self, keys: list[str], rows: torch.Tensor, got: list[int]) -> None:
+        """Read leading pages into ``rows``, ``batch_pages`` at a time, adding each batch's
+        count to ``got[0]`` as it arrives (a deadline keeps what arrived); a failed call or
+        a short batch ends the read."""
+        batch = self.config.batch_pages
+        storage = self.storage
+        for i in range(0, len(keys), batch):
+            part = keys[i : i + batch]
+            bufs = list(rows[i : i + len(part)])
+            n = await self._store(StorageOp.GET, storage.get(part, bufs, raise_errors=True))
+            got[0] += n or 0
+            if n is None or n < len(part):
+                break
+
+    async def _exists(self, keys: list[str]) -> int:
+        """Leading stored ``keys`` (0 on a failure, which ``_store`` counts)."""
+        storage = self.storage
+        n = await self._store(StorageOp.EXISTS, storage.exists(keys, raise_errors=True))
+        return n or 0
 
     async def _present(self, ct: ComponentType, keys: list[str]) -> list[int]:
         """Indexes of the stored ``keys`` of ``ct`` (see the module docstring: per-token
         data, the leading and trailing runs; states, every key probed)."""
         n = len(keys)
         if self._per_token[ct]:
-            lead = await self.storage.exists(keys)
+            lead = await self._exists(keys)
             if lead >= n - 1:
                 return list(range(lead))
-            trail = await self.storage.exists(keys[lead + 1 :][::-1])
+            trail = await self._exists(keys[lead + 1 :][::-1])
             return [*range(lead), *range(n - trail, n)]
         present = [False] * n
         limiter = anyio.CapacityLimiter(self.config.batch_pages)
 
         async def probe(i: int) -> None:
             async with limiter:
-                present[i] = await self.storage.exists([keys[i]]) > 0
+                present[i] = await self._exists([keys[i]]) > 0
 
         async with anyio.create_task_group() as tg:
             for i in range(n):
@@ -703,34 +852,25 @@ class StorageWorker:
         if not self.aux:
             return out, False
         ps = self.page_size
-        batch = self.config.batch_pages
 
         async def body() -> None:
-            try:
-                for ct in self.aux:
-                    keys = (
-                        await anyio.to_thread.run_sync(
-                            self._keys, tokens[: (first + got) * ps], namespace, ct
-                        )
-                    )[first:]
-                    idx = await self._present(ct, keys)
-                    if not idx:
-                        continue
-                    wanted = [keys[i] for i in idx]
-                    rows = torch.empty((len(idx), self.layouts[ct].page_bytes), dtype=torch.uint8)
-                    n = 0
-                    for i in range(0, len(wanted), batch):
-                        part = wanted[i : i + batch]
-                        r = await self.storage.get(part, list(rows[i : i + len(part)]))
-                        n += r
-                        if r < len(part):
-                            break
-                    if n:
-                        self.stats.pages_read += n
-                        out[ct] = (idx[:n], rows[:n])
-            except StorageError as exc:
-                self.stats.errors += 1
-                _log.warning("storage prefetch of auxiliary pages failed: %s", exc)
+            for ct in self.aux:
+                keys = (
+                    await anyio.to_thread.run_sync(
+                        self._keys, tokens[: (first + got) * ps], namespace, ct
+                    )
+                )[first:]
+                idx = await self._present(ct, keys)
+                if not idx:
+                    continue
+                wanted = [keys[i] for i in idx]
+                rows = torch.empty((len(idx), self.layouts[ct].page_bytes), dtype=torch.uint8)
+                read = [0]
+                await self._get_leading(wanted, rows, read)
+                n = read[0]
+                if n:
+                    self.stats.pages_read += n
+                    out[ct] = (idx[:n], rows[:n])
 
         timed_out = await self._bounded(got, stop, body)
         return out, timed_out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from enum import Enum
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -26,6 +27,7 @@ from metrics.spec import (
     _QUEUE_WAIT,
     _QUEUED,
     _SIZE,
+    _STORAGE_ERRORS,
     _TRANSFER_BYTES,
     _TRANSFER_SECONDS,
     _TRANSFER_TOKENS,
@@ -152,6 +154,7 @@ class _DirectMetrics(CacheMetrics):
         self._latency = {k._value_: latency.labels(k.value) for k in CommandKind}
         self._latency_family = latency
         self._queue_wait = make(_QUEUE_WAIT, cfg.command_buckets)
+        self._storage_errors = make(_STORAGE_ERRORS)
 
     def unregister(self) -> None:
         for c in self._collectors:
@@ -259,6 +262,9 @@ class _DirectMetrics(CacheMetrics):
         if nbytes > 0:
             byt.inc(nbytes)
         duration.observe(seconds if seconds > 0.0 else 0.0)
+
+    def on_storage_error(self, backend: str, op: Enum) -> None:
+        self._storage_errors.labels(backend, str(op.value)).inc()
 
     # ------------------------------------------------------------------ in-flight transfers
     def transfer_started(self, kind: TransferKind) -> None:

@@ -35,7 +35,10 @@ Counters (``_total``; the snapshot's cumulative counters, or events):
 ``urc_backed_up_tokens_total``, ``urc_loaded_back_tokens_total``,
 ``urc_transfers_total{kind}``, ``urc_transfer_tokens_total{kind}``,
 ``urc_transfer_bytes_total{kind}`` (L3 reads/writes are ``kind="storage_read|storage_write"``),
-``urc_command_errors_total{kind,error_type}``.
+``urc_command_errors_total{kind,error_type}``,
+``urc_storage_errors_total{backend,op}`` (failed L3 storage calls -- store errors and
+timeouts -- reported by a ``hicache.storage_worker.StorageWorker`` given this exporter as its
+``observer``; ``backend`` is the backend's ``name``, ``op`` in ``exists|get|put|delete``).
 
 Histograms (seconds, microsecond-scale buckets): ``urc_command_duration_seconds{kind}``
 (time applying a command), ``urc_command_queue_wait_seconds`` (send -> taken by the actor),
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -106,6 +110,7 @@ class CacheMetrics:
       the values of consecutive scrapes, so what the old source gained after the last scrape
       before the reset is not counted.
     - :meth:`on_command` observes latency and queue wait once per command and counts errors.
+    - :meth:`on_storage_error` counts a failed L3 storage call (any thread).
     - :meth:`on_transfer` counts a completed transfer; :meth:`transfer_started` /
       :meth:`transfer_finished` (or :meth:`track_transfer`) maintain the in-flight gauge.
     - Observer methods never raise on well-typed input.
@@ -166,6 +171,10 @@ class CacheMetrics:
 
     def on_transfer(self, kind: TransferKind, tokens: int, nbytes: int, seconds: float) -> None:
         """Count one completed transfer of ``tokens`` tokens / ``nbytes`` bytes."""
+
+    def on_storage_error(self, backend: str, op: Enum) -> None:
+        """Count one failed storage call of ``backend`` (a backend's ``name``); ``op`` is a
+        ``hicache.storage.stats.StorageOp`` (its value is the label)."""
 
     # ------------------------------------------------------------------ in-flight transfers
     def transfer_started(self, kind: TransferKind) -> None:

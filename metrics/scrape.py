@@ -9,6 +9,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Mapping
+from enum import Enum
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client import metrics as _client_metrics
@@ -34,6 +35,7 @@ from metrics.spec import (
     _QUEUED,
     _SCALAR_COUNTERS,
     _SIZE,
+    _STORAGE_ERRORS,
     _TRANSFER_BYTES,
     _TRANSFER_SECONDS,
     _TRANSFER_TOKENS,
@@ -104,6 +106,7 @@ class _ScrapeMetrics(CacheMetrics):
             k.value: self._new_hist(self._tbounds) for k in TransferKind
         }
         self._in_flight: dict[str, int] = {k.value: 0 for k in TransferKind}
+        self._storage_errors: dict[tuple[str, str], int] = {}  # (backend, op) -> failures
         # Scrape-side state (under ``_scrape_lock``): last figures of every series seen, so a
         # series stays exported once it appeared, and reset detection for the counters.
         self._scrape_lock = threading.Lock()
@@ -185,6 +188,11 @@ class _ScrapeMetrics(CacheMetrics):
             else:
                 h[0] += 1
 
+    def on_storage_error(self, backend: str, op: Enum) -> None:
+        key = (backend, str(op.value))
+        with self._tlock:
+            self._storage_errors[key] = self._storage_errors.get(key, 0) + 1
+
     def transfer_started(self, kind: TransferKind) -> None:
         with self._tlock:
             self._in_flight[kind.value] += 1
@@ -245,6 +253,7 @@ class _ScrapeMetrics(CacheMetrics):
             transfers = {k: tuple(v) for k, v in self._transfers.items()}
             transfer_hists = {k: tuple(v) for k, v in self._transfer_hists.items()}
             in_flight = dict(self._in_flight)
+            storage_errors = dict(self._storage_errors)
         # Under the scrape lock: concurrent scrapes must process snapshots in order, or an
         # older one processed last would look like a counter reset.
         with self._scrape_lock:
@@ -259,7 +268,7 @@ class _ScrapeMetrics(CacheMetrics):
                 stats, queued = self._latest
             latency, wait, errors = self._read_commands()
             return self._families(stats, queued, latency, wait, errors, transfers,
-                                  transfer_hists, in_flight)  # fmt: skip
+                                  transfer_hists, in_flight, storage_errors)  # fmt: skip
 
     def _families(
         self,
@@ -271,6 +280,7 @@ class _ScrapeMetrics(CacheMetrics):
         transfers: Mapping[str, tuple[float, ...]],
         transfer_hists: Mapping[str, tuple[float, ...]],
         in_flight: Mapping[str, int],
+        storage_errors: Mapping[tuple[str, str], int],
     ) -> list[Metric]:
         created = self._created if getattr(_client_metrics, "_use_created", True) else None
         scalars = (0, 0, 0, 0, 0)
@@ -342,6 +352,9 @@ class _ScrapeMetrics(CacheMetrics):
             _add_hist(hfam, [kind], self._cles, h, created)
         fams[_QUEUE_WAIT.name] = hfam = _histogram(_QUEUE_WAIT)
         _add_hist(hfam, [], self._cles, wait, created)
+        fams[_STORAGE_ERRORS.name] = cfam = _counter(_STORAGE_ERRORS)
+        for (backend, op), n in storage_errors.items():
+            cfam.add_metric([backend, op], float(n), created)
         return [fams[s.name] for s in _ALL_SPECS]
 
 

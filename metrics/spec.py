@@ -108,6 +108,12 @@ _QUEUE_WAIT = _spec(
     "command_queue_wait_seconds",
     "Time from a command being sent to the actor taking it from the queue.",
 )
+_STORAGE_ERRORS = _spec(
+    "counter",
+    "storage_errors",
+    "Failed L3 storage calls (store errors and timeouts), by backend and operation.",
+    ("backend", "op"),
+)
 # The snapshot's scalar cumulative counters, in the order of ``_scalars``.
 _SCALAR_COUNTERS = (_MATCH_REQUESTS, _QUERY_TOKENS, _INSERTED, _BACKED_UP, _LOADED_BACK)
 # Every family, in exposition order.
@@ -132,6 +138,7 @@ _ALL_SPECS: tuple[_Spec, ...] = (
     _ERRORS,
     _LATENCY,
     _QUEUE_WAIT,
+    _STORAGE_ERRORS,
 )
 
 

@@ -32,6 +32,7 @@ from metrics_harness import (
 )
 from prometheus_client import CollectorRegistry
 
+from hicache.storage.stats import StorageErrorObserver, StorageOp
 from metrics import (
     COMMAND_BUCKETS,
     CacheMetrics,
@@ -620,3 +621,19 @@ async def test_direct_mode_through_the_service(
         assert during < commands // 4  # rate-limited: only the first batch and idle flushes
     else:
         assert during >= 12  # one per batch (the 32 matches may share a few)
+
+
+# ---------------------------------------------------------------------------- storage errors
+@pytest.mark.parametrize("mode", [ExportMode.SCRAPE, ExportMode.DIRECT])
+def test_storage_errors_are_counted_by_backend_and_operation(mode: ExportMode) -> None:
+    """``on_storage_error`` (what a StorageWorker calls per failed storage call) feeds
+    ``urc_storage_errors_total{backend,op}``; the exporter is a StorageErrorObserver."""
+    registry = CollectorRegistry()
+    exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
+    assert isinstance(exporter, StorageErrorObserver)
+    for op in (StorageOp.PUT, StorageOp.PUT, StorageOp.EXISTS):
+        exporter.on_storage_error("valkey", op)
+    value = registry.get_sample_value
+    assert value("urc_storage_errors_total", {"backend": "valkey", "op": "put"}) == 2
+    assert value("urc_storage_errors_total", {"backend": "valkey", "op": "exists"}) == 1
+    assert value("urc_storage_errors_total", {"backend": "valkey", "op": "get"}) is None

@@ -22,6 +22,7 @@ from metrics_harness import (
 )
 from prometheus_client import CollectorRegistry, generate_latest
 
+from hicache.storage.stats import StorageOp
 from metrics import (
     CacheMetrics,
     ExportMode,
@@ -85,6 +86,8 @@ def _feed(exporter: CacheMetrics) -> None:
         exporter.on_transfer(k, 10, 100, 1e-4)
     exporter.transfer_started(TransferKind.BACKUP)
     exporter.set_transfers_in_flight(TransferKind.LOAD_BACK, 3)
+    for op in (StorageOp.PUT, StorageOp.GET, StorageOp.PUT):
+        exporter.on_storage_error("valkey", op)
 
 
 def test_modes_expose_identical_text() -> None:

@@ -165,6 +165,11 @@ class ValkeyNode:
         _wait_until(self.ping, f"valkey on port {self.port}")
 
     @property
+    def pid(self) -> int | None:
+        """The server process's PID while it runs."""
+        return self._process.pid if self.is_running and self._process is not None else None
+
+    @property
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
@@ -233,6 +238,21 @@ class ValkeyCluster:
     def restart(self, index: int) -> None:
         """Start a killed node again and wait until the cluster is whole."""
         self.nodes[index].start()
+        _wait_until(self._healthy, "the cluster to heal")
+
+    def kill_all(self) -> list[int]:
+        """SIGKILL every node by PID (a whole-cluster crash); returns the PIDs killed."""
+        pids = [node.pid for node in self.nodes if node.pid is not None]
+        for node in self.nodes:
+            node.kill()
+        return pids
+
+    def restart_all(self) -> None:
+        """Start every killed node again (each keeps its identity and slots through
+        ``nodes.conf``) and wait until the cluster is whole."""
+        for node in self.nodes:
+            if not node.is_running:
+                node.start()
         _wait_until(self._healthy, "the cluster to heal")
 
     def wait_failed(self) -> None:

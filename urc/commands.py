@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Alloc",
+    "AllocMamba",
     "CacheFinishedReq",
     "CacheUnfinishedReq",
     "Call",
@@ -37,6 +38,7 @@ __all__ = [
     "CommandKind",
     "Evict",
     "Free",
+    "FreeMamba",
     "Insert",
     "InsertOutcome",
     "Lock",
@@ -60,6 +62,8 @@ class CommandKind(Enum):
     EVICT = "evict"
     ALLOC = "alloc"
     FREE = "free"
+    ALLOC_MAMBA = "alloc_mamba"
+    FREE_MAMBA = "free_mamba"
     CACHE_FINISHED_REQ = "cache_finished_req"
     CACHE_UNFINISHED_REQ = "cache_unfinished_req"
     STATS = "stats"
@@ -147,6 +151,23 @@ class Free:
 
 
 @dataclass(frozen=True, slots=True)
+class AllocMamba:
+    """Allocate ``num`` Mamba state slots for the caller, evicting states first if ``evict``."""
+
+    kind: ClassVar[CommandKind] = CommandKind.ALLOC_MAMBA
+    num: int = 1
+    evict: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class FreeMamba:
+    """Give caller-owned Mamba state slots back to the pool (all or nothing)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.FREE_MAMBA
+    indices: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class CacheFinishedReq:
     """``cache_finished_req(req, is_insert)``."""
 
@@ -184,11 +205,15 @@ class Call:
     """Run ``fn(cache)`` inside the actor (internal: HiCache workers, tests).
 
     ``fn`` must be synchronous and atomic in the same sense as the core: raise a
-    :class:`~urc.errors.URCError` before changing anything, or succeed.
+    :class:`~urc.errors.URCError` before changing anything, or succeed.  ``undo``, when
+    given, is what the service runs inside the actor, as ``undo(cache, result)``, if the
+    caller was cancelled natively and so never received ``fn``'s result (give back what the
+    result owns: slots, pins); without it such a result is dropped.
     """
 
     kind: ClassVar[CommandKind] = CommandKind.CALL
     fn: Callable[[UnifiedRadixCache], Any]
+    undo: Callable[[UnifiedRadixCache, Any], None] | None = None
 
 
 Command: TypeAlias = (
@@ -200,6 +225,8 @@ Command: TypeAlias = (
     | Evict
     | Alloc
     | Free
+    | AllocMamba
+    | FreeMamba
     | CacheFinishedReq
     | CacheUnfinishedReq
     | Stats

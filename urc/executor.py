@@ -5,6 +5,9 @@ returns the command's result, or raises a :class:`~urc.errors.URCError` having c
 nothing.  It owns the lease table (lease id -> locked node and its receipt), so tree nodes
 never leave it.  It knows nothing about tasks or streams and can be driven directly, which is
 how tests replay a recorded service history on a fresh cache.
+
+:func:`give_back` is the other half of the cancellation rules: the commands that return to
+the pools what a command's result would have handed to a caller that is gone.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import torch
 from urc.cache import UnifiedRadixCache
 from urc.commands import (
     Alloc,
+    AllocMamba,
     CacheFinishedReq,
     CacheUnfinishedReq,
     Call,
     Command,
     Evict,
     Free,
+    FreeMamba,
     Insert,
     InsertOutcome,
     Lock,
@@ -37,9 +42,10 @@ from urc.errors import InvalidInputError, LeaseError, OutOfMemoryError
 from urc.key import RadixKey
 from urc.lease import Lease, LeaseOwner, NodeHandle
 from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams
+from urc.pools.swa import SWATokenSlotAllocator
 from urc.tree import TreeNode
 
-__all__ = ["CommandExecutor"]
+__all__ = ["CommandExecutor", "give_back"]
 
 
 class CommandExecutor:
@@ -66,6 +72,8 @@ class CommandExecutor:
             Evict: self._evict,
             Alloc: self._alloc,
             Free: self._free,
+            AllocMamba: self._alloc_mamba,
+            FreeMamba: self._free_mamba,
             CacheFinishedReq: self._cache_finished,
             CacheUnfinishedReq: self._cache_unfinished,
             Stats: self._stats,
@@ -178,17 +186,55 @@ class CommandExecutor:
         out = allocator.alloc(n)
         if out is None and cmd.evict:
             # Evicting is invisible to callers, so it may happen even if the alloc then fails.
-            self.cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            # Both sides of a paired (Full + SWA) allocator may be short: evict what each lacks.
+            ps = allocator.page_size
+            need = -(-n // ps) * ps
+            swa_short = 0
+            if isinstance(allocator, SWATokenSlotAllocator):
+                swa_short = max(0, need - allocator.swa_available_size())
+            self.cache.evict(
+                EvictParams(
+                    num_tokens=max(0, need - allocator.available_size()),
+                    swa_num_tokens=swa_short,
+                )
+            )
             out = allocator.alloc(n)
         if out is None:
+            free = f"{allocator.available_size()} free"
+            if isinstance(allocator, SWATokenSlotAllocator):
+                free += f" ({allocator.swa_available_size()} SWA)"
             raise OutOfMemoryError(
-                f"cannot allocate {n} slots: {allocator.available_size()} free, "
-                f"{self.cache.evictable_size()} evictable"
+                f"cannot allocate {n} slots: {free}, {self.cache.evictable_size()} evictable"
             )
         return out
 
     def _free(self, cmd: Free) -> None:
         self.cache.token_to_kv_pool_allocator.free(cmd.indices)
+
+    def _mamba_pool(self) -> Any:
+        pool = self.cache.pools.mamba
+        if pool is None:
+            raise InvalidInputError("this cache has no Mamba component")
+        return pool
+
+    def _alloc_mamba(self, cmd: AllocMamba) -> torch.Tensor:
+        n = cmd.num
+        if n < 0:
+            raise InvalidInputError(f"cannot allocate {n} Mamba slots")
+        pool = self._mamba_pool()
+        out: torch.Tensor | None = pool.alloc(n)
+        if out is None and cmd.evict:
+            self.cache.evict(EvictParams(mamba_num=n - pool.available_size()))
+            out = pool.alloc(n)
+        if out is None:
+            raise OutOfMemoryError(
+                f"cannot allocate {n} Mamba slots: {pool.available_size()} free, "
+                f"{self.cache.mamba_evictable_size()} evictable"
+            )
+        return out
+
+    def _free_mamba(self, cmd: FreeMamba) -> None:
+        self._mamba_pool().free(cmd.indices)
 
     def _cache_finished(self, cmd: CacheFinishedReq) -> None:
         self.cache.cache_finished_req(cmd.req, cmd.is_insert)
@@ -205,3 +251,40 @@ class CommandExecutor:
 
     def _call(self, cmd: Call) -> Any:
         return cmd.fn(self.cache)
+
+
+def give_back(cmd: Command, result: Any) -> list[Command]:
+    """The commands that give back what ``result`` (``cmd``'s successful result) handed to
+    its caller, for a caller that is gone (cancelled natively, see the service's cancellation
+    rules).  Marks a returned lease released.  Empty when the result owns nothing: the
+    request commands leave what they change in the ``Req``, which the server still holds.
+
+    - a lease (a locking match, a lock): its release;
+    - slots from ``alloc`` / ``alloc_mamba``: their free;
+    - an insert's leftovers: the value past what the tree took (the unaligned tail) and a
+      Mamba value the tree did not adopt (``mamba_exist``);
+    - a ``call`` with an ``undo``: that undo, run on the result.
+    """
+    match cmd:
+        case Match() | Lock():
+            lease = result if isinstance(result, Lease) else result.lease
+            if lease is None or lease.released:
+                return []
+            lease.mark_released()
+            return [Release(lease)]
+        case Alloc():
+            return [Free(result)] if result.shape[0] else []
+        case AllocMamba():
+            return [FreeMamba(result)] if result.shape[0] else []
+        case Insert(value=value, prev_prefix_len=prev, mamba_value=mamba):
+            out: list[Command] = []
+            tail = value[max(result.total_len, prev) :]
+            if tail.shape[0]:
+                out.append(Free(tail))
+            if result.mamba_exist and mamba is not None and mamba.numel():
+                out.append(FreeMamba(mamba))
+            return out
+        case Call(undo=undo) if undo is not None:
+            return [Call(lambda cache: undo(cache, result))]
+        case _:
+            return []

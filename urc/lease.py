@@ -28,6 +28,8 @@ class LeaseOwner(Protocol):
 
     async def release(self, lease: Lease) -> None: ...
 
+    def release_nowait(self, lease: Lease) -> None: ...
+
 
 class NodeHandle:
     """Opaque reference to the tree node that ended a match (lockable through the service).
@@ -50,7 +52,8 @@ class Lease:
 
     ``id`` is unique per service; ``prefix_len`` is the number of Full tokens the lock
     protects (the locked node's depth).  Usable as an async context manager that releases on
-    exit unless already released.
+    exit unless already released -- on every exit path, a cancelled scope included: the exit
+    queues the release without awaiting (:meth:`release_nowait`).
     """
 
     __slots__ = ("_owner", "_released", "id", "prefix_len")
@@ -83,6 +86,14 @@ class Lease:
             raise LeaseError(f"lease {self.id} has no service to release it")
         await self._owner.release(self)
 
+    def release_nowait(self) -> None:
+        """Release without awaiting: marked released now, the release queued to the service
+        (applied before any later command of this task).  Never yields, so a cancelled
+        scope cannot stop it.  Raises like :meth:`release`."""
+        if self._owner is None:
+            raise LeaseError(f"lease {self.id} has no service to release it")
+        self._owner.release_nowait(self)
+
     async def __aenter__(self) -> Lease:
         return self
 
@@ -93,7 +104,7 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         if not self._released:
-            await self.release()
+            self.release_nowait()  # no await: a cancelled scope must not keep the lock held
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"

@@ -34,38 +34,72 @@ once).  ``Req`` objects passed to ``match_req`` / ``cache_*_req`` do hold tree n
 (``req.last_node``): the request belongs to the server, but only the actor may read or write
 ``last_node`` / ``lock_receipt`` -- callers must never touch them.
 
-Cancellation (nothing leaks, nothing is half-applied).  A caller whose scope is already
-cancelled raises before sending anything.  A caller waiting for room in a full stream
-(``await send``) and cancelled there: a command that may be abandoned (below) is withdrawn or,
-if the stream took it meanwhile, skipped by the actor; any other command waits for its room in
-a shielded scope (the wait is bounded: the actor keeps draining, and a closing or failed
-service refuses it).  After sending, by command (``_ON_CANCEL``):
+Cancellation (nothing leaks, nothing is half-applied).  Two ways of being cancelled: a
+cancelled *scope* (anyio ``CancelScope`` / ``move_on_after`` / ``fail_after``, trio's
+scopes; level-triggered: delivered again at every checkpoint until the scope exits), and a
+*native* asyncio cancellation (``Task.cancel()``, hence ``asyncio.timeout``, ``wait_for``,
+``TaskGroup`` shutdown; delivered once).  Applying a command never awaits, so the actor's
+side of every command is atomic: the core raises a :class:`~urc.errors.URCError` before
+changing anything, or applies the command fully.  Where the caller can be cancelled, and what
+happens then (``_ON_CANCEL`` classifies the commands)::
 
-- Commands that move ownership of slots or requests between caller and tree (insert,
-  match_req, alloc, free, cache_finished_req, cache_unfinished_req, call): a cancelled caller
-  still waits for the outcome and gets it; its cancellation lands at its next checkpoint.
-  The actor always answers (it drains the stream at close and fails every queued call if it
-  dies), so the wait is bounded.  (Rather than entering a shielded scope on every call, the
-  caller catches the cancellation and, only then, waits on in a shielded scope; anyio and
-  trio scopes deliver it again at the next checkpoint.  A native asyncio ``Task.cancel()``,
-  with no cancelled scope to deliver it again, goes through, as it would through a shield;
-  one that hits a caller still waiting for room withdraws its command: the actor skips it if
-  the stream took it.)
-- A release is applied even if its caller is cancelled meanwhile (the lease was marked
-  released before sending).
-- Other commands (match, lock, evict, stats, sanity_check) may be abandoned: a caller
-  cancelled before the actor took its command marks it abandoned and the actor skips it.  If
-  the reply was already delivered when the cancellation hit (the window between the actor
-  taking a lock and the caller resuming), the caller's handler releases the lease it never
-  received by queueing a release (or parking it for the actor's next batch when the stream
-  is full).
-- Every command is atomic: the core raises a :class:`~urc.errors.URCError` before changing
-  anything, or applies the command fully.
+    command kind         | cancelled where                | what it passed in / what it got
+    ---------------------+--------------------------------+-----------------------------------
+    any                  | before sending (scope already  | nothing is sent or applied; all it
+                         | cancelled: raises at once)     | passed in is still its own
+    ---------------------+--------------------------------+-----------------------------------
+    match, lock          | waiting for room, or queued    | withdrawn: the actor skips it
+    (may be abandoned)   | (actor has not taken it)       |
+                         | after the actor applied it,    | the lease it would get is released
+                         | before the caller resumed      | by the service (queued at once)
+    evict, stats,        | same as match                  | skipped, or applied and the result
+    sanity_check         |                                | dropped (nothing to give back)
+    ---------------------+--------------------------------+-----------------------------------
+    release              | anywhere after the call began  | the lease is marked released
+                         | (scope or native)              | before the first await: the
+                         |                                | release is applied regardless
+    release_nowait,      | never yields: cannot be        | released (queued without waiting)
+    ``async with lease`` | cancelled                      |
+    ---------------------+--------------------------------+-----------------------------------
+    ownership moves:     | scope cancelled after sending  | sent for sure; the caller waits
+    insert, alloc, free, | (waiting for room or for the   | (shielded) and gets the outcome
+    alloc_mamba,         | reply)                         | (result or typed error); the
+    free_mamba,          |                                | cancellation lands at its next
+    match_req,           |                                | checkpoint
+    cache_finished_req,  | native cancellation after      | sent and applied all the same; the
+    cache_unfinished_req,| sending, waiting for room or   | CancelledError is raised once the
+    call                 | for the reply                  | actor answered.  Passed in: taken
+                         |                                | as if the call returned (insert:
+                         |                                | the tree took the value; free:
+                         |                                | freed; a Req holds its outcome).
+                         |                                | Got: given back by the service --
+                         |                                | alloc / alloc_mamba slots freed,
+                         |                                | an insert's leftovers (unaligned
+                         |                                | tail, an unadopted Mamba value)
+                         |                                | freed, a call's result handed to
+                         |                                | its ``undo`` (else dropped).  If
+                         |                                | the command failed (typed error),
+                         |                                | nothing changed: what it passed in
+                         |                                | is still its own
+
+So a caller that sees ``CancelledError`` from an ownership move knows which case it is in:
+its own anyio/trio scope was cancelled (``current_effective_deadline() == -inf``) -- nothing
+was sent; else -- the command was applied.  The waits are bounded: the actor always answers
+(it drains the stream at close and fails every queued call if it dies), and a closing or
+failed service refuses new sends.  Implementation: rather than entering a shielded scope on
+every call, the caller catches the cancellation and, only then, waits on in a shielded scope
+(looping through native cancellations, which a shield does not stop); a native cancellation
+that interrupts ``await send`` checks whether the stream took the call (``_in_stream``) and
+sends it again if not.  Give-backs (releases, frees) for callers that are gone are queued
+without waiting (``_give_back``), or parked when the stream is full or closing and applied at
+the start of the actor's next batch (so before anything queued meanwhile), or at shutdown.
 
 Errors: a ``URCError`` raised for one command reaches that caller only and the actor keeps
-serving.  Any other exception (an ``AssertionError`` from an invariant, a bug, a failing
-observer or background worker) fails the service: the failing call and every queued or
-later call get :class:`~urc.errors.ServiceFailedError` with the cause chained.  Calls after
+serving.  Any other exception inside the actor (an ``AssertionError`` from an invariant, a
+bug, a failing observer) fails the service: the failing call and every queued or later call
+get :class:`~urc.errors.ServiceFailedError` with the cause chained.  A background worker's
+exception ends that worker only (logged, kept in :attr:`background_failures`): it reaches
+the tree only through atomic commands, so it cannot leave the tree half-changed.  Calls after
 close (or before start) raise :class:`~urc.errors.ServiceClosedError`.
 
 Observers (:mod:`urc.observer`): the actor times every command (one clock read when the
@@ -115,6 +149,7 @@ except ImportError:  # pragma: no cover - not where anyio 4 keeps it
 from urc.cache import UnifiedRadixCache
 from urc.commands import (
     Alloc,
+    AllocMamba,
     CacheFinishedReq,
     CacheUnfinishedReq,
     Call,
@@ -122,6 +157,7 @@ from urc.commands import (
     CommandKind,
     Evict,
     Free,
+    FreeMamba,
     Insert,
     InsertOutcome,
     Lock,
@@ -141,7 +177,7 @@ from urc.errors import (
     ServiceFailedError,
     URCError,
 )
-from urc.executor import CommandExecutor
+from urc.executor import CommandExecutor, give_back
 from urc.key import ExtraKey, RadixKey
 from urc.lease import Lease, NodeHandle
 from urc.observer import PullingObserver, ServiceObserver
@@ -192,6 +228,8 @@ _ON_CANCEL: dict[type[Any], _OnCancel] = {
     MatchReq: _OnCancel.AWAIT,
     Alloc: _OnCancel.AWAIT,
     Free: _OnCancel.AWAIT,
+    AllocMamba: _OnCancel.AWAIT,
+    FreeMamba: _OnCancel.AWAIT,
     CacheFinishedReq: _OnCancel.AWAIT,
     CacheUnfinishedReq: _OnCancel.AWAIT,
     Call: _OnCancel.AWAIT,
@@ -288,9 +326,11 @@ class AsyncUnifiedRadixCache:
         self._failure: BaseException | None = None
         self._released_at_close = 0
         self._closing = False
-        # Leases whose caller vanished while the stream was full; released at the next batch.
-        self._orphans: list[Lease] = []
+        # Give-backs for callers that are gone (releases, frees: ``_give_back``) that found
+        # the stream full or closing: applied at the start of the next batch, or at shutdown.
+        self._orphans: list[Command] = []
         self._worker_scopes: set[CancelScope] = set()
+        self._background_failures: list[BaseException] = []
         self._workers_done: anyio.Event | None = None
         self._tg: TaskGroup | None = None
         self._actor_done: anyio.Event | None = None
@@ -405,6 +445,11 @@ class AsyncUnifiedRadixCache:
         return self._failure
 
     @property
+    def background_failures(self) -> tuple[BaseException, ...]:
+        """Exceptions that ended background workers (the service kept serving)."""
+        return tuple(self._background_failures)
+
+    @property
     def leases_held(self) -> int:
         """Leases issued and not yet released."""
         return len(self._executor.leases)
@@ -429,8 +474,11 @@ class AsyncUnifiedRadixCache:
         self, fn: Callable[[AsyncUnifiedRadixCache], Awaitable[None]], name: str | None = None
     ) -> None:
         """Run ``await fn(self)`` in the service's task group until it returns or the
-        service closes (then it is cancelled).  An exception escaping ``fn`` fails the
-        service.  Raises :class:`ServiceClosedError` unless running."""
+        service closes (then it is cancelled).  An exception escaping ``fn`` ends that
+        worker only: it is logged and kept in :attr:`background_failures`, and the service
+        keeps serving (a worker reaches the tree only through atomic commands, so its
+        failure cannot leave the tree half-changed).  Raises :class:`ServiceClosedError`
+        unless running."""
         self._check_open()
         assert self._tg is not None
         scope = CancelScope()
@@ -446,7 +494,8 @@ class AsyncUnifiedRadixCache:
         except Exception as exc:
             # A ServiceError after close or failure is a consequence, not a cause.
             if not (isinstance(exc, ServiceError) and self._state is not ServiceState.RUNNING):
-                self._fail(exc)
+                logger.error("background worker %r failed", fn, exc_info=exc)
+                self._background_failures.append(exc)
         finally:
             self._worker_scopes.discard(scope)
             if not self._worker_scopes and self._workers_done is not None:
@@ -500,8 +549,11 @@ class AsyncUnifiedRadixCache:
         extra_key: ExtraKey | str | None = None,
     ) -> InsertOutcome:
         """Insert ``key`` -> ``value``; the tree takes the slots (duplicates past
-        ``prev_prefix_len`` are freed; an unaligned tail stays the caller's).  Not abandoned
-        on cancellation: the caller always learns whether the tree took the slots."""
+        ``prev_prefix_len`` are freed; an unaligned tail stays the caller's, as does
+        ``mamba_value`` when the result says ``mamba_exist``).  Never withdrawn once sent: a
+        scope-cancelled caller still gets the outcome; a natively cancelled one gets
+        ``CancelledError`` after the insert was applied, and the service frees what would
+        have stayed the caller's (see the cancellation rules)."""
         cmd = Insert(
             _as_key(key, extra_key),
             value,
@@ -535,6 +587,20 @@ class AsyncUnifiedRadixCache:
         lease.mark_released()
         await self._submit(Release(lease), True)
 
+    def release_nowait(self, lease: Lease) -> None:
+        """Release ``lease`` without waiting (never yields, so it works in a cancelled scope:
+        what ``async with lease:`` does on exit).  The lease is marked released at once and
+        its release queued; the actor applies it before any command sent later by this task.
+        Raises :class:`LeaseError` on a second release or a foreign lease, and
+        :class:`ServiceClosedError` / :class:`ServiceFailedError` when the service is not
+        running (a close releases every lease still held)."""
+        if lease._owner is not self:
+            raise LeaseError(f"lease {lease.id} was not issued by this service")
+        if self._state is not ServiceState.RUNNING and self._state is not ServiceState.CLOSING:
+            raise self._not_running_error()
+        lease.mark_released()
+        self._give_back(Release(lease))
+
     async def evict(
         self, num_tokens: int = 0, swa_num_tokens: int = 0, mamba_num: int = 0
     ) -> EvictResult:
@@ -558,6 +624,24 @@ class AsyncUnifiedRadixCache:
             raise InvalidInputError(f"indices must be a tensor, got {type(indices)}")
         await self._submit(Free(indices))
 
+    async def alloc_mamba(self, num: int = 1, *, evict: bool = True) -> torch.Tensor:
+        """Allocate ``num`` Mamba state slots for the caller (evicting tree states first when
+        short); returns their indices (1-D int64).  The caller owns them: it passes one as
+        an insert's ``mamba_value`` or gives them back with :meth:`free_mamba`.  Raises
+        :class:`~urc.errors.OutOfMemoryError`, and :class:`InvalidInputError` when the cache
+        has no Mamba component."""
+        if not isinstance(num, int):
+            raise InvalidInputError(f"num must be an int, got {type(num)}")
+        result: torch.Tensor = await self._submit(AllocMamba(num, evict))
+        return result
+
+    async def free_mamba(self, indices: torch.Tensor) -> None:
+        """Give caller-owned Mamba state slots back (all or nothing: a slot the tree owns or
+        that is not allocated raises and frees none)."""
+        if not isinstance(indices, torch.Tensor):
+            raise InvalidInputError(f"indices must be a tensor, got {type(indices)}")
+        await self._submit(FreeMamba(indices))
+
     async def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """``UnifiedRadixCache.cache_finished_req`` through the actor."""
         if not isinstance(req, Req):
@@ -580,10 +664,17 @@ class AsyncUnifiedRadixCache:
         service (an ``AssertionError`` is a bug, not a caller error)."""
         await self._submit(SanityCheck(held))
 
-    async def call(self, fn: Callable[[UnifiedRadixCache], T]) -> T:
+    async def call(
+        self,
+        fn: Callable[[UnifiedRadixCache], T],
+        *,
+        undo: Callable[[UnifiedRadixCache, T], None] | None = None,
+    ) -> T:
         """Run ``fn(cache)`` inside the actor and return its result (internal use: HiCache
-        workers, tests).  ``fn`` must not keep node references past the call."""
-        result: T = await self._submit(Call(fn))
+        workers, tests).  ``fn`` must not keep node references past the call.  ``undo``:
+        run inside the actor as ``undo(cache, result)`` when the caller was cancelled
+        natively and never got the result (see the cancellation rules)."""
+        result: T = await self._submit(Call(fn, undo))
         return result
 
     # ================================================================== caller side
@@ -611,13 +702,14 @@ class AsyncUnifiedRadixCache:
         # Send.  The fast path (``_post``, inlined) never yields, so nothing can happen
         # between the state check and the call entering the stream; the state is RUNNING,
         # so the stream is open.
+        deferred: BaseException | None = None  # a native cancellation held back while sending
         if self._sending:  # callers wait for room: get in line behind them
-            await self._send_waiting(call, on_cancel)
+            deferred = await self._send_waiting(call, on_cancel)
         else:
             try:
                 self._send_nowait(call)
             except WouldBlock:
-                await self._send_waiting(call, on_cancel)
+                deferred = await self._send_waiting(call, on_cancel)
             except (BrokenResourceError, ClosedResourceError):  # not while RUNNING
                 raise self._not_running_error() from self._failure
             else:
@@ -626,6 +718,8 @@ class AsyncUnifiedRadixCache:
                     self._idle = False
                     self._handoff = call
         try:
+            if deferred is not None:
+                raise deferred
             if self._on_asyncio:
                 await reply
             else:
@@ -634,28 +728,43 @@ class AsyncUnifiedRadixCache:
             if on_cancel is not _OnCancel.AWAIT:
                 self._abandon(call, on_cancel)
                 raise
-            # Once sent, the caller must learn whether ownership moved, so the cancellation is
-            # deferred: wait for the reply (the actor always replies) and return it; the
-            # cancellation is delivered again at the caller's next checkpoint (anyio and trio
-            # cancel scopes are level-triggered).  Same as waiting in a shielded scope,
-            # without paying for one on every call.  A native asyncio cancellation (no scope
-            # cancelled: nothing would deliver it again) goes through, as it would through a
-            # shielded scope.
-            if self._on_asyncio and current_effective_deadline() != -math.inf:
+            # Once sent, an ownership move is waited for (the actor always replies), so the
+            # caller never stops waiting with the move half-known.  A cancelled anyio / trio
+            # scope: the caller gets the outcome; its cancellation is delivered again at its
+            # next checkpoint (scopes are level-triggered).  Same as waiting in a shielded
+            # scope, without paying for one on every call.  A native asyncio cancellation
+            # (``Task.cancel()``: nothing would deliver it again) is raised once the command
+            # was applied, and what the result hands over is given back (``give_back``).
+            native = deferred is not None or (
+                self._on_asyncio and current_effective_deadline() != -math.inf
+            )
+            if not call.done and await self._outlast(call):
+                native = True
+            if native:
+                self._discard(call)
                 raise
-            if not call.done:
-                with CancelScope(shield=True):
-                    if self._on_asyncio:  # the cancellation cancelled the future
-                        call.reply = reply = self._new_reply()
-                        await reply
-                    else:
-                        await reply.wait()
         except BaseException:
             self._abandon(call, on_cancel)
             raise
         if call.error is not None:
             raise call.error
         return call.result
+
+    async def _outlast(self, call: _Call) -> bool:
+        """Wait in a shielded scope until the actor answered ``call``, through native asyncio
+        cancellations too (a shield does not stop those); True if one arrived meanwhile."""
+        native = False
+        with CancelScope(shield=True):
+            while not call.done:
+                try:
+                    if self._on_asyncio:  # a cancellation cancelled the previous future
+                        call.reply = reply = self._new_reply()
+                        await reply
+                    else:
+                        await call.reply.wait()
+                except self._cancelled_exc:  # only a native one gets through the shield
+                    native = True
+        return native
 
     def _refuse(self, call: _Call) -> None:
         """``_send_nowait`` before the stream exists (never reached: the state is NEW)."""
@@ -675,36 +784,61 @@ class AsyncUnifiedRadixCache:
             self._handoff = call
         return True
 
-    async def _send_waiting(self, call: _Call, on_cancel: _OnCancel) -> None:
+    async def _send_waiting(self, call: _Call, on_cancel: _OnCancel) -> BaseException | None:
         """The slow path: wait for room in the stream (``await send``), in line behind any
-        caller already waiting (``_sending``), so the stream keeps send order."""
+        caller already waiting (``_sending``), so the stream keeps send order.
+
+        Returns a native asyncio cancellation that hit an ownership move meanwhile: the call
+        was sent all the same and the caller raises it once the call was answered."""
         assert self._send is not None
         self._pending += 1
         self._sending += 1
+        deferred: BaseException | None = None
         try:
             if on_cancel is _OnCancel.SKIP:
                 await self._send.send(call)
-            else:  # a release or an ownership move is sent for sure once asked for
+            elif on_cancel is _OnCancel.APPLY:  # a release is sent for sure once asked for
                 with CancelScope(shield=True):
                     await self._send.send(call)
+            else:  # an ownership move: sent for sure, through native cancellations too
+                with CancelScope(shield=True):
+                    while True:
+                        try:
+                            await self._send.send(call)
+                            break
+                        except self._cancelled_exc as exc:  # native (through the shield)
+                            deferred = exc
+                            if self._in_stream(call):
+                                break  # the stream took it before the cancellation landed
         except (BrokenResourceError, ClosedResourceError):
             self._pending -= 1  # refused: the stream never took it
             raise self._not_running_error() from self._failure
         except BaseException:
-            # Cancelled (a command that may be abandoned, or a native asyncio cancellation):
-            # the stream may have taken the call or not.  Withdraw it either way: the actor
-            # skips it if it has it.
+            # Cancelled (a command that may be abandoned, or a native asyncio cancellation of
+            # a release): the stream may have taken the call or not.  Withdraw it either way:
+            # the actor skips it if it has it.
             call.abandoned = True
             cmd = call.command
             if call.done:
                 self._discard(call)
             elif isinstance(cmd, Release):  # the lease is marked released: release it anew
-                self._release_for(cmd.lease)
+                self._give_back(cmd)
             raise
         finally:
             self._sending -= 1
             if not self._sending and self._state is not ServiceState.RUNNING:
                 self._close_sending()
+        return deferred
+
+    def _in_stream(self, call: _Call) -> bool:
+        """Whether the stream took ``call`` (answered, or buffered): asked only after a native
+        cancellation interrupted ``await send``, which may hit just after the actor moved the
+        call from the waiting senders into the buffer."""
+        if call.done:
+            return True
+        state = getattr(self._send, "_state", None)
+        buffer = getattr(state, "buffer", ())
+        return any(queued is call for queued in buffer)
 
     def _close_sending(self) -> None:
         """Close the sending side once closing and no caller still waits for room: the actor
@@ -721,19 +855,31 @@ class AsyncUnifiedRadixCache:
         # APPLY (a release) is applied anyway: the lease is already marked released.
 
     def _discard(self, call: _Call) -> None:
-        """The reply arrived but its caller is gone: give back a lease it would hold."""
-        lease = _leased(call.result)
-        if lease is None or lease.released:
+        """The reply arrived but its caller is gone: give back what the result hands over
+        (a lease, slots: :func:`~urc.executor.give_back`)."""
+        if call.error is not None:
+            if call.command.kind is not CommandKind.RELEASE:
+                logger.debug("%s failed for a cancelled caller: %r", call.command.kind, call.error)
             return
-        lease.mark_released()
-        self._release_for(lease)
+        for cmd in give_back(call.command, call.result):
+            self._give_back(cmd)
 
-    def _release_for(self, lease: Lease) -> None:
-        """Release ``lease`` (already marked released) for a caller that is gone."""
-        if self._state is not ServiceState.RUNNING:
-            return  # closing: the actor releases every remaining lease; failed: nothing to do
-        if not self._post(_Call(Release(lease), perf_counter(), None)):
-            self._orphans.append(lease)  # the stream is full; released after this batch
+    def _give_back(self, cmd: Command) -> None:
+        """Apply ``cmd`` (a release or a free) for a caller that is gone: queued without
+        waiting, or parked for the start of the actor's next batch when the stream is full
+        or closing, or applied here once the actor has finished (nothing else touches the
+        core then).  Never yields and never raises."""
+        state = self._state
+        if state is ServiceState.FAILED or state is ServiceState.NEW:
+            return  # failed: the core is not to be touched any more
+        if state is ServiceState.RUNNING and self._post(_Call(cmd, perf_counter(), None)):
+            return
+        assert self._actor_done is not None
+        if not self._actor_done.is_set():
+            self._orphans.append(cmd)
+            return
+        with contextlib.suppress(URCError):  # e.g. a lease the close already released
+            self._executor.apply(cmd)
 
     # ================================================================== actor side
     async def _actor(self) -> None:
@@ -768,7 +914,9 @@ class AsyncUnifiedRadixCache:
                         self._handoff = None
                     # Apply it and every call already queued (at most max_batch), then yield
                     # once: the callers just answered run, and their next commands form the
-                    # next batch.
+                    # next batch.  Give-backs parked meanwhile go first.
+                    if self._orphans:
+                        self._apply_orphans()
                     self._pending -= 1
                     apply(call)
                     n = 1
@@ -782,7 +930,7 @@ class AsyncUnifiedRadixCache:
                         self._pending -= 1
                         apply(call)
                         n += 1
-                    if self._orphans or hooked:
+                    if hooked:
                         self._end_batch()
                     if on_asyncio:
                         await asyncio.sleep(0)
@@ -857,7 +1005,7 @@ class AsyncUnifiedRadixCache:
         call.done = True
         reply = call.reply
         if reply is None:
-            return  # sent on behalf of a caller that is gone (``_release_for``)
+            return  # sent on behalf of a caller that is gone (``_give_back``)
         if self._on_asyncio:
             if not reply.done():  # a cancelled caller cancelled its future
                 reply.set_result(None)
@@ -865,8 +1013,6 @@ class AsyncUnifiedRadixCache:
             reply.set()
 
     def _end_batch(self) -> None:
-        if self._orphans:
-            self._release_orphans()
         obs = self._observer
         if obs is not None:
             interval = self._push_interval
@@ -877,11 +1023,11 @@ class AsyncUnifiedRadixCache:
             else:
                 self._push_due = True
 
-    def _release_orphans(self) -> None:
+    def _apply_orphans(self) -> None:
         orphans, self._orphans = self._orphans, []
-        for lease in orphans:
-            # Applied like a queued Release so traces and observers see it.
-            self._apply_hooked(_Call(Release(lease), perf_counter(), None))
+        for cmd in orphans:
+            # Applied like a queued command so traces and observers see it.
+            self._apply_hooked(_Call(cmd, perf_counter(), None))
 
     def _push_stats(self) -> None:
         """Hand the observer a fresh snapshot (``on_batch``)."""
@@ -901,7 +1047,7 @@ class AsyncUnifiedRadixCache:
 
     def _shutdown(self) -> None:
         """The stream is drained and closed: release what callers still hold."""
-        self._release_orphans()
+        self._apply_orphans()
         n = self._executor.release_all()
         self._released_at_close = n
         if n:

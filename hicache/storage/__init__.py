@@ -30,7 +30,7 @@ from hicache.storage.keys import (
     page_keys,
     parse_page_key,
 )
-from hicache.storage.stats import StorageStats
+from hicache.storage.stats import StorageErrorObserver, StorageOp, StorageStats
 
 __all__ = [
     "KEY_FORMAT_VERSION",
@@ -45,6 +45,8 @@ __all__ = [
     "StorageClosedError",
     "StorageComponent",
     "StorageError",
+    "StorageErrorObserver",
+    "StorageOp",
     "StorageStats",
     "StorageTimeout",
     "StorageUnavailableError",

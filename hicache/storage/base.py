@@ -2,9 +2,14 @@
 
 Public methods validate their arguments (raising typed errors for caller mistakes), then call
 the backend's ``_exists``/``_get``/``_put``/``_delete`` under one deadline.  Transport trouble
-never escapes: a backend raises ``StorageUnavailableError`` or ``StorageTimeout`` (or the
-deadline fires) and the caller sees a miss (``0``), with the failure counted in ``stats()``.
-This keeps the cache service simple: the L3 tier can only make it faster, never fail it.
+never escapes untyped: a backend raises ``StorageUnavailableError`` or ``StorageTimeout`` (or
+the deadline fires, or the backend's client raises something unforeseen, which is treated as
+unavailability) and the caller sees a miss (``0``), with the failure counted in ``stats()``
+(``errors`` or ``timeouts``, and ``failures`` by operation).  With ``raise_errors=True`` the
+failure is raised instead, as a :class:`~hicache.storage.errors.StorageUnavailableError` or
+:class:`~hicache.storage.errors.StorageTimeout` (still counted): what the storage worker uses
+to count failures and back off.  This keeps the cache service simple: the L3 tier can only
+make it faster, never fail it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import abc
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import anyio
 import torch
@@ -22,10 +27,12 @@ from hicache.storage.codec import check_buffer
 from hicache.storage.errors import (
     InvalidBufferError,
     StorageClosedError,
+    StorageError,
+    StorageTimeout,
     StorageUnavailableError,
 )
 from hicache.storage.keys import PageKey, validate_keys
-from hicache.storage.stats import StatsCounter, StorageStats
+from hicache.storage.stats import StatsCounter, StorageOp, StorageStats
 
 __all__ = ["StorageBackend"]
 
@@ -39,7 +46,10 @@ class StorageBackend(abc.ABC):
     Pages of one batch are ordered: results count *leading* pages, because a prefix cache can
     only use pages up to the first gap.  Each public call is bounded by ``op_timeout_s``
     (``None`` = no deadline).  Use it as an async context manager, or call ``close()``.
+    ``name`` labels the backend in metrics.
     """
+
+    name: ClassVar[str] = "storage"
 
     def __init__(self, *, op_timeout_s: float | None) -> None:
         if op_timeout_s is not None and op_timeout_s <= 0:
@@ -59,18 +69,21 @@ class StorageBackend(abc.ABC):
         """Whether ``close()`` was called."""
         return self._closed
 
-    async def exists(self, keys: Sequence[str]) -> int:
+    async def exists(self, keys: Sequence[str], *, raise_errors: bool = False) -> int:
         """Return how many leading ``keys`` are stored (stopping at the first miss).
 
         Raises ``InvalidStorageKeyError`` for a malformed key and ``StorageClosedError`` after
-        ``close()``; a store failure or timeout returns 0.
+        ``close()``; a store failure or timeout returns 0 (raises with ``raise_errors``, see
+        the module docstring).
         """
         parsed = self._prepare(keys)
         if not parsed:
             return 0
-        return await self._guarded("exists", lambda: self._exists(parsed))
+        return await self._guarded(StorageOp.EXISTS, lambda: self._exists(parsed), raise_errors)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
+    async def get(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor], *, raise_errors: bool = False
+    ) -> int:
         """Read pages ``keys[i]`` into ``buffers[i]`` in order; return how many leading pages
         were read.
 
@@ -84,9 +97,11 @@ class StorageBackend(abc.ABC):
         self._check_buffers(parsed, buffers)
         if not parsed:
             return 0
-        return await self._guarded("get", lambda: self._get(parsed, buffers))
+        return await self._guarded(StorageOp.GET, lambda: self._get(parsed, buffers), raise_errors)
 
-    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
+    async def put(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor], *, raise_errors: bool = False
+    ) -> int:
         """Store ``buffers[i]`` under ``keys[i]``; return how many leading pages were stored.
 
         Buffers are read, not mutated.  A full store, a failure or a timeout stores fewer
@@ -97,13 +112,16 @@ class StorageBackend(abc.ABC):
         self._check_buffers(parsed, buffers)
         if not parsed:
             return 0
-        return await self._guarded("put", lambda: self._put(parsed, buffers))
+        return await self._guarded(StorageOp.PUT, lambda: self._put(parsed, buffers), raise_errors)
 
-    async def delete(self, keys: Sequence[str]) -> None:
-        """Remove ``keys`` if present (missing keys are fine); failures are only counted."""
+    async def delete(self, keys: Sequence[str], *, raise_errors: bool = False) -> None:
+        """Remove ``keys`` if present (missing keys are fine); failures are only counted
+        (raised with ``raise_errors``)."""
         parsed = self._prepare(keys)
         if parsed:
-            await self._guarded("delete", lambda: self._delete_counted(parsed))
+            await self._guarded(
+                StorageOp.DELETE, lambda: self._delete_counted(parsed), raise_errors
+            )
 
     async def close(self) -> None:
         """Release connections and files; later calls raise ``StorageClosedError``.
@@ -166,15 +184,36 @@ class StorageBackend(abc.ABC):
         await self._delete(keys)
         return 0
 
-    async def _guarded(self, op: str, call: Callable[[], Awaitable[int]]) -> int:
-        """Run ``call`` under the deadline; turn timeouts and store failures into 0."""
+    async def _guarded(
+        self, op: StorageOp, call: Callable[[], Awaitable[int]], raise_errors: bool = False
+    ) -> int:
+        """Run ``call`` under the deadline; turn timeouts and store failures into 0 (or, with
+        ``raise_errors``, into a ``StorageTimeout`` / ``StorageUnavailableError``)."""
+        counters = self._counters
+        what = f"{type(self).__name__} {op.value}"
         try:
             with anyio.fail_after(self._op_timeout_s):
                 return await call()
-        except TimeoutError:  # anyio's deadline, or a backend's StorageTimeout
-            self._counters.timeouts += 1
-            _log.warning("%s %s timed out", type(self).__name__, op)
+        except TimeoutError as exc:  # anyio's deadline, or a backend's StorageTimeout
+            counters.timeouts += 1
+            counters.record_failure(op)
+            _log.warning("%s timed out", what)
+            if raise_errors:
+                raise StorageTimeout(f"{what} timed out") from exc
         except StorageUnavailableError as exc:
-            self._counters.errors += 1
-            _log.warning("%s %s failed: %s", type(self).__name__, op, exc)
+            counters.errors += 1
+            counters.record_failure(op)
+            _log.warning("%s failed: %s", what, exc)
+            if raise_errors:
+                raise
+        except StorageError:
+            raise  # a caller mistake, or a closed backend: not a store failure
+        except Exception as exc:
+            # The backend's client raised something it does not map (a bug there, or a
+            # failure mode nobody foresaw): the store is unavailable for this call.
+            counters.errors += 1
+            counters.record_failure(op)
+            _log.warning("%s failed unexpectedly", what, exc_info=exc)
+            if raise_errors:
+                raise StorageUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
         return 0

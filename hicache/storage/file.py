@@ -69,6 +69,8 @@ class FileStorage(StorageBackend):
     ``exists``/``get`` do pick up files another instance wrote.
     """
 
+    name = "file"
+
     def __init__(
         self,
         root: Path,

@@ -97,6 +97,8 @@ def _chunks(sizes: Sequence[int], budget: int) -> Iterator[tuple[int, int]]:
 class MooncakeStorage(StorageBackend):
     """Pages in a Mooncake store; build it with ``await MooncakeStorage.open(config)``."""
 
+    name = "mooncake"
+
     def __init__(self, store: Any, config: MooncakeConfig) -> None:
         """Wrap an already set-up ``MooncakeDistributedStore`` (``open`` does that)."""
         super().__init__(op_timeout_s=config.op_timeout_s)

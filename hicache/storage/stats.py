@@ -1,10 +1,32 @@
-"""Counters every storage backend keeps, and their immutable snapshot."""
+"""Counters every storage backend keeps, and their immutable snapshot; the operations they
+count failures of (:class:`StorageOp`), and who can be told of each failure
+(:class:`StorageErrorObserver`, e.g. the Prometheus exporter)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, runtime_checkable
 
-__all__ = ["StatsCounter", "StorageStats"]
+__all__ = ["StatsCounter", "StorageErrorObserver", "StorageOp", "StorageStats"]
+
+
+class StorageOp(Enum):
+    """A public storage operation (the ``op`` label of failure counts)."""
+
+    EXISTS = "exists"
+    GET = "get"
+    PUT = "put"
+    DELETE = "delete"
+
+
+@runtime_checkable
+class StorageErrorObserver(Protocol):
+    """Told of every failed storage call (an error or a timeout) of a worker's backend:
+    ``backend`` is the backend's ``name`` (``file``, ``valkey``, ``mooncake``)."""
+
+    def on_storage_error(self, backend: str, op: Enum) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -14,7 +36,8 @@ class StorageStats:
     ``reads``/``writes`` count pages read into buffers / stored; ``errors`` counts failed
     operations other than timeouts (connection refused, I/O error); ``timeouts`` counts
     operations that ran past their deadline; ``corrupt`` counts stored pages that failed the
-    header or checksum check.
+    header or checksum check; ``failures`` counts failed public calls (errors and timeouts)
+    by operation.
     """
 
     reads: int = 0
@@ -24,6 +47,7 @@ class StorageStats:
     errors: int = 0
     timeouts: int = 0
     corrupt: int = 0
+    failures: Mapping[StorageOp, int] = field(default_factory=dict)
 
 
 class StatsCounter:
@@ -32,7 +56,16 @@ class StatsCounter:
     Only the event loop thread updates it, so plain integer fields need no lock.
     """
 
-    __slots__ = ("bytes_read", "bytes_written", "corrupt", "errors", "reads", "timeouts", "writes")
+    __slots__ = (
+        "bytes_read",
+        "bytes_written",
+        "corrupt",
+        "errors",
+        "failures",
+        "reads",
+        "timeouts",
+        "writes",
+    )
 
     def __init__(self) -> None:
         self.reads = 0
@@ -42,6 +75,11 @@ class StatsCounter:
         self.errors = 0
         self.timeouts = 0
         self.corrupt = 0
+        self.failures: dict[StorageOp, int] = {}
+
+    def record_failure(self, op: StorageOp) -> None:
+        """Count one failed public call of ``op``."""
+        self.failures[op] = self.failures.get(op, 0) + 1
 
     def record_read(self, nbytes: int) -> None:
         """Count one page read into a buffer."""
@@ -63,4 +101,5 @@ class StatsCounter:
             errors=self.errors,
             timeouts=self.timeouts,
             corrupt=self.corrupt,
+            failures=dict(self.failures),
         )

@@ -10,9 +10,10 @@ Capacity is the server's job: run it with ``maxmemory`` and ``maxmemory-policy a
 (the test fixtures do), so old pages are evicted instead of writes failing; ``ttl_s`` adds an
 expiry per page on top.  A failed write (e.g. ``OOM`` under ``noeviction``) stores fewer pages.
 
-Faults degrade: a refused connection, a reset or a socket timeout counts an error or a
-timeout and reads as a miss.  The client reconnects on the next call, so a restarted server is
-used again without rebuilding the backend.
+Faults degrade: a refused connection, a reset, a socket timeout or a cluster with no
+reachable node (``RedisClusterException``) counts an error or a timeout and reads as a miss.
+The client reconnects on the next call, so a restarted server (or cluster) is used again
+without rebuilding the backend.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hicache.storage.base import StorageBackend
@@ -43,6 +44,9 @@ __all__ = ["ValkeyConfig", "ValkeyStorage"]
 _log = logging.getLogger(__name__)
 # Braces would form a hash tag and pin every page to one slot; spaces and the like have no use.
 _PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
+# What the client raises when the store cannot serve a call.  ``RedisClusterException`` is
+# not a ``RedisError``: the cluster client raises it when no node can be reached at all.
+_UNAVAILABLE = (RedisError, RedisClusterException, OSError)
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class ValkeyStorage(StorageBackend):
     Creating it does not connect; the first call does.  ``close()`` closes the client.
     """
 
+    name = "valkey"
+
     def __init__(self, config: ValkeyConfig) -> None:
         super().__init__(op_timeout_s=config.op_timeout_s)
         self._config = config
@@ -143,13 +149,18 @@ class ValkeyStorage(StorageBackend):
                 return results
         except RedisTimeoutError as exc:
             raise StorageTimeout(str(exc)) from exc
-        except (RedisError, OSError) as exc:
+        except _UNAVAILABLE as exc:
             raise StorageUnavailableError(f"{type(exc).__name__}: {exc}") from exc
 
     def _leading(self, results: Sequence[Any], ok: Callable[[Any], bool]) -> int:
+        """Leading results that pass ``ok``.  A failed command stops the count; when it is
+        the first one the whole call failed (``StorageUnavailableError``, counted by the
+        caller), else the call served what came before it (the failure is counted here)."""
         count = 0
         for result in results:
             if isinstance(result, Exception):
+                if count == 0:
+                    raise StorageUnavailableError(f"{type(result).__name__}: {result}")
                 self._counters.errors += 1
                 _log.warning("valkey command failed: %s", result)
                 break
@@ -201,7 +212,7 @@ class ValkeyStorage(StorageBackend):
         """Drop a damaged value (it is never useful); a failure here is only counted."""
         try:
             await self._client.unlink(self._name(key))
-        except (RedisError, OSError) as exc:
+        except _UNAVAILABLE as exc:
             self._counters.errors += 1
             _log.warning("could not drop corrupt %s: %s", key, exc)
 

@@ -1,0 +1,94 @@
+"""A cache stack for storage fault tests: service + HiCache controller + storage worker.
+
+Full only, page size 4, a 256-token device pool with real KV bytes, write-through host
+backup, the worker reporting to a Prometheus exporter on its own registry (so the
+``urc_storage_errors_total`` counter can be read back).
+"""
+
+from __future__ import annotations
+
+import anyio
+import torch
+from prometheus_client import CollectorRegistry
+
+from hicache.config import HiCacheConfig, StorageConfig
+from hicache.controller import HiCacheController
+from hicache.storage.base import StorageBackend
+from hicache.storage.stats import StorageOp
+from hicache.storage_worker import RetryPolicy, StorageWorker
+from hicache.tier import attach_hicache
+from metrics import CacheMetrics
+from urc import CacheConfig, KVShape, RadixKey, build_cache
+from urc.cache import UnifiedRadixCache
+from urc.service import AsyncUnifiedRadixCache
+from urc.tiers import WritePolicy
+
+PS = 4
+
+
+class L3Stack:
+    """The stack over ``store``; ``svc`` is not entered yet."""
+
+    def __init__(self, store: StorageBackend, *, host_tokens: int, retry: RetryPolicy) -> None:
+        self.cache: UnifiedRadixCache = build_cache(
+            CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
+        )
+        hconfig = HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_tokens=host_tokens)
+        self.tier = attach_hicache(self.cache, hconfig)
+        self.controller = HiCacheController(self.cache, self.tier, hconfig)
+        self.registry = CollectorRegistry()
+        self.worker = StorageWorker(
+            self.cache,
+            self.tier,
+            store,
+            StorageConfig(),
+            controller=self.controller,
+            observer=CacheMetrics(self.registry),
+            retry=retry,
+        )
+        self.store = store
+        self.svc = AsyncUnifiedRadixCache(self.cache, workers=[self.controller, self.worker])
+
+    @property
+    def kv(self) -> torch.Tensor:
+        pool = self.cache.pools.kv_pool
+        assert pool is not None
+        return pool.kv
+
+    async def put(self, tokens: list[int]) -> torch.Tensor:
+        """Insert ``tokens`` with random KV bytes; returns those bytes."""
+        value = await self.svc.alloc(len(tokens))
+        data = torch.randn(self.kv[:, :, value].shape)
+
+        def write(cache: UnifiedRadixCache) -> None:
+            self.kv[:, :, value] = data
+
+        await self.svc.call(write)
+        await self.svc.insert(RadixKey(tokens), value)
+        return data
+
+    async def settle(self) -> None:
+        """Wait until host backups are committed and every storage write finished."""
+        while True:
+            await anyio.wait_all_tasks_blocked()
+            busy = await self.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight))
+            if not busy:
+                break
+        await self.worker.flush()
+
+    async def drop_device_and_host(self) -> None:
+        """Evict everything from device and host."""
+        await self.svc.evict(1 << 20)
+        await self.svc.call(lambda c: c.evict_host(1 << 20))
+        await self.worker.flush()
+
+    def storage_errors(self, op: StorageOp | None = None) -> float:
+        """``urc_storage_errors_total`` of this stack's backend: of ``op``, or of all."""
+        ops = list(StorageOp) if op is None else [op]
+        return sum(
+            self.registry.get_sample_value(
+                "urc_storage_errors_total", {"backend": self.store.name, "op": o.value}
+            )
+            or 0.0
+            for o in ops
+        )

@@ -1,0 +1,140 @@
+"""The storage worker under a failing store (issue 15, defects 5 and 6), without a server.
+
+``FlakyStore`` is the file backend with a switch: while ``down`` every call fails, the way
+the configured ``failure`` says (a typed ``StorageUnavailableError``, as a backend maps its
+transport errors, or an unforeseen ``RuntimeError`` out of a backend's client).  The worker
+must count every failed call (``StorageWorkerStats.errors`` and
+``urc_storage_errors_total{backend,op}``), back off, retry its backups once the store is
+back, and never let a failure reach a caller or the service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from cache_harness import pins
+from storage_harness import L3Stack
+
+from hicache.storage.errors import StorageUnavailableError
+from hicache.storage.file import FileStorage
+from hicache.storage.keys import PageKey
+from hicache.storage.stats import StorageOp
+from hicache.storage_worker import RetryPolicy
+from urc import ComponentType, RadixKey
+from urc.service import ServiceState
+
+FULL = ComponentType.FULL
+FAST_RETRY = RetryPolicy(initial_s=0.01, max_s=0.05, max_attempts=50)
+pytestmark = pytest.mark.timeout(60)
+
+
+class FlakyStore(FileStorage):
+    """A file store that fails every call while ``down`` (with ``failure``)."""
+
+    def __init__(self, root: Path, failure: type[Exception]) -> None:
+        super().__init__(root)
+        self.failure = failure
+        self.down = False
+        self.failed_calls = 0
+        self.failed_three_times = anyio.Event()
+
+    def _trip(self) -> None:
+        if self.down:
+            self.failed_calls += 1
+            if self.failed_calls >= 3:
+                self.failed_three_times.set()
+            raise self.failure("the store is down")
+
+    async def _exists(self, keys: Sequence[PageKey]) -> int:
+        self._trip()
+        return await super()._exists(keys)
+
+    async def _get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        self._trip()
+        return await super()._get(keys, buffers)
+
+    async def _put(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        self._trip()
+        return await super()._put(keys, buffers)
+
+
+@asynccontextmanager
+async def running(store: FlakyStore) -> AsyncIterator[L3Stack]:
+    stack = L3Stack(store, host_tokens=512, retry=FAST_RETRY)
+    async with store, stack.svc:
+        with anyio.fail_after(45):
+            yield stack
+            await stack.settle()
+            assert stack.svc.state is ServiceState.RUNNING
+            assert stack.svc.background_failures == ()
+            await stack.svc.sanity_check()
+            assert await stack.svc.call(pins) == 0
+    stack.cache.sanity_check()
+    stack.cache.check_pools({FULL: 0}, {FULL: 0})
+
+
+def tokens_of(n: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+@pytest.mark.parametrize("failure", [StorageUnavailableError, RuntimeError])
+@pytest.mark.asyncio
+async def test_an_outage_is_counted_retried_and_never_fails_the_service(
+    tmp_path: Path, failure: type[Exception]
+) -> None:
+    """During an outage the worker counts every failed call (stats and metrics, by
+    operation), fetches read as misses, backups are retried; once the store is back the
+    retried backup lands and is fetched back byte-exact."""
+    store = FlakyStore(tmp_path / "pages", failure)
+    async with running(store) as s:
+        store.down = True
+        original = await s.put(tokens_of(16))
+        # The backup's write fails, and is retried (with backoff) while the store is down.
+        await store.failed_three_times.wait()
+        assert s.worker.stats.retried_writes >= 2
+        assert s.worker.stats.errors >= 3
+        assert s.storage_errors(StorageOp.EXISTS) >= 3  # a backup asks what is stored first
+        # A prefetch during the outage is a miss (the store failing, or the worker backing
+        # off), never an exception.
+        assert await s.worker.fetch(s.svc, RadixKey(tokens_of(16, 500))) == 0
+        assert s.svc.state is ServiceState.RUNNING
+        # Back up: the retried backup is written; the pages come back exact.
+        store.down = False
+        await s.settle()
+        errors = s.worker.stats.errors
+        assert s.worker.stats.pages_written == 4
+        await s.drop_device_and_host()
+        assert await s.worker.fetch(s.svc, RadixKey(tokens_of(16))) == 16
+        assert s.worker.stats.errors == errors
+        m = await s.svc.match(RadixKey(tokens_of(16)))
+        assert m.prefix_len == 16 and torch.equal(s.kv[:, :, m.device_indices], original)
+        assert s.storage_errors() == float(s.worker.stats.errors)
+
+
+@pytest.mark.asyncio
+async def test_a_failing_get_mid_prefetch_frees_the_reserved_host_slots(tmp_path: Path) -> None:
+    """The store fails between the ``exists`` and the ``get`` of a prefetch: a miss, the
+    host slots it reserved are freed and the anchor unpinned (checked by ``running``)."""
+    store = FlakyStore(tmp_path / "pages", RuntimeError)
+    async with running(store) as s:
+        await s.put(tokens_of(32))
+        await s.settle()
+        await s.drop_device_and_host()
+        real_get = store._get
+
+        async def failing_get(keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+            store.down = True
+            try:
+                return await real_get(keys, buffers)
+            finally:
+                store.down = False
+
+        store._get = failing_get  # type: ignore[method-assign]
+        assert await s.worker.prefetch(s.svc, RadixKey(tokens_of(32))) == 0
+        assert s.worker.stats.errors == 1 and s.storage_errors(StorageOp.GET) == 1
+        assert s.worker.stats.prefetch_misses == 1
