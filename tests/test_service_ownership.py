@@ -105,7 +105,7 @@ async def test_asyncio_timeout_of_alloc_leaks_nothing(
                 with pytest.raises(TimeoutError):
                     async with asyncio.timeout(0):
                         await svc.alloc(8)
-                        await asyncio.sleep(1)  # the deadline fires by now at the latest
+                        await asyncio.Event().wait()  # only the expired deadline ends this
             await svc.sanity_check(held_nothing(components))
         check_clean(svc.cache)
 
