@@ -376,22 +376,29 @@ class UnifiedRadixCache:
         result, without walking the key's tokens (request caching re-matches what it just
         inserted this way, so a chunk's commit does not cost the whole prompt again).
         ``known = (k, indices)``: the caller already holds the device indices of
-        ``path[:k]`` (one copy instead of gathering ``k`` node values)."""
+        ``path[:k]``; where the hit ends within them the result's ``device_indices`` is a
+        view of ``indices`` (no copy), else ``indices`` and the rest concatenated."""
         for check in self._match_checks:
             check.validate_match(params)
-        validators, host_validators = self._match_validators()
-        best = best_any = 0
-        pos = 0
-        for i, node in enumerate(path, 1):
-            pos += node.key_len
-            if all([validate(node) for validate in validators]):
-                best = i
-            if host_validators is not None and all([v(node) for v in host_validators]):
-                best_any = i
         if not path:
             return self._result_at_root()
-        matched = best if host_validators is None else best_any
+        pos = sum([node.key_len for node in path])
+        best = self._deepest_boundary(path, True)
+        matched = best if self.host_tier is None else self._deepest_boundary(path, False)
         return self._finish_match(params, path, best, matched, pos, pos, known)
+
+    def _deepest_boundary(self, path: list[TreeNode], device_only: bool) -> int:
+        """The deepest ``i`` where a walk of ``path`` would accept ``path[:i]`` (0: none),
+        asked from the deepest node up: usually the first answer is yes."""
+        checks = []
+        for c in self._validating:
+            check = c.create_path_validator(path, device_only)
+            if check is not None:
+                checks.append(check)
+        for i in range(len(path), 0, -1):
+            if all([check(i) for check in checks]):
+                return i
+        return 0
 
     def _match_validators(self) -> tuple[list[MatchValidator], list[MatchValidator] | None]:
         """Fresh validators for one match: device-only, and (with a host tier) any-tier."""
@@ -437,13 +444,7 @@ class UnifiedRadixCache:
             result = self._result_at_root()
         else:
             last = path[best - 1]
-            k = 0
-            values = []
-            if known is not None and known[0] <= best:
-                k = known[0]
-                values.append(known[1])
-            values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
-            result = MatchResult(torch.cat(values), last, last, last)
+            result = MatchResult(self._device_indices(path, best, known), last, last, last)
         if matched > best:
             host_node = path[matched - 1]
             host_len = 0
@@ -460,6 +461,24 @@ class UnifiedRadixCache:
         hits["device"] += result.device_indices.shape[0]
         hits["host"] += result.host_hit_length
         return result
+
+    @staticmethod
+    def _device_indices(
+        path: list[TreeNode], best: int, known: tuple[int, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """The Full device indices of ``path[:best]``: a fresh tensor, or (``known`` covers
+        ``path[:k]`` with ``k >= best``) a view of the caller's ``known`` tensor."""
+        if known is None:
+            k, values = 0, []
+        else:
+            k, held = known
+            if k >= best:
+                if k == best:
+                    return held
+                return held[: sum([p.key_len for p in path[:best]])]
+            values = [held]
+        values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
+        return torch.cat(values)
 
     def _result_at_root(self) -> MatchResult:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -524,7 +543,7 @@ class UnifiedRadixCache:
         resumed: list[TreeNode] = []
         if resume_from is not None:
             resumed = self.path_to(resume_from)
-            start_len = sum(p.key_len for p in resumed)
+            start_len = sum([p.key_len for p in resumed])
             if resume_from.full is None or not resume_from.full.lock_ref or start_len > prev:
                 raise InvalidInputError(
                     f"resume_from node {resume_from.id} must be locked and end at or before "

@@ -66,6 +66,9 @@ class Req:
     kv_committed_freed: bool = False
     kv_overallocated_freed: bool = False
     _fill_ids: list[int] | None = field(default=None, init=False, repr=False)
+    # ``fill_prefix``'s list and the ``fill_ids`` list it was copied from.
+    _prefix: list[int] = field(default_factory=list, init=False, repr=False)
+    _prefix_of: list[int] | None = field(default=None, init=False, repr=False)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -86,6 +89,28 @@ class Req:
         self._fill_ids = list(tokens)
         self.kv_committed_len = len(tokens)
         self.kv_allocated_len = max(self.kv_allocated_len, len(tokens))
+
+    def fill_prefix(self, n: int) -> list[int]:
+        """The first ``n`` tokens of :attr:`fill_ids` (all of them when ``n`` is larger).
+
+        Request caching keys each chunk's insert by the prompt so far; a fresh slice per
+        chunk would cost the prompt's length squared, so the request keeps one list and
+        extends it (O(new tokens) per call while ``fill_ids`` is the same list and grows).
+        The list is the request's: it changes on the next call, so callers must not keep
+        it.  Without a cut it is :attr:`fill_ids` itself."""
+        fill = self.fill_ids
+        if n >= len(fill):
+            return fill
+        buf = self._prefix
+        have = len(buf)
+        if self._prefix_of is not fill or (have and buf[-1] != fill[have - 1]):
+            buf = self._prefix = fill[:n]
+            self._prefix_of = fill
+        elif have < n:
+            buf += fill[have:n]
+        elif have > n:
+            del buf[n:]
+        return buf
 
     def get_fill_ids(self) -> list[int]:
         """:attr:`fill_ids` (SGLang's accessor)."""

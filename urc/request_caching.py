@@ -40,7 +40,8 @@ def _prepare(
 ) -> tuple[InsertParams, int]:
     """Insert params filled by the components, keyed by the first ``aligned`` of the first
     ``n_tokens`` tokens (truncated where a component asked, then page-aligned), and
-    ``aligned``.  The key is one slice of ``req.fill_ids`` (none when it is all of it)."""
+    ``aligned``.  The key's list is ``req.fill_prefix(aligned)`` (the request's own, grown per
+    chunk): valid for this call only."""
     fill = req.fill_ids
     n_tokens = min(n_tokens, len(fill))
     params = InsertParams(prev_prefix_len=req.cache_protected_len, chunked=chunked)
@@ -56,7 +57,7 @@ def _prepare(
         key = key[:aligned]
     else:
         aligned = eff - eff % ps
-        key = RadixKey(fill if aligned == len(fill) else fill[:aligned], req.extra_key)
+        key = RadixKey(req.fill_prefix(aligned), req.extra_key)
     params.key = key
     return params, aligned
 
@@ -151,25 +152,34 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
         key = params.key
         assert key is not None
         path = cache.path_to(inserted)
-        # The row already holds the tree's indices of the old lock's path.
         protected = req.cache_protected_len
-        known = None
-        if resume is not None and resume.parent is not None:
-            k = len(path)  # the old lock's node is on the path, a few nodes from its end
-            while k and path[k - 1] is not resume:
-                k -= 1
-            if k:
-                known = (k, cache.req_to_token_pool.read(row, 0, protected))
-        hit = cache.match_path(MatchPrefixParams(key=key), path, known)
+        # The row holds the tree's indices of the old lock's path; the new nodes' slots
+        # follow it (replacing duplicates the insert freed), so the row's ``[0, a)`` is the
+        # re-match's result and nothing O(prompt) is copied per chunk.
+        k = _nodes_below(path, resume)
+        if k is not None:
+            pos = protected
+            for node in path[k:]:
+                v = node.full.value  # type: ignore[union-attr]
+                assert v is not None, f"node {node.id} on the inserted path has no device value"
+                cache.req_to_token_pool.write(row, pos, v)
+                pos += node.key_len
+            assert pos == aligned, f"inserted path ends at {pos}, not {aligned}"
+            row_view = cache.req_to_token_pool.read(row, 0, aligned)
+            held: torch.Tensor | None = row_view
+            hit = cache.match_path(MatchPrefixParams(key=key), path, (len(path), row_view))
+        else:
+            held = None
+            hit = cache.match_path(MatchPrefixParams(key=key), path)
         last: TreeNode | None = hit.last_device_node
         indices = hit.device_indices
         if indices.shape[0] != aligned:
             last = result.last_device_node  # see the docstring
             assert last is not None
-            indices = _path_indices(cache, last)
+            indices = _path_indices(cache, last) if held is None else held
         assert last is not None
         assert indices.shape[0] == aligned, f"path holds {indices.shape[0]} != {aligned}"
-        if aligned > protected:
+        if k is None and aligned > protected:
             cache.req_to_token_pool.write(row, protected, indices[protected:])
         # Lock the new node before releasing the old one (SGLang releases first; the end
         # state is the same, and this way both walks stop at the first locked node).
@@ -181,6 +191,19 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
         req.last_node = last
     for c in cache._cleanup_hooks:
         c.cleanup_after_caching_req(req, False, result, params)
+
+
+def _nodes_below(path: list[TreeNode], resume: TreeNode | None) -> int | None:
+    """How many nodes of ``path`` (root first) end at or above ``resume`` (0 for the root);
+    ``None`` when ``resume`` is not on it (no resumed walk)."""
+    if resume is None:
+        return None
+    if resume.parent is None:
+        return 0
+    k = len(path)  # the old lock's node is a few nodes from the path's end
+    while k and path[k - 1] is not resume:
+        k -= 1
+    return k or None
 
 
 def _path_indices(cache: UnifiedRadixCache, node: TreeNode) -> torch.Tensor:

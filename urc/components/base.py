@@ -39,9 +39,11 @@ if TYPE_CHECKING:
     from urc.tiering import HostPart
     from urc.tiers import TransferItem
 
-__all__ = ["EvictTracker", "MatchValidator", "TreeComponent"]
+__all__ = ["EvictTracker", "MatchValidator", "PathValidator", "TreeComponent"]
 
 MatchValidator = Callable[[TreeNode], bool]
+# ``check(i)``: may a match of a known path end at its ``i``-th node (1-based)?
+PathValidator = Callable[[int], bool]
 # Units freed so far by one ``evict`` call, indexed by ComponentType.
 EvictTracker = list[int]
 
@@ -88,6 +90,20 @@ class TreeComponent(ABC):
         boundary only when every component's validator returns True for it.
         """
         return None
+
+    def create_path_validator(
+        self, path: Sequence[TreeNode], match_device_only: bool
+    ) -> PathValidator | None:
+        """What :meth:`create_match_validator` answers on each node of a walk of ``path``,
+        asked in any order (``match_path`` asks from the deepest node up and stops at the
+        first yes, so a component that can answer from a few nodes near ``i`` makes a
+        re-match cost O(1) in the path's depth).  The default runs the walk's validator
+        over the whole path once."""
+        validate = self.create_match_validator(match_device_only)
+        if validate is None:
+            return None
+        answers = [True, *[validate(node) for node in path]]
+        return answers.__getitem__
 
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         """Refresh eviction order after a match; ``path[:best_len]`` is the accepted part."""

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc.components.base import EvictTracker, MatchValidator, TreeComponent
+from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
 from urc.errors import (
     ConfigError,
     InvalidIndicesError,
@@ -180,6 +180,12 @@ class MambaComponent(TreeComponent):
     def create_match_validator(self, match_device_only: bool) -> MatchValidator | None:
         # A boundary is valid only where a state exists: the request resumes from it.
         return _has_state if match_device_only else _has_state_any_tier
+
+    def create_path_validator(
+        self, path: Sequence[TreeNode], match_device_only: bool
+    ) -> PathValidator:
+        has = _has_state if match_device_only else _has_state_any_tier
+        return lambda i: has(path[i - 1])
 
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         # Only the state the match ends on is used; ancestors' checkpoints keep their age.

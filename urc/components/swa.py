@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc.components.base import EvictTracker, MatchValidator, TreeComponent
+from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
 from urc.errors import ConfigError, InvalidInputError, InvalidLockError
 from urc.eviction import cascade_evict
 from urc.lru import LRUList
@@ -77,6 +77,20 @@ _FULL = 0
 _SWA = 1
 # Candidates taken from the LRU end per scan while evicting (rescanned only if all locked).
 _EVICT_BATCH = 64
+
+
+def _has_window_kv(node: TreeNode) -> bool:
+    return node.data[_SWA].value is not None  # type: ignore[union-attr]
+
+
+def _has_window_kv_any_tier(node: TreeNode) -> bool:
+    # Host pass: a host-only node's SWA host copy is data (a load-back restores it); a node
+    # on device counts only with SWA on device (a load-back leaves it as is).
+    cd = node.data[_SWA]
+    assert cd is not None
+    if cd.value is not None:
+        return True
+    return cd.host_value is not None and node.data[_FULL].value is None  # type: ignore[union-attr]
 
 
 class SWAData(ComponentData):
@@ -162,36 +176,44 @@ class SWAComponent(TreeComponent):
 
     def create_match_validator(self, match_device_only: bool) -> MatchValidator:
         window = self.window
+        has = _has_window_kv if match_device_only else _has_window_kv_any_tier
         # Contiguous SWA tokens above (and including) the current node.  Starts satisfied:
         # a path from the root without tombstones is always a valid boundary.
         acc = window
 
         def validate(node: TreeNode) -> bool:
             nonlocal acc
-            if node.data[_SWA].value is None:  # type: ignore[union-attr]
+            if not has(node):
                 acc = 0
                 return False
             acc += node.key_len
             return acc >= window
 
-        if match_device_only:
-            return validate
+        return validate
 
-        def validate_any_tier(node: TreeNode) -> bool:
-            # Host pass: a host-only node's SWA host copy is data (a load-back restores it);
-            # a node on device counts only with SWA on device (a load-back leaves it as is).
-            nonlocal acc
-            cd = node.data[_SWA]
-            assert cd is not None
-            if cd.value is None and (
-                cd.host_value is None or node.data[_FULL].value is not None  # type: ignore[union-attr]
-            ):
-                acc = 0
+    def create_path_validator(
+        self, path: Sequence[TreeNode], match_device_only: bool
+    ) -> PathValidator:
+        window = self.window
+        has = _has_window_kv if match_device_only else _has_window_kv_any_tier
+
+        def validate(i: int) -> bool:
+            # The walk's answer at ``path[i - 1]``, from the nodes just above it: valid when
+            # the tokens back to the nearest tombstone fill a window, or no tombstone is
+            # above (the walk's count starts satisfied at the root).
+            if not has(path[i - 1]):
                 return False
-            acc += node.key_len
-            return acc >= window
+            acc = 0
+            for j in range(i - 1, -1, -1):
+                node = path[j]
+                if not has(node):
+                    return False
+                acc += node.key_len
+                if acc >= window:
+                    return True
+            return True
 
-        return validate_any_tier
+        return validate
 
     def _refresh(self, node: TreeNode) -> None:
         """Move the nodes covering one window plus one page above ``node`` (inclusive) to the
