@@ -137,3 +137,25 @@ def pins(cache: UnifiedRadixCache) -> int:
         for cd in n.data
         if cd is not None
     )
+
+
+def assert_path_validators_agree(cache: UnifiedRadixCache) -> None:
+    """Every component's ``create_path_validator`` answers, at every node of every path in
+    the tree, what its walk validator answers there (``match_path`` relies on it)."""
+    tiers = (True, False) if cache.host_tier is not None else (True,)
+    for node in cache.iter_nodes():
+        path = cache.path_to(node)
+        if not path:
+            continue
+        for ct in cache.config.components:
+            component = cache.component(ct)
+            for device_only in tiers:
+                walk = component.create_match_validator(device_only)
+                check = component.create_path_validator(path, device_only)
+                if walk is None:
+                    assert check is None, f"{ct.name}: a path validator without a walk one"
+                    continue
+                assert check is not None
+                expected = [walk(n) for n in path]
+                got = [check(i) for i in range(len(path), 0, -1)][::-1]
+                assert got == expected, f"{ct.name} device_only={device_only}: {got} != {expected}"

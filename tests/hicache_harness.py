@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from cache_harness import assert_path_validators_agree
 
 from hicache.config import HiCacheConfig
 from hicache.tier import attach_hicache
@@ -82,6 +83,7 @@ class InFlight:
 
 def check(cache: UnifiedRadixCache, flight: InFlight | None = None) -> None:
     cache.sanity_check()
+    assert_path_validators_agree(cache)
     held, host = (flight or InFlight()).held()
     cache.check_pools(held, host)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from cache_harness import assert_path_validators_agree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -178,6 +179,7 @@ class Model:
     def check(self) -> None:
         cache = self.cache
         cache.sanity_check()
+        assert_path_validators_agree(cache)
         ps = cache.page_size
         full = sum(-(-(r.kv_allocated_len - r.cache_protected_len) // ps) * ps for r in self.live)
         held = {FULL: full, MAMBA: sum(MambaComponent.num_req_slots(r) for r in self.live)}

@@ -199,3 +199,39 @@ def test_resumed_chunk_commit_equals_a_walk_from_the_root(
         return _tree_state(cache)
 
     assert run(from_root=False) == run(from_root=True)
+
+
+def test_fill_prefix_grows_one_list_while_the_prompt_is_the_same() -> None:
+    prompt = list(range(100))
+    req = Req("r0", prompt)
+    first = req.fill_prefix(16)
+    assert first == prompt[:16]
+    again = req.fill_prefix(48)
+    assert again is first and again == prompt[:48]  # extended in place, not re-sliced
+    assert req.fill_prefix(32) == prompt[:32]  # a shorter cut trims it
+    assert req.fill_prefix(100) is prompt  # no cut: the prompt list itself
+    req.output_ids = [7]
+    assert req.fill_prefix(64) == prompt[:64]  # fill_ids is a new list now: rebuilt
+    req.fill_ids = [5, 6, 7]
+    assert req.fill_prefix(2) == [5, 6]
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_chunk_commit_result_is_the_request_row_not_a_copy(ps: int) -> None:
+    """After a chunk commit the prefix indices are the row's first ``a`` slots (a view):
+    a commit copies the chunk, never the whole prompt so far."""
+    h = Harness(page_size=ps, kv_size=64 * ps)
+    prompt = seq(0, 8, ps)
+    req = running_request(h, prompt, [])
+    row = req.req_pool_idx
+    assert row is not None
+    for end in range(2 * ps, len(prompt) + 1, 2 * ps):
+        req.kv_committed_len = end
+        h.cache.cache_unfinished_req(req, chunked=True)
+        view = h.cache.req_to_token_pool.read(row, 0, end)
+        assert req.cache_protected_len == end
+        assert req.prefix_indices.data_ptr() == view.data_ptr()
+        assert req.prefix_indices.tolist() == view.tolist()
+        h.held = len(prompt) - end
+        h.check()
+    _finish(h, req)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_harness import start_request
+from cache_harness import assert_path_validators_agree, start_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -88,6 +88,7 @@ class Model:
 
     def check(self) -> None:
         self.cache.sanity_check()
+        assert_path_validators_agree(self.cache)
         self.cache.check_pools({FULL: 0, SWA: 0})
 
     def _assert_path(self, tokens: list[int]) -> None:
