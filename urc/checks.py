@@ -27,7 +27,7 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
     Checks parent/child links and child keys, each component's per-node rules, lock
     ordering, eviction structures, size counters, node count and allocator state.
     """
-    nodes = cache._nodes()
+    nodes = cache.tree.nodes()
     assert len(nodes) == cache.num_nodes, f"{len(nodes)} nodes, counter {cache.num_nodes}"
     evictable = [0] * NUM_COMPONENT_TYPES
     protected = [0] * NUM_COMPONENT_TYPES
@@ -36,7 +36,7 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
     for node in nodes:
         parent = node.parent
         assert parent is not None and not node.deleted, f"node {node.id} detached"
-        ck = cache._child_key_of(node)
+        ck = cache.tree.child_key_of(node)
         assert node.child_key == ck and parent.children.get(ck) is node, (
             f"node {node.id} is not its parent's child under its own key"
         )

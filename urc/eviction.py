@@ -38,11 +38,11 @@ def evict(cache: UnifiedRadixCache, params: EvictParams) -> EvictResult:
     if params.num_tokens < 0 or params.swa_num_tokens < 0 or params.mamba_num < 0:
         raise InvalidInputError(f"evict amounts must not be negative: {params}")
     tracker = [0] * NUM_COMPONENT_TYPES
-    for c in cache._evict_drivers:
+    for c in cache.hooks.evict_drivers:
         if c.evict_request(params) > 0:
             c.drive_eviction(params, tracker)
     evicted = cache.counters.evicted
-    for k in cache._device_evict_keys:
+    for k in cache.hooks.device_evict_keys:
         n = tracker[k[0]]
         if n:
             evicted[k] = evicted.get(k, 0) + n
@@ -68,7 +68,7 @@ def evict_device_leaf(cache: UnifiedRadixCache, node: TreeNode, tracker: list[in
         elif node.children:
             return False  # host-only children need this node's structure: keep it
     data = node.data
-    for c, ct in cache._evict_order:
+    for c, ct in cache.hooks.evict_order:
         if data[ct].value is not None:  # type: ignore[union-attr]
             tracker[ct] += c.evict_component(node, _DEVICE)
     if fcd.host_value is not None:

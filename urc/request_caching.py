@@ -30,7 +30,7 @@ def _row(cache: UnifiedRadixCache, req: Req, is_finished: bool) -> int:
     row = req.req_pool_idx
     if row is None:
         raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
-    for check in cache._req_checks:
+    for check in cache.hooks.req_checks:
         check.validate_caching_req(req, is_finished)
     return row
 
@@ -46,7 +46,7 @@ def _prepare(
     n_tokens = min(n_tokens, len(fill))
     params = InsertParams(prev_prefix_len=req.cache_protected_len, chunked=chunked)
     eff = n_tokens
-    for c in cache._prepare_hooks:
+    for c in cache.hooks.prepare:
         limit = c.prepare_for_caching_req(req, params, n_tokens, is_finished)
         if limit is not None and limit < eff:
             eff = max(limit, 0)
@@ -117,7 +117,7 @@ def cache_finished_req(
     if free_start < free_end:
         cache.free_request_kv(kv[free_start:free_end])
     release_req_lock(cache, req)
-    for c in cache._cleanup_hooks:
+    for c in cache.hooks.cleanup:
         c.cleanup_after_caching_req(req, True, result, params)
     cache.req_to_token_pool.free(row)
     req.req_pool_idx = None
@@ -189,7 +189,7 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
         req.prefix_indices = indices
         req.cache_protected_len = aligned
         req.last_node = last
-    for c in cache._cleanup_hooks:
+    for c in cache.hooks.cleanup:
         c.cleanup_after_caching_req(req, False, result, params)
 
 

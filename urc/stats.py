@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
     from urc.components.base import TreeComponent
 
-__all__ = ["CacheCounters", "CacheStats", "ComponentStats", "snapshot"]
+__all__ = ["CacheCounters", "CacheStats", "ComponentStats", "StatsSnapshotter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,33 +79,44 @@ class CacheStats:
         return None
 
 
-def snapshot(cache: UnifiedRadixCache) -> CacheStats:
-    """A :class:`CacheStats` of ``cache`` now; O(components).
+class StatsSnapshotter:
+    """Takes :class:`CacheStats` snapshots of one cache; O(components) each.
 
     The per-component part is rebuilt only when a size changed (the service takes a snapshot
-    after every batch, and most batches change no size): ``cache._stats_figs`` /
-    ``cache._stats_comps`` keep the last figures and what was built from them."""
-    tiered = cache.host_tier is not None
-    figs: list[int] = []
-    for c in cache.components:
-        figs += (c.evictable_size, c.protected_size, c.pool_available())
-        if tiered:
-            figs += (c.host_evictable_size, c.host_protected_size, c.host_available())
-    if figs != cache._stats_figs:
-        cache._stats_figs = figs
-        cache._stats_comps = _component_stats(cache)
-    k = cache.counters
-    return CacheStats(
-        cache._stats_comps,
-        cache.num_nodes,
-        k.match_requests,
-        k.query_tokens,
-        dict(k.hit_tokens),
-        k.inserted_tokens,
-        dict(k.evicted),
-        k.backed_up_tokens,
-        k.loaded_back_tokens,
-    )
+    after every batch, and most batches change no size): the last figures and what was built
+    from them are kept here."""
+
+    __slots__ = ("_cache", "_components", "_figs")
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        self._cache = cache
+        self._figs: list[int] = []
+        self._components: tuple[ComponentStats, ...] = ()
+
+    def take(self) -> CacheStats:
+        """A snapshot of the cache now (reads only)."""
+        cache = self._cache
+        tiered = cache.host_tier is not None
+        figs: list[int] = []
+        for c in cache.components:
+            figs += (c.evictable_size, c.protected_size, c.pool_available())
+            if tiered:
+                figs += (c.host_evictable_size, c.host_protected_size, c.host_available())
+        if figs != self._figs:
+            self._figs = figs
+            self._components = _component_stats(cache)
+        k = cache.counters
+        return CacheStats(
+            self._components,
+            cache.num_nodes,
+            k.match_requests,
+            k.query_tokens,
+            dict(k.hit_tokens),
+            k.inserted_tokens,
+            dict(k.evicted),
+            k.backed_up_tokens,
+            k.loaded_back_tokens,
+        )
 
 
 def _component_stats(cache: UnifiedRadixCache) -> tuple[ComponentStats, ...]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -86,6 +86,23 @@ def host_alloc(cache: UnifiedRadixCache, ct: ComponentType, n: int) -> torch.Ten
 
 
 # ---------------------------------------------------------------------- backup
+def note_hit(cache: UnifiedRadixCache, node: TreeNode) -> None:
+    """Write-through: an insert hit ``node``; at the policy's hit threshold a node on device
+    without a host copy becomes due for backup (``pending_backups``, then the listener)."""
+    threshold = cache.backup_threshold
+    cd = node.data[_FULL]
+    if (
+        threshold is not None
+        and node.hit_count >= threshold
+        and cd is not None
+        and cd.host_value is None
+        and cd.value is not None
+    ):
+        cache.pending_backups[node.id] = node
+        if cache.backup_listener is not None:
+            cache.backup_listener()
+
+
 def take_pending_backups(cache: UnifiedRadixCache, limit: int) -> list[TreeNode]:
     """Up to ``limit`` nodes due for backup that still need one (removed from the queue)."""
     out: list[TreeNode] = []
@@ -345,31 +362,24 @@ def host_unlock_pieces(cache: UnifiedRadixCache, node: TreeNode, length: int) ->
 
 
 # ---------------------------------------------------------------------- lower tiers (L3)
-def _walk(cache: UnifiedRadixCache, tokens: list[Any], ns: Any, pos: int, node: TreeNode) -> Any:
-    """The child key under ``node`` of the page of ``tokens`` at ``pos``."""
-    from urc.cache import _NS
-
-    ck = cache._first_key(tokens, pos)
-    return (_NS, ns, ck) if node.parent is None and ns is not None else ck
-
-
 def host_prefix(cache: UnifiedRadixCache, key: RadixKey) -> tuple[int, TreeNode]:
     """The longest page-aligned prefix of ``key`` whose tokens all have Full host copies, and
     the deepest node it reaches (the root when none).  Read-only: nothing is split, no access
     time or counter changes (the prefix may end inside the returned node)."""
-    tokens = cache._prepare_tokens(key)
+    tree = cache.tree
+    tokens = tree.tokens_of(key)
     n = len(tokens)
-    node = cache.root
+    node = tree.root
     pos = 0
     while pos < n:
-        child = node.children.get(_walk(cache, tokens, key.extra_key, pos, node))
+        child = node.children.get(tree.child_key(node, tokens, pos, key.extra_key))
         if child is None:
             break
         cd = child.data[_FULL]
         assert cd is not None
         if cd.host_value is None:
             break
-        m = cache._match_len(child.key, tokens, pos)
+        m = tree.match_len(child.key, tokens, pos)
         if m == 0:
             break
         pos += m
@@ -474,12 +484,13 @@ def _insert_host(
     assert tier is not None
     ps = cache.page_size
     end = start + int(host_value.shape[0])
-    tokens = cache._prepare_tokens(key)
+    tree = cache.tree
+    tokens = tree.tokens_of(key)
     assert start % ps == 0 and end % ps == 0 and end <= len(tokens), (start, end, len(tokens))
     tokens = tokens[:end]
     ns = key.extra_key
     full = cache.full
-    node = cache.root
+    node = tree.root
     pos = 0
     done = start  # tokens of host_value[: done - start] are placed or freed
 
@@ -488,16 +499,16 @@ def _insert_host(
             tier.host_free(ComponentType.FULL, host_value[a - start : b - start])
 
     while pos < end:
-        child = node.children.get(_walk(cache, tokens, ns, pos, node))
+        child = node.children.get(tree.child_key(node, tokens, pos, ns))
         if child is None:
             break
-        m = cache._match_len(child.key, tokens, pos)
+        m = tree.match_len(child.key, tokens, pos)
         if m == 0:
             break
         if m < child.key_len:
-            child = cache.split_node(child, m)
+            child = tree.split(child, m)
         if pos < start < pos + m:
-            child = cache.split_node(child, start - pos)
+            child = tree.split(child, start - pos)
             m = start - pos
         cd = child.data[_FULL]
         assert cd is not None
@@ -510,7 +521,7 @@ def _insert_host(
         else:
             assert cd.value is not None, f"node {child.id} holds no Full data"
             cd.host_value = host_value[pos - start : pos + m - start]
-            full._add_host(cd, m)
+            full.add_host(cd, m)
             _commit_aux(cache, child, pos, aux)
             done = pos + m
         pos += m
@@ -525,13 +536,12 @@ def _insert_host(
     first = pos
     leaf = node
     for b in [*cuts, end]:
-        cache._clock += 1
-        leaf = TreeNode(tokens[pos:b], node, cache._new_data(), ns, cache._clock)
+        leaf = tree.new_node(node, tokens[pos:b], ns)
         cd = leaf.data[_FULL]
         assert cd is not None
         cd.host_value = host_value[pos - start : b - start]
-        full._add_host(cd, b - pos)
-        cache.link_child(node, leaf)
+        full.add_host(cd, b - pos)
+        tree.link(node, leaf)
         _commit_aux(cache, leaf, pos, aux)
         node = leaf
         pos = b

@@ -1,164 +1,248 @@
-"""Tree nodes and their per-component data.
+"""``Tree``: the logical radix tree's structure — root, clock, node count, child keys and
+namespaces, the walk step, split, link and unlink.
 
-The tree is logical: a node knows its key, its children, per-component ``ComponentData``
-(indices into pools, lock counts) and bookkeeping for eviction order.  It never touches pool
-tensors; components do that through hooks.
+The cache, eviction, request caching, the HiCache protocol, the checks and the components use
+the tree through these methods; only this module knows how child keys are spelled.  A child
+key is the child's first token (page size 1) or first page as a tuple; children of the root
+in a namespace (``RadixKey.extra_key``) are keyed ``(NAMESPACE, extra_key, first page)``, so
+namespaces are disjoint subtrees.  Node classes live in :mod:`urc.node` (re-exported here).
 """
 
 from __future__ import annotations
 
-from enum import Enum, IntEnum
-from itertools import count
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from urc.key import RadixKey
+from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 __all__ = [
     "NUM_COMPONENT_TYPES",
     "ComponentData",
     "ComponentType",
     "SizeUnit",
+    "SplitHook",
     "Tier",
+    "Tree",
     "TreeNode",
 ]
 
+# The sentinel that starts namespaced child keys: never equal to a token or a page.
+_NAMESPACE = object()
+# Compare this many tokens per C-level slice comparison when locating a mismatch.
+_SCAN_STEP = 64
 
-class ComponentType(IntEnum):
-    """The kinds of model state a node can cache; the value indexes ``TreeNode.data``."""
-
-    FULL = 0
-    SWA = 1
-    MAMBA = 2
-
-
-NUM_COMPONENT_TYPES = len(ComponentType)
+# ``hook(upper, lower)``: a split just cut ``lower``'s key; components move their data.
+SplitHook = Callable[[TreeNode, TreeNode], None]
 
 
-class SizeUnit(str, Enum):
-    """What a component's sizes count (a ``str`` enum: metric names use the value)."""
+class Tree:
+    """Root, logical clock and node structure of one cache.
 
-    TOKENS = "tokens"
-    STATES = "states"  # Mamba: one state slot per cached state, whatever its length
-
-
-class Tier(IntEnum):
-    """Where a copy of a component's data lives."""
-
-    DEVICE = 0
-    HOST = 1
-
-
-class ComponentData:
-    """One component's state on one node.
-
-    ``value`` holds device pool indices (``None`` = tombstone: evicted, node kept);
-    ``host_value`` the host-pool indices once HiCache backed it up.  ``lock_ref`` protects the
-    device copy, ``host_lock_ref`` the host copy.  ``metadata`` is component-specific (e.g. the
-    SWA window-lock uuid) and created lazily.
-    """
-
-    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "metadata", "value")
-
-    def __init__(self, value: torch.Tensor | None = None) -> None:
-        self.value = value
-        self.lock_ref = 0
-        self.host_value: torch.Tensor | None = None
-        self.host_lock_ref = 0
-        self.metadata: dict[str, Any] | None = None
-
-    def __repr__(self) -> str:
-        n = None if self.value is None else self.value.shape[0]
-        h = None if self.host_value is None else self.host_value.shape[0]
-        return f"ComponentData(len={n}, host_len={h}, lock={self.lock_ref}/{self.host_lock_ref})"
-
-
-_ids = count()
-
-
-class TreeNode:
-    """A node of the radix tree: an edge of ``key_len`` tokens below ``parent``.
-
-    ``data[ct]`` is the ``ComponentData`` of component ``ct`` (``None`` for components the
-    cache was not built with).  ``last_access_time`` is a logical clock (parent < child along
-    a matched path).  ``in_heap`` says whether the Full eviction heap holds a live entry for
-    the node; ``deleted`` marks nodes removed from the tree (their heap entries are stale).
+    ``clock`` only grows: each :meth:`touch` (and each node creation) takes the next tick,
+    so access times are unique and a parent stamped before its child is older.
+    ``new_data`` makes a node's per-component data; ``split_hooks`` run on every split.
+    Mutating methods say so; none touches pool tensors.
     """
 
     __slots__ = (
-        "child_key",
-        "children",
-        "creation_time",
-        "data",
-        "deleted",
-        "full",
-        "hash_value",
-        "hit_count",
-        "id",
-        "in_heap",
-        "in_host_heap",
-        "key",
-        "key_len",
-        "last_access_time",
-        "namespace",
-        "parent",
-        "priority",
+        "clock",
+        "device",
+        "is_eagle",
+        "new_data",
+        "num_nodes",
+        "page_size",
+        "root",
+        "split_hooks",
     )
 
     def __init__(
         self,
-        key: list[Any],
-        parent: TreeNode | None,
-        data: list[ComponentData | None],
-        namespace: tuple[str | int, ...] | None,
-        time: int,
+        page_size: int,
+        is_eagle: bool,
+        device: torch.device,
+        new_data: Callable[[], list[ComponentData | None]],
+        split_hooks: Sequence[SplitHook] = (),
     ) -> None:
-        self.children: dict[Any, TreeNode] = {}
-        self.parent = parent
-        # The key under which ``parent.children`` holds this node (set when it is linked).
-        self.child_key: Any = None
-        self.key = key
-        self.key_len = len(key)
-        self.data = data
-        # The Full data, also reachable as ``data[FULL]``: the lock walks and the match
-        # loop touch it on every node, and an attribute is cheaper than an index.
-        self.full = data[0]
-        self.namespace = namespace
-        self.last_access_time = time
-        self.creation_time = time
-        self.hit_count = 0
-        self.priority = 0
-        self.id = next(_ids)
-        self.in_heap = False
-        self.in_host_heap = False
-        self.deleted = False
-        self.hash_value: list[str] | None = None
+        self.page_size = page_size
+        self.is_eagle = is_eagle
+        self.device = device
+        self.new_data = new_data
+        self.split_hooks = tuple(split_hooks)
+        self.clock = 0
+        self.num_nodes = 0
+        self.root = self.new_root()
 
-    @property
-    def evicted(self) -> bool:
-        """True when the node's Full data is not on device (SGLang's ``evicted``)."""
-        cd = self.data[0]
-        return self.parent is not None and (cd is None or cd.value is None)
+    # ------------------------------------------------------------------ clock
+    def tick(self) -> int:
+        """The next clock value (mutates the clock)."""
+        self.clock += 1
+        return self.clock
 
-    @property
-    def backuped(self) -> bool:
-        """True when the node's Full data has a host copy."""
-        cd = self.data[0]
-        return cd is not None and cd.host_value is not None
+    def touch(self, node: TreeNode) -> None:
+        """Stamp ``node`` with a fresh tick (it was just used)."""
+        self.clock += 1
+        node.last_access_time = self.clock
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
+    def stamp_path(self, path: Sequence[TreeNode]) -> None:
+        """Stamp ``path`` root first (parent < child), one tick each."""
+        clock = self.clock
+        for node in path:
+            clock += 1
+            node.last_access_time = clock
+        self.clock = clock
 
-    @property
-    def component_data(self) -> list[ComponentData | None]:
-        """SGLang's name for :attr:`data` (indexed by ``ComponentType``)."""
-        return self.data
+    # ------------------------------------------------------------------ keys
+    def tokens_of(self, key: RadixKey) -> list[Any]:
+        """The tree view of ``key``: bigrams in EAGLE mode, truncated to whole pages."""
+        if self.is_eagle and not key.is_bigram:
+            key = key.bigram()
+        tokens = key.token_ids
+        n = len(tokens)
+        return tokens if n % self.page_size == 0 else tokens[: n - n % self.page_size]
 
-    @property
-    def lock_ref(self) -> int:
-        """Full lock count (SGLang exposes ``node.lock_ref`` on classic trees)."""
-        cd = self.data[0]
-        return 0 if cd is None else cd.lock_ref
+    def page_key(self, tokens: list[Any], pos: int) -> Any:
+        """The child key of a node whose key starts at ``tokens[pos]`` (below the root's
+        namespaced level)."""
+        ps = self.page_size
+        return tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
 
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={self.key_len}, children={len(self.children)})"
+    def root_child_key(self, tokens: list[Any], namespace: Any) -> Any:
+        """The key under which the root holds the child starting ``tokens`` in
+        ``namespace``."""
+        k = self.page_key(tokens, 0)
+        return k if namespace is None else (_NAMESPACE, namespace, k)
+
+    def child_key(self, parent: TreeNode, tokens: list[Any], pos: int, namespace: Any) -> Any:
+        """The key under which ``parent`` holds a child starting ``tokens[pos]``."""
+        if parent.parent is None:
+            return self.root_child_key(tokens[pos:] if pos else tokens, namespace)
+        return self.page_key(tokens, pos)
+
+    def child_key_of(self, node: TreeNode) -> Any:
+        """The key ``node`` belongs under in its parent's children (recomputed)."""
+        k = self.page_key(node.key, 0)
+        parent = node.parent
+        if parent is not None and parent.parent is None and node.namespace is not None:
+            return (_NAMESPACE, node.namespace, k)
+        return k
+
+    def match_len(self, edge: list[Any], tokens: list[Any], pos: int) -> int:
+        """Page-aligned length of the common prefix of ``edge`` and ``tokens[pos:]``."""
+        n = min(len(edge), len(tokens) - pos)
+        i = 0
+        while (
+            i + _SCAN_STEP <= n
+            and edge[i : i + _SCAN_STEP] == tokens[pos + i : pos + i + _SCAN_STEP]
+        ):
+            i += _SCAN_STEP
+        while i < n and edge[i] == tokens[pos + i]:
+            i += 1
+        return i - i % self.page_size
+
+    # ------------------------------------------------------------------ walk
+    def descend(
+        self, node: TreeNode, ck: Any, tokens: list[Any], pos: int
+    ) -> tuple[TreeNode | None, int, bool]:
+        """One step of a walk: the child of ``node`` under ``ck`` and how many of
+        ``tokens[pos:]`` it matches (whole pages).  A partial match splits the child there
+        (mutates) and returns the upper part with ``split=True``; no match returns
+        ``(None, 0, False)``."""
+        child = node.children.get(ck)
+        if child is None:
+            return None, 0, False
+        klen = child.key_len
+        if tokens[pos : pos + klen] == child.key:  # one C-level comparison in the usual case
+            return child, klen, False
+        m = self.match_len(child.key, tokens, pos)
+        if m == 0:
+            return None, 0, False
+        return self.split(child, m), m, True
+
+    def path_to(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes from the root's child down to ``node`` (empty for the root)."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def nodes(self) -> list[TreeNode]:
+        """Every node but the root, parents before children."""
+        out: list[TreeNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    # ------------------------------------------------------------------ structure
+    def new_root(self) -> TreeNode:
+        """A fresh root (locked by every component, an empty Full value); the caller
+        installs it as :attr:`root` (``reset``)."""
+        root = TreeNode([], None, self.new_data(), None, 0)
+        for cd in root.data:
+            if cd is not None:
+                cd.lock_ref = 1
+        full = root.data[ComponentType.FULL]
+        assert full is not None
+        full.value = torch.empty(0, dtype=torch.int64, device=self.device)
+        return root
+
+    def new_node(self, parent: TreeNode, key: list[Any], namespace: Any) -> TreeNode:
+        """A stamped node below ``parent`` with empty data, not linked yet (see
+        :meth:`link`)."""
+        self.clock += 1
+        return TreeNode(key, parent, self.new_data(), namespace, self.clock)
+
+    def link(self, parent: TreeNode, node: TreeNode) -> None:
+        """Hang the new ``node`` (whose ``parent`` is already ``parent``) under ``parent``,
+        remembering its child key so unlinking needs no key arithmetic (mutates)."""
+        ck = node.child_key = self.child_key_of(node)
+        parent.children[ck] = node
+        self.num_nodes += 1
+
+    def unlink(self, node: TreeNode) -> None:
+        """Remove the childless ``node`` from the tree and mark it deleted (mutates)."""
+        assert not node.children, f"deleting node {node.id} with {len(node.children)} children"
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.child_key]
+        node.deleted = True
+        self.num_nodes -= 1
+
+    def split(self, child: TreeNode, k: int) -> TreeNode:
+        """Split ``child`` after ``k`` tokens; returns the new upper node (``child`` keeps
+        the rest).  Both halves are stamped, upper first (SGLang's order: the untouched tail
+        below a split point counts as just used); the split hooks move component data."""
+        parent = child.parent
+        assert parent is not None
+        upper = self.new_node(parent, child.key[:k], child.namespace)
+        upper.creation_time = child.creation_time
+        upper.hit_count = child.hit_count
+        upper.priority = child.priority
+        upper.child_key = child.child_key
+        parent.children[child.child_key] = upper
+        child.key = child.key[k:]
+        child.key_len -= k
+        child.parent = upper
+        ck = child.child_key = self.page_key(child.key, 0)
+        upper.children[ck] = child
+        if child.hash_value is not None:
+            pages = k // self.page_size
+            upper.hash_value = child.hash_value[:pages]
+            child.hash_value = child.hash_value[pages:]
+        for hook in self.split_hooks:
+            hook(upper, child)
+        self.touch(child)
+        self.num_nodes += 1
+        return upper
+
+    def reset(self) -> None:
+        """Start empty: a new root, no nodes (the caller freed what the old nodes held)."""
+        self.num_nodes = 0
+        self.root = self.new_root()

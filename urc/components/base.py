@@ -308,7 +308,7 @@ class TreeComponent(ABC):
                 tier.host_free(ct, part)
                 continue
             cd.host_value = part
-            self._add_host(cd, n)
+            self.add_host(cd, n)
 
     def commit_host_insert(self, node: TreeNode, start: int, parts: Sequence[HostPart]) -> None:
         """``node`` (key positions ``[start, start + node.key_len)``) just got Full host data
@@ -325,11 +325,13 @@ class TreeComponent(ABC):
             if part.start <= start and end <= part.end:
                 a, b = start - part.start, end - part.start
                 cd.host_value = part.host[a:b]
-                self._add_host(cd, node.key_len)
+                self.add_host(cd, node.key_len)
                 part.taken.append((a, b))
                 return
 
-    def _add_host(self, cd: ComponentData, n: int) -> None:
+    def add_host(self, cd: ComponentData, n: int) -> None:
+        """Count ``n`` units of host data just placed on ``cd`` (protected when host-locked,
+        else evictable); the caller set ``cd.host_value``."""
         if cd.host_lock_ref:
             self.host_protected_size += n
         else:

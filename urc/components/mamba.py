@@ -386,7 +386,7 @@ class MambaComponent(TreeComponent):
             tier.host_free(ComponentType.MAMBA, host)
             return
         cd.host_value = host
-        self._add_host(cd, 1)
+        self.add_host(cd, 1)
 
     def commit_host_insert(self, node: TreeNode, start: int, parts: Sequence[HostPart]) -> None:
         """A state read from a lower tier belongs to the node ending exactly at its position
@@ -399,7 +399,7 @@ class MambaComponent(TreeComponent):
         for part in parts:
             if part.start == part.end == end and part.host.shape[0] == 1 and not part.taken:
                 cd.host_value = part.host
-                self._add_host(cd, 1)
+                self.add_host(cd, 1)
                 part.taken.append((0, 1))
                 return
 

@@ -521,7 +521,7 @@ class SWAComponent(TreeComponent):
         locked = self._walk_release(node, params, True)
         # Valid until the tree changes: every walk that can split or recover a node ticks
         # the cache clock.
-        self._plan = (params, node, self.cache._clock, locked)
+        self._plan = (params, node, self.cache.tree.clock, locked)
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Undo the window lock of receipt ``params``.  Uses the walk of the ``check_release``
@@ -535,7 +535,7 @@ class SWAComponent(TreeComponent):
             plan is not None
             and plan[0] is params
             and plan[1] is node
-            and plan[2] == self.cache._clock
+            and plan[2] == self.cache.tree.clock
         ):
             locked = plan[3]
         else:

@@ -1,0 +1,224 @@
+"""Insertion: ``UnifiedRadixCache.insert`` — a key and its Full device slots into the tree.
+
+The walk descends like a match (splitting where the key leaves an edge), lets components
+take their part of each overlapped node (``update_component_on_insert_overlap``), frees the
+caller's slots that duplicate cached tokens, hangs the rest on a new leaf and lets the
+components commit their data on it (``commit_insert_component_data``).  Slot ownership::
+
+    [0, prev_prefix_len)         the tree's own (the caller got them from a match): kept
+    [prev_prefix_len, prefix)    duplicates of cached tokens: freed here
+    [prefix, aligned)            new: the new leaf owns them
+    [aligned, len(key))          unaligned tail: ignored, still the caller's
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from urc import tiering
+from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
+from urc.node import ComponentType, TreeNode
+from urc.params import InsertParams, InsertResult
+from urc.tiers import WritePolicy
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+
+__all__ = ["insert"]
+
+_FULL = ComponentType.FULL
+
+
+def _add_leaf(
+    cache: UnifiedRadixCache,
+    parent: TreeNode,
+    key: list[Any],
+    value: torch.Tensor,
+    ns: Any,
+    priority: int,
+) -> TreeNode:
+    tree = cache.tree
+    leaf = tree.new_node(parent, key, ns)
+    leaf.priority = priority
+    full = leaf.data[_FULL]
+    assert full is not None
+    full.value = value
+    full_c = cache.full
+    full_c.evictable_size += leaf.key_len
+    tree.link(parent, leaf)
+    full_c.note_child(parent)
+    full_c.note_leaf(leaf)
+    return leaf
+
+
+def _check_value(
+    cache: UnifiedRadixCache, n_key: int, value: torch.Tensor | None, owned_from: int = 0
+) -> torch.Tensor:
+    if value is None:
+        raise InvalidInputError("insert needs a value tensor of device indices")
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
+        raise InvalidIndicesError(f"value must be a 1-D int64 tensor, got {value!r:.80}")
+    if value.device != cache.device:
+        raise InvalidIndicesError(f"value is on {value.device}, the cache on {cache.device}")
+    if value.shape[0] != n_key:
+        raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
+    if n_key > owned_from:
+        check_owned = getattr(cache.token_to_kv_pool_allocator, "check_owned", None)
+        if check_owned is not None:
+            check_owned(value[owned_from:])  # range and allocation, host side
+        else:
+            lo, hi = torch.aminmax(value)
+            size = cache.token_to_kv_pool_allocator.size
+            if int(lo) < 0 or int(hi) >= size:
+                raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
+    return value
+
+
+def insert(
+    cache: UnifiedRadixCache, params: InsertParams, resume_from: TreeNode | None = None
+) -> InsertResult:
+    """Insert ``params.key`` -> ``params.value`` (Full device indices).
+
+    The tree takes ownership of the value's slots: slots of new nodes are kept, slots that
+    duplicate cached tokens at positions ``>= prev_prefix_len`` are freed, slots below
+    ``prev_prefix_len`` are assumed to be the tree's own (the caller got them from a
+    match).  Unaligned tail tokens are ignored (not freed: the caller owns them).
+    Raises a subclass of :class:`~urc.errors.InvalidInputError` on bad input, before any
+    change.  Returns ``prefix_len`` (tokens that were already cached) and the target node.
+
+    ``resume_from`` (request caching: the request's locked ``last_node``): a locked node
+    whose path holds the key's first tokens, ending at or before ``prev_prefix_len``.
+    The walk starts there, with the same effects as a walk from the root (its path is
+    stamped and counted as that walk would), so a chunk's commit costs the chunk, not
+    the whole prompt.  Only the slots from ``prev_prefix_len`` on are checked then.
+    """
+    key = params.key
+    if key is None:
+        raise InvalidInputError("insert needs a key")
+    if cache.is_eagle and not key.is_bigram:
+        key = key.bigram()
+    n_key = len(key)
+    prev = params.prev_prefix_len
+    if not prev >= 0:
+        raise InvalidInputError(f"prev_prefix_len must be >= 0, got {prev}")
+    resumed: list[TreeNode] = []
+    if resume_from is not None:
+        resumed = cache.tree.path_to(resume_from)
+        start_len = sum([p.key_len for p in resumed])
+        if resume_from.full is None or not resume_from.full.lock_ref or start_len > prev:
+            raise InvalidInputError(
+                f"resume_from node {resume_from.id} must be locked and end at or before "
+                f"prev_prefix_len {prev} (it ends at {start_len})"
+            )
+    value = _check_value(cache, n_key, params.value, prev if resumed else 0)
+    for c in cache.hooks.validate_insert:
+        c.validate_insert(params, n_key)
+    tree = cache.tree
+    tokens = tree.tokens_of(key)
+    n = len(tokens)
+    if n == 0:
+        return InsertResult(prefix_len=0, mamba_exist=True)
+    priority = params.priority
+    overlap_hooks = cache.hooks.overlap
+    # SGLang counts hits on insert only: not for chunked prefills, never under write-back.
+    count_hits = not params.chunked and cache.write_policy is not WritePolicy.WRITE_BACK
+    note_hits = count_hits and cache.backup_threshold is not None
+    path: list[TreeNode] = []
+    free_ranges: list[tuple[int, int]] = []
+    node = tree.root
+    pos = 0
+    ns = key.extra_key
+    ck = tree.root_child_key(tokens, ns) if not resumed else None
+    for below in resumed:
+        # What the walk below does to a locked node wholly below ``prev``: stamp, raise
+        # the priority, count the hit (the overlap hooks and frees have nothing to do).
+        tree.touch(below)
+        if priority > below.priority:
+            below.priority = priority
+        if count_hits:
+            below.hit_count += 1
+            if note_hits:
+                tiering.note_hit(cache, below)
+        path.append(below)
+        pos += below.key_len
+        node = below
+    if resumed and pos < n:
+        ck = tree.page_key(tokens, pos)
+    descend = tree.descend
+    while pos < n:
+        child, m, split = descend(node, ck, tokens, pos)
+        if child is None:
+            break
+        if not split:  # a split stamped both halves already
+            tree.touch(child)
+        if priority > child.priority:
+            child.priority = priority
+        fcd = child.full
+        assert fcd is not None
+        if fcd.value is None:
+            # Host-only node: it adopts the incoming slots as its device value.
+            _adopt_device_value(cache, child, value[pos : pos + m].clone(), pos, params)
+        else:
+            consumed = m
+            for c in overlap_hooks:
+                consumed = min(
+                    consumed,
+                    c.update_component_on_insert_overlap(child, m, pos, value, params),
+                )
+            start = pos + max(0, prev - pos)
+            end = pos + consumed
+            if start < end:
+                if free_ranges and free_ranges[-1][1] == start:
+                    free_ranges[-1] = (free_ranges[-1][0], end)
+                else:
+                    free_ranges.append((start, end))
+        if count_hits:  # after the hooks: a recovery split leaves ``child`` the lower part
+            child.hit_count += 1
+            if note_hits:
+                tiering.note_hit(cache, child)
+        path.append(child)
+        pos += m
+        node = child
+        if pos < n:
+            ck = tree.page_key(tokens, pos)
+    for a, b in free_ranges:
+        # A copy: the allocator keeps what it is given, and the caller may overwrite its
+        # tensor (cache_unfinished_req rewrites the req_to_token row it passed).
+        cache.free_request_kv(value[a:b])
+    prefix_len = pos
+    if pos < n:
+        cache.counters.inserted_tokens += n - pos
+        target = _add_leaf(cache, node, tokens[pos:], value[pos:n].clone(), ns, priority)
+        path.append(target)
+        is_new_leaf = True
+    else:
+        target = node
+        is_new_leaf = False
+    result = InsertResult(prefix_len=prefix_len, total_len=n, last_device_node=target)
+    for c in cache.hooks.commit:
+        target = c.commit_insert_component_data(target, is_new_leaf, params, result)
+    result.last_device_node = target
+    for c in cache.hooks.insert_end:
+        c.on_insert_end(path)
+    if is_new_leaf and count_hits:  # counted after the commit hooks split it (SGLang)
+        leaf = path[-1]
+        leaf.hit_count += 1
+        if note_hits:
+            tiering.note_hit(cache, leaf)
+    return result
+
+
+def _adopt_device_value(
+    cache: UnifiedRadixCache, node: TreeNode, value: torch.Tensor, pos: int, params: InsertParams
+) -> None:
+    """Give a host-only node fresh device slots (HiCache: re-insert over an evicted node)."""
+    full = node.data[_FULL]
+    assert full is not None and full.lock_ref == 0
+    full.value = value
+    cache.full.evictable_size += node.key_len
+    for c in cache.hooks.recover:
+        c.recover_after_unevict(node, pos, params)
+    if not node.in_heap and cache.full.is_device_leaf(node):
+        cache.full.note_leaf(node)

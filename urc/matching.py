@@ -1,0 +1,205 @@
+"""Matching: the longest cached prefix of a key (``UnifiedRadixCache.match_prefix``) and the
+re-match of a path the caller knows (``match_path``).
+
+A walk descends the tree page by page (splitting the node where a match ends inside it),
+asks each validating component whether a node may end the match (SWA: a whole window of KV
+above it; Mamba: a state on it), then stamps the best match and its ancestors, counts, and
+lets components refresh their LRUs and finish the result.  See the cache's docstring for
+costs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from urc.components.base import MatchValidator
+from urc.node import TreeNode
+from urc.params import MatchPrefixParams, MatchResult
+
+if TYPE_CHECKING:
+    from urc.cache import UnifiedRadixCache
+
+__all__ = ["empty_result", "finish_match", "match_path", "match_prefix"]
+
+
+def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchResult:
+    """Longest cached prefix of ``params.key``.
+
+    Mutates: may split the node where the match ends; refreshes access times (parent <
+    child along the path) and component LRUs; Mamba may copy state into ``params.req``.
+    Returns the device hit (concatenated indices) and the nodes that end it.
+    """
+    for check in cache.hooks.match_checks:
+        check.validate_match(params)
+    tree = cache.tree
+    tokens = tree.tokens_of(params.key)
+    n = len(tokens)
+    if n == 0:
+        return empty_result(cache)
+    validators, host_validators = _match_validators(cache)
+    tiered = host_validators is not None
+    path: list[TreeNode] = []
+    node = tree.root
+    pos = 0
+    best = 0
+    best_any = 0
+    on_device = True
+    ck = tree.root_child_key(tokens, params.key.extra_key)
+    descend = tree.descend
+    while True:
+        child, m, split = descend(node, ck, tokens, pos)
+        if child is None:
+            break
+        fcd = child.full
+        assert fcd is not None
+        if fcd.value is None:
+            if not tiered or fcd.host_value is None:
+                break
+            on_device = False  # the device hit ends above the first host-only node
+        path.append(child)
+        pos += m
+        if on_device:
+            ok = True
+            for validate in validators:
+                if not validate(child):
+                    ok = False
+            if ok:
+                best = len(path)
+        if host_validators is not None:
+            ok = True
+            for validate in host_validators:
+                if not validate(child):
+                    ok = False
+            if ok:
+                best_any = len(path)
+        if split or pos >= n:
+            break
+        node = child
+        ck = tree.page_key(tokens, pos)
+    return finish_match(cache, params, path, best, best_any if tiered else best, pos, n)
+
+
+def match_path(
+    cache: UnifiedRadixCache,
+    params: MatchPrefixParams,
+    path: list[TreeNode],
+    known: tuple[int, torch.Tensor] | None = None,
+) -> MatchResult:
+    """:func:`match_prefix` of a key the caller knows is exactly the device path ``path``
+    (root first, as :meth:`urc.tree.Tree.path_to` gives): the same validation, stamps, hooks and
+    result, without walking the key's tokens (request caching re-matches what it just
+    inserted this way, so a chunk's commit does not cost the whole prompt again).
+    ``known = (k, indices)``: the caller already holds the device indices of
+    ``path[:k]``; where the hit ends within them the result's ``device_indices`` is a
+    view of ``indices`` (no copy), else ``indices`` and the rest concatenated."""
+    for check in cache.hooks.match_checks:
+        check.validate_match(params)
+    if not path:
+        return empty_result(cache)
+    pos = sum([node.key_len for node in path])
+    best = _deepest_boundary(cache, path, True)
+    matched = best if cache.host_tier is None else _deepest_boundary(cache, path, False)
+    return finish_match(cache, params, path, best, matched, pos, pos, known)
+
+
+def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_only: bool) -> int:
+    """The deepest ``i`` where a walk of ``path`` would accept ``path[:i]`` (0: none),
+    asked from the deepest node up: usually the first answer is yes."""
+    checks = []
+    for c in cache.hooks.validating:
+        check = c.create_path_validator(path, device_only)
+        if check is not None:
+            checks.append(check)
+    for i in range(len(path), 0, -1):
+        if all([check(i) for check in checks]):
+            return i
+    return 0
+
+
+def _match_validators(
+    cache: UnifiedRadixCache,
+) -> tuple[list[MatchValidator], list[MatchValidator] | None]:
+    """Fresh validators for one match: device-only, and (with a host tier) any-tier."""
+    validators: list[MatchValidator] = []
+    for c in cache.hooks.validating:
+        v = c.create_match_validator(True)
+        if v is not None:
+            validators.append(v)
+    if cache.host_tier is None:
+        return validators, None
+    host_validators: list[MatchValidator] = []
+    for c in cache.hooks.validating:
+        v = c.create_match_validator(False)
+        if v is not None:
+            host_validators.append(v)
+    return validators, host_validators
+
+
+def finish_match(
+    cache: UnifiedRadixCache,
+    params: MatchPrefixParams,
+    path: list[TreeNode],
+    best: int,
+    matched: int,
+    pos: int,
+    n: int,
+    known: tuple[int, torch.Tensor] | None = None,
+) -> MatchResult:
+    """Stamps, counters, result and component hooks of a match whose walk visited
+    ``path`` (``path[:best]`` is the device hit, ``path[:matched]`` the best match on any
+    tier, ``pos`` the tokens walked, ``n`` the query's length; ``known``: see
+    :func:`match_path`)."""
+    # Only the best match and its ancestors are stamped, after the walk, parent < child
+    # (SGLang's order); nodes walked past the best keep their age.
+    cache.tree.stamp_path(path[:matched] if matched < len(path) else path)
+    counters = cache.counters
+    counters.match_requests += 1
+    counters.query_tokens += n
+    if best == 0:
+        result = empty_result(cache)
+    else:
+        last = path[best - 1]
+        result = MatchResult(_device_indices(path, best, known), last, last, last)
+    if matched > best:
+        host_node = path[matched - 1]
+        host_len = 0
+        for p in path[best:matched]:
+            host_len += p.key_len
+        result = result._replace(
+            last_host_node=host_node, best_match_node=host_node, host_hit_length=host_len
+        )
+    for c in cache.hooks.match_end:
+        c.on_match_end(path, matched)
+    for c in cache.hooks.finalize:
+        result = c.finalize_match_result(result, params, path, best, pos)
+    hits = counters.hit_tokens
+    hits["device"] += result.device_indices.shape[0]
+    hits["host"] += result.host_hit_length
+    return result
+
+
+def _device_indices(
+    path: list[TreeNode], best: int, known: tuple[int, torch.Tensor] | None
+) -> torch.Tensor:
+    """The Full device indices of ``path[:best]``: a fresh tensor, or (``known`` covers
+    ``path[:k]`` with ``k >= best``) a view of the caller's ``known`` tensor."""
+    if known is None:
+        k, values = 0, []
+    else:
+        k, held = known
+        if k >= best:
+            if k == best:
+                return held
+            return held[: sum([p.key_len for p in path[:best]])]
+        values = [held]
+    values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
+    return torch.cat(values)
+
+
+def empty_result(cache: UnifiedRadixCache) -> MatchResult:
+    """A miss: no device indices, every node the root."""
+    empty = torch.empty(0, dtype=torch.int64, device=cache.device)
+    root = cache.tree.root
+    return MatchResult(empty, root, root, root)

@@ -1,0 +1,164 @@
+"""Tree nodes and their per-component data (the structure that holds them: ``urc.tree``).
+
+A node is logical: it knows its key, its children, per-component ``ComponentData`` (indices
+into pools, lock counts) and bookkeeping for eviction order.  It never touches pool tensors;
+components do that through hooks.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, IntEnum
+from itertools import count
+from typing import Any
+
+import torch
+
+__all__ = [
+    "NUM_COMPONENT_TYPES",
+    "ComponentData",
+    "ComponentType",
+    "SizeUnit",
+    "Tier",
+    "TreeNode",
+]
+
+
+class ComponentType(IntEnum):
+    """The kinds of model state a node can cache; the value indexes ``TreeNode.data``."""
+
+    FULL = 0
+    SWA = 1
+    MAMBA = 2
+
+
+NUM_COMPONENT_TYPES = len(ComponentType)
+
+
+class SizeUnit(str, Enum):
+    """What a component's sizes count (a ``str`` enum: metric names use the value)."""
+
+    TOKENS = "tokens"
+    STATES = "states"  # Mamba: one state slot per cached state, whatever its length
+
+
+class Tier(IntEnum):
+    """Where a copy of a component's data lives."""
+
+    DEVICE = 0
+    HOST = 1
+
+
+class ComponentData:
+    """One component's state on one node.
+
+    ``value`` holds device pool indices (``None`` = tombstone: evicted, node kept);
+    ``host_value`` the host-pool indices once HiCache backed it up.  ``lock_ref`` protects the
+    device copy, ``host_lock_ref`` the host copy.  ``metadata`` is component-specific (e.g. the
+    SWA window-lock uuid) and created lazily.
+    """
+
+    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "metadata", "value")
+
+    def __init__(self, value: torch.Tensor | None = None) -> None:
+        self.value = value
+        self.lock_ref = 0
+        self.host_value: torch.Tensor | None = None
+        self.host_lock_ref = 0
+        self.metadata: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        n = None if self.value is None else self.value.shape[0]
+        h = None if self.host_value is None else self.host_value.shape[0]
+        return f"ComponentData(len={n}, host_len={h}, lock={self.lock_ref}/{self.host_lock_ref})"
+
+
+_ids = count()
+
+
+class TreeNode:
+    """A node of the radix tree: an edge of ``key_len`` tokens below ``parent``.
+
+    ``data[ct]`` is the ``ComponentData`` of component ``ct`` (``None`` for components the
+    cache was not built with).  ``last_access_time`` is a logical clock (parent < child along
+    a matched path).  ``in_heap`` says whether the Full eviction heap holds a live entry for
+    the node; ``deleted`` marks nodes removed from the tree (their heap entries are stale).
+    """
+
+    __slots__ = (
+        "child_key",
+        "children",
+        "creation_time",
+        "data",
+        "deleted",
+        "full",
+        "hash_value",
+        "hit_count",
+        "id",
+        "in_heap",
+        "in_host_heap",
+        "key",
+        "key_len",
+        "last_access_time",
+        "namespace",
+        "parent",
+        "priority",
+    )
+
+    def __init__(
+        self,
+        key: list[Any],
+        parent: TreeNode | None,
+        data: list[ComponentData | None],
+        namespace: tuple[str | int, ...] | None,
+        time: int,
+    ) -> None:
+        self.children: dict[Any, TreeNode] = {}
+        self.parent = parent
+        # The key under which ``parent.children`` holds this node (set when it is linked).
+        self.child_key: Any = None
+        self.key = key
+        self.key_len = len(key)
+        self.data = data
+        # The Full data, also reachable as ``data[FULL]``: the lock walks and the match
+        # loop touch it on every node, and an attribute is cheaper than an index.
+        self.full = data[0]
+        self.namespace = namespace
+        self.last_access_time = time
+        self.creation_time = time
+        self.hit_count = 0
+        self.priority = 0
+        self.id = next(_ids)
+        self.in_heap = False
+        self.in_host_heap = False
+        self.deleted = False
+        self.hash_value: list[str] | None = None
+
+    @property
+    def evicted(self) -> bool:
+        """True when the node's Full data is not on device (SGLang's ``evicted``)."""
+        cd = self.data[0]
+        return self.parent is not None and (cd is None or cd.value is None)
+
+    @property
+    def backuped(self) -> bool:
+        """True when the node's Full data has a host copy."""
+        cd = self.data[0]
+        return cd is not None and cd.host_value is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def component_data(self) -> list[ComponentData | None]:
+        """SGLang's name for :attr:`data` (indexed by ``ComponentType``)."""
+        return self.data
+
+    @property
+    def lock_ref(self) -> int:
+        """Full lock count (SGLang exposes ``node.lock_ref`` on classic trees)."""
+        cd = self.data[0]
+        return 0 if cd is None else cd.lock_ref
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={self.key_len}, children={len(self.children)})"
