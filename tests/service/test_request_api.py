@@ -4,6 +4,7 @@ hit).  Every test ends with the cache's invariants and pool conservation."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anyio
@@ -166,6 +167,32 @@ async def test_a_cancelled_scope_does_not_stop_a_started_load_back() -> None:
             assert req.cache_protected_len == len(TOKENS)
             await svc.write_req_slots(req, torch.empty(0, dtype=torch.int64), len(TOKENS))
             await svc.cache_finished_req(req)
+    _check(svc)
+
+
+@pytest.mark.asyncio
+async def test_a_natively_cancelled_match_req_drops_the_load_it_started() -> None:
+    svc, obs = _service()
+    async with svc:
+        with anyio.fail_after(10):
+            await _serve(svc, "a", TOKENS)
+            await svc.evict(num_tokens=64)
+            free_before = await svc.call(lambda c: c.token_to_kv_pool_allocator.available_size())
+            req = Req("b", list(TOKENS))
+            await svc.alloc_req_row(req)
+            task = asyncio.ensure_future(svc.match_req(req, load_back=True))
+            # Task.cancel() the moment the actor applied the match (the load started).
+            obs.on_kind[CommandKind.MATCH_REQ] = task.cancel
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            obs.on_kind.clear()
+            assert CommandKind.FINISH_REQ_LOAD in obs.kinds  # the service dropped the load
+            assert req.cache_protected_len == 0  # the request keeps the match it got
+            free_after = await svc.call(lambda c: c.token_to_kv_pool_allocator.available_size())
+            assert free_after == free_before  # the slots reserved for the load came back
+            again = await svc.match(TOKENS)
+            assert again.prefix_len == 0 and again.host_hit_length == len(TOKENS)
+            await svc.cache_finished_req(req, is_insert=False)
     _check(svc)
 
 
