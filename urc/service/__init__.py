@@ -41,6 +41,12 @@ once).  ``Req`` objects passed to ``match_req`` / ``cache_*_req`` do hold tree n
 (``req.last_node``): the request belongs to the server, but only the actor may read or write
 ``last_node`` / ``lock_receipt`` -- callers must never touch them.
 
+A server's request loop (what ``urc replay`` does): ``alloc_req_row(req)``;
+``match_req(req, load_back=True)`` (a host hit is loaded back and locked in one command pair:
+the match, then the commit after the byte copy; :mod:`urc.request_ops`); ``alloc`` then
+``write_req_slots`` per prefill chunk, ``cache_unfinished_req`` between chunks;
+``alloc_req_mamba`` / ``slide_req_window`` for hybrid models; ``cache_finished_req``.
+
 Cancellation (nothing leaks, nothing is half-applied).  Two ways of being cancelled: a
 cancelled *scope* (anyio ``CancelScope`` / ``move_on_after`` / ``fail_after``, trio's
 scopes; level-triggered: delivered again at every checkpoint until the scope exits), and a
