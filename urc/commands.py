@@ -26,17 +26,21 @@ if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
     from urc.lease import Lease, NodeHandle
     from urc.req import Req
+    from urc.request_ops import PendingLoad
     from urc.tree import ComponentType
 
 __all__ = [
     "Alloc",
     "AllocMamba",
+    "AllocReqMamba",
+    "AllocReqRow",
     "CacheFinishedReq",
     "CacheUnfinishedReq",
     "Call",
     "Command",
     "CommandKind",
     "Evict",
+    "FinishReqLoad",
     "Free",
     "FreeMamba",
     "Insert",
@@ -47,7 +51,10 @@ __all__ = [
     "MatchReq",
     "Release",
     "SanityCheck",
+    "SlideReqWindow",
+    "StartReqLoad",
     "Stats",
+    "WriteReqSlots",
 ]
 
 
@@ -64,6 +71,12 @@ class CommandKind(Enum):
     FREE = "free"
     ALLOC_MAMBA = "alloc_mamba"
     FREE_MAMBA = "free_mamba"
+    START_REQ_LOAD = "start_req_load"
+    FINISH_REQ_LOAD = "finish_req_load"
+    ALLOC_REQ_ROW = "alloc_req_row"
+    WRITE_REQ_SLOTS = "write_req_slots"
+    ALLOC_REQ_MAMBA = "alloc_req_mamba"
+    SLIDE_REQ_WINDOW = "slide_req_window"
     CACHE_FINISHED_REQ = "cache_finished_req"
     CACHE_UNFINISHED_REQ = "cache_unfinished_req"
     STATS = "stats"
@@ -88,11 +101,76 @@ class Match:
 @dataclass(frozen=True, slots=True)
 class MatchReq:
     """Match ``req``'s tokens and attach the lock to ``req`` (``last_node``/``lock_receipt``),
-    setting ``prefix_indices`` and ``cache_protected_len``; ``cache_*_req`` releases it."""
+    setting ``prefix_indices`` and ``cache_protected_len``; ``cache_*_req`` releases it.
+
+    ``load_back``: a threshold (tokens; ``None``: never): a host continuation at least that
+    long also starts loading back (the outcome's ``pending_load``, which a
+    :class:`FinishReqLoad` must follow)."""
 
     kind: ClassVar[CommandKind] = CommandKind.MATCH_REQ
     req: Req
     cow_mamba: bool = False
+    load_back: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StartReqLoad:
+    """For a request holding its lock: match again and start loading the host continuation
+    (at least ``threshold`` tokens) back; the outcome's ``pending_load`` (if any) must be
+    followed by a :class:`FinishReqLoad`.  The lock is unchanged."""
+
+    kind: ClassVar[CommandKind] = CommandKind.START_REQ_LOAD
+    req: Req
+    threshold: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReqLoad:
+    """Commit ``load`` (``ok``: its bytes were copied) or drop it; after a commit, re-match
+    ``req`` and move its lock to the longer hit (``cow_mamba`` as for :class:`MatchReq`)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.FINISH_REQ_LOAD
+    req: Req
+    load: PendingLoad
+    ok: bool = True
+    cow_mamba: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AllocReqRow:
+    """Give ``req`` a ``req_to_token`` row; the result is its index."""
+
+    kind: ClassVar[CommandKind] = CommandKind.ALLOC_REQ_ROW
+    req: Req
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReqSlots:
+    """Write caller-owned ``slots`` into ``req``'s row after what it holds (the request then
+    owns them) and set its committed length to ``committed``."""
+
+    kind: ClassVar[CommandKind] = CommandKind.WRITE_REQ_SLOTS
+    req: Req
+    slots: torch.Tensor
+    committed: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllocReqMamba:
+    """Give ``req`` its live Mamba state slot unless it has one; the result is that slot."""
+
+    kind: ClassVar[CommandKind] = CommandKind.ALLOC_REQ_MAMBA
+    req: Req
+
+
+@dataclass(frozen=True, slots=True)
+class SlideReqWindow:
+    """SWA: free ``req``'s own SWA slots that slid out of the window at ``seq_len`` tokens;
+    the result is the SWA tokens freed."""
+
+    kind: ClassVar[CommandKind] = CommandKind.SLIDE_REQ_WINDOW
+    req: Req
+    seq_len: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +297,12 @@ class Call:
 Command: TypeAlias = (
     Match
     | MatchReq
+    | StartReqLoad
+    | FinishReqLoad
+    | AllocReqRow
+    | WriteReqSlots
+    | AllocReqMamba
+    | SlideReqWindow
     | Insert
     | Lock
     | Release
@@ -243,6 +327,9 @@ class MatchOutcome:
     ``host_hit_length``: tokens past the device hit that are cached on host (HiCache).
     ``node``: handle of the node that ends the device hit (for :meth:`lock`).
     ``lease``: the lock, when the match was asked to lock (else ``None``).
+    ``host_loaded_len``: tokens of the device hit this call loaded back from host (a request
+    match with load-back); ``pending_load``: a load-back started and not yet finished (only
+    between the two commands of a request match with load-back, never returned to callers).
     """
 
     device_indices: torch.Tensor
@@ -251,6 +338,8 @@ class MatchOutcome:
     node: NodeHandle
     lease: Lease | None = None
     mamba_branching_seqlen: int | None = None
+    host_loaded_len: int = 0
+    pending_load: PendingLoad | None = None
 
     @property
     def device_hit_length(self) -> int:

@@ -17,15 +17,19 @@ from typing import Any
 
 import torch
 
+from urc import request_ops
 from urc.cache import UnifiedRadixCache
 from urc.commands import (
     Alloc,
     AllocMamba,
+    AllocReqMamba,
+    AllocReqRow,
     CacheFinishedReq,
     CacheUnfinishedReq,
     Call,
     Command,
     Evict,
+    FinishReqLoad,
     Free,
     FreeMamba,
     Insert,
@@ -36,12 +40,14 @@ from urc.commands import (
     MatchReq,
     Release,
     SanityCheck,
+    SlideReqWindow,
+    StartReqLoad,
     Stats,
+    WriteReqSlots,
 )
 from urc.errors import InvalidInputError, LeaseError, OutOfMemoryError
-from urc.key import RadixKey
 from urc.lease import Lease, LeaseOwner, NodeHandle
-from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams
+from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams, MatchResult
 from urc.pools.swa import SWATokenSlotAllocator
 from urc.tree import TreeNode
 
@@ -66,6 +72,12 @@ class CommandExecutor:
         self._dispatch: dict[type[Any], Callable[[Any], Any]] = {
             Match: self._match,
             MatchReq: self._match_req,
+            StartReqLoad: self._start_req_load,
+            FinishReqLoad: self._finish_req_load,
+            AllocReqRow: self._alloc_req_row,
+            WriteReqSlots: self._write_req_slots,
+            AllocReqMamba: self._alloc_req_mamba,
+            SlideReqWindow: self._slide_req_window,
             Insert: self._insert,
             Lock: self._lock,
             Release: self._release,
@@ -111,7 +123,8 @@ class CommandExecutor:
         count = 0
         for lease, node, receipt in list(self.leases.values()):
             self.cache.dec_lock_ref(node, receipt.to_dec_params())
-            lease._released = True
+            if not lease.released:
+                lease.mark_released()
             count += 1
         self.leases.clear()
         return count
@@ -132,22 +145,36 @@ class CommandExecutor:
         )
 
     def _match_req(self, cmd: MatchReq) -> MatchOutcome:
-        req = cmd.req
-        if req.last_node is not None:
-            raise InvalidInputError(f"request {req.rid} already holds a lock")
-        key = RadixKey(req.fill_ids, req.extra_key)
-        res = self.cache.match_prefix(MatchPrefixParams(key, cmd.cow_mamba, req))
-        node = res.last_device_node
-        req.lock_receipt = self.cache.inc_lock_ref(node)
-        req.last_node = node
-        req.prefix_indices = res.device_indices
-        n = int(res.device_indices.shape[0])
-        req.cache_protected_len = n
-        req.mamba_branching_seqlen = res.mamba_branching_seqlen
-        return MatchOutcome(
-            res.device_indices, n, res.host_hit_length, NodeHandle(node), None,
-            res.mamba_branching_seqlen,
-        )  # fmt: skip
+        res, load = request_ops.match_req(self.cache, cmd.req, cmd.cow_mamba, cmd.load_back)
+        return _req_outcome(res, load)
+
+    def _start_req_load(self, cmd: StartReqLoad) -> MatchOutcome:
+        res, load = request_ops.start_req_load(self.cache, cmd.req, cmd.threshold)
+        return _req_outcome(res, load)
+
+    def _finish_req_load(self, cmd: FinishReqLoad) -> MatchOutcome | None:
+        """The re-matched outcome, or ``None`` when nothing was loaded (the request's match
+        stands)."""
+        load = cmd.load
+        res = request_ops.finish_req_load(self.cache, cmd.req, load, cmd.ok, cmd.cow_mamba)
+        if res is None:
+            return None
+        # What the longer hit gained is the host span first (what a concurrent insert added
+        # past it counts as device).
+        gained = max(0, int(res.device_indices.shape[0]) - load.prefix_len)
+        return _req_outcome(res, None, min(gained, load.host_hit_length))
+
+    def _alloc_req_row(self, cmd: AllocReqRow) -> int:
+        return request_ops.alloc_req_row(self.cache, cmd.req)
+
+    def _write_req_slots(self, cmd: WriteReqSlots) -> None:
+        request_ops.write_req_slots(self.cache, cmd.req, cmd.slots, cmd.committed)
+
+    def _alloc_req_mamba(self, cmd: AllocReqMamba) -> torch.Tensor:
+        return request_ops.alloc_req_mamba(self.cache, cmd.req)
+
+    def _slide_req_window(self, cmd: SlideReqWindow) -> int:
+        return request_ops.slide_req_window(self.cache, cmd.req, cmd.seq_len)
 
     def _insert(self, cmd: Insert) -> InsertOutcome:
         res = self.cache.insert(
@@ -164,7 +191,7 @@ class CommandExecutor:
         return InsertOutcome(res.prefix_len, res.total_len, res.mamba_exist)
 
     def _lock(self, cmd: Lock) -> Lease:
-        node = cmd.node._node
+        node = cmd.node.node
         depth = 0
         walk: TreeNode | None = node
         while walk is not None and walk.parent is not None:
@@ -253,6 +280,16 @@ class CommandExecutor:
         return cmd.fn(self.cache)
 
 
+def _req_outcome(
+    res: MatchResult, load: request_ops.PendingLoad | None, host_loaded: int = 0
+) -> MatchOutcome:
+    n = int(res.device_indices.shape[0])
+    return MatchOutcome(
+        res.device_indices, n, res.host_hit_length, NodeHandle(res.last_device_node), None,
+        res.mamba_branching_seqlen, host_loaded, load,
+    )  # fmt: skip
+
+
 def give_back(cmd: Command, result: Any) -> list[Command]:
     """The commands that give back what ``result`` (``cmd``'s successful result) handed to
     its caller, for a caller that is gone (cancelled natively, see the service's cancellation
@@ -263,6 +300,8 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
     - slots from ``alloc`` / ``alloc_mamba``: their free;
     - an insert's leftovers: the value past what the tree took (the unaligned tail) and a
       Mamba value the tree did not adopt (``mamba_exist``);
+    - a request match that started a load-back (``pending_load``): that load dropped
+      (the request keeps its match and lock);
     - a ``call`` with an ``undo``: that undo, run on the result.
     """
     match cmd:
@@ -284,6 +323,9 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
             if result.mamba_exist and mamba is not None and mamba.numel():
                 out.append(FreeMamba(mamba))
             return out
+        case MatchReq() | StartReqLoad():
+            load = result.pending_load
+            return [] if load is None else [FinishReqLoad(cmd.req, load, False)]
         case Call(undo=undo) if undo is not None:
             return [Call(lambda cache: undo(cache, result))]
         case _:

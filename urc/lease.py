@@ -43,6 +43,11 @@ class NodeHandle:
     def __init__(self, node: TreeNode) -> None:
         self._node = node
 
+    @property
+    def node(self) -> TreeNode:
+        """The node (for the actor only: callers keep handles opaque)."""
+        return self._node
+
     def __repr__(self) -> str:
         return f"NodeHandle(id={self._node.id})"
 
@@ -68,6 +73,10 @@ class Lease:
     def released(self) -> bool:
         """True once :meth:`release` was called or the service released it at close."""
         return self._released
+
+    def issued_by(self, owner: LeaseOwner) -> bool:
+        """Whether ``owner`` issued this lease (and so may release it)."""
+        return self._owner is owner
 
     def mark_released(self) -> None:
         """Mark released; raises :class:`LeaseError` if it already was (no change then)."""

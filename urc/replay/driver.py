@@ -2,19 +2,20 @@
 
 For each request, in workload order, with up to ``concurrency`` in flight (one task each):
 
-1. take a ``req_to_token`` row (``svc.call``);
-2. ``match_req`` (locks the device hit on the request's behalf; Mamba: copy-on-write of the
-   matched state).  If the match continues on host and a host tier runs, the controller loads
-   that span back to device (``controller.load_back``) and the request re-matches (one
-   ``svc.call``) so its lock and prefix cover the loaded tokens;
+1. take a ``req_to_token`` row (``svc.alloc_req_row``);
+2. ``match_req(load_back=...)``: locks the device hit on the request's behalf (Mamba:
+   copy-on-write of the matched state); if the match continues on host and a host tier runs,
+   the same call loads that span back to device and moves the lock to the longer hit (one
+   command pair: the match, then the commit after the copy).  With an L3 store, pages past
+   the host hit are prefetched to host and loaded the same way (``svc.load_back_req``);
 3. prefill the uncached tail in chunks of ``chunk_size`` tokens on the chunk grid (Mamba: a
    chunk also ends at the match's ``mamba_branching_seqlen``, so a state is checkpointed where
    the cached prefix branches): ``svc.alloc`` the chunk's slots (the service evicts when
-   full), write them into the request's row (``svc.call``), ``cache_unfinished_req(chunked=
-   True)`` (as SGLang's scheduler does between chunks: no hit counted on the request's own
-   earlier chunks).  The
-   last prompt chunk allocates the output tokens' slots too (one allocation keeps the row's
-   pages contiguous; decode then needs no cache call);
+   full), write them into the request's row (``svc.write_req_slots``),
+   ``cache_unfinished_req(chunked=True)`` (as SGLang's scheduler does between chunks: no hit
+   counted on the request's own earlier chunks).  The last prompt chunk allocates the output
+   tokens' slots too (one allocation keeps the row's pages contiguous; decode then needs no
+   cache call);
 4. decode: the output token ids are deterministic (``OUTPUT_TOKEN_BASE + (index << 24) + i``,
    never equal to a prompt token), then ``cache_finished_req``.  With ``prefill_only`` the
    request finishes right after its last prompt chunk and only prompts are cached.
@@ -40,14 +41,13 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import AsyncExitStack, aclosing, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from time import perf_counter
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
-import torch
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
@@ -59,17 +59,14 @@ from hicache.tier import attach_hicache
 from metrics.exporter import CacheMetrics
 from metrics.http import MetricsServer, MetricsServerConfig
 from urc.cache import UnifiedRadixCache
-from urc.components.mamba import MambaComponent
-from urc.components.swa import SWAComponent
 from urc.config import build_cache
-from urc.errors import ConfigError, InvalidInputError, OutOfMemoryError, ServiceError
+from urc.errors import ConfigError, OutOfMemoryError, ServiceError
 from urc.key import RadixKey
-from urc.params import MatchPrefixParams
 from urc.replay.config import ModelProfile, ReplayConfig
 from urc.replay.report import TIERS, LatencyRecorder, ReplayReport
 from urc.replay.source import EmptyWorkloadError, WorkloadSummary, aiter_requests, summarize
 from urc.req import Req
-from urc.service import AsyncUnifiedRadixCache, BackgroundWorker
+from urc.service import AsyncUnifiedRadixCache, BackgroundWorker, LoadBackPolicy, TraceHook
 from urc.tree import ComponentType
 from urc.workloads import TraceRequest
 
@@ -88,95 +85,6 @@ def output_token_ids(index: int, length: int) -> list[int]:
     """The deterministic output token ids of request ``index``."""
     base = OUTPUT_TOKEN_BASE + (index << 24)
     return list(range(base, base + length))
-
-
-# ---------------------------------------------------------------------- actor-side steps
-# Run inside the actor through ``svc.call``: each raises a URCError before changing anything,
-# or succeeds.
-
-
-@dataclass(frozen=True, slots=True)
-class _AllocRow:
-    req: Req
-
-    def __call__(self, cache: UnifiedRadixCache) -> int:
-        row = cache.req_to_token_pool.alloc()
-        if row is None:
-            raise OutOfMemoryError("no free request row")
-        self.req.req_pool_idx = row
-        return row
-
-
-@dataclass(frozen=True, slots=True)
-class _AllocMambaSlot:
-    req: Req
-
-    def __call__(self, cache: UnifiedRadixCache) -> torch.Tensor:
-        mamba = cast(MambaComponent, cache.component(ComponentType.MAMBA))
-        return mamba.alloc_req_slot(self.req)
-
-
-@dataclass(frozen=True, slots=True)
-class _WriteRow:
-    """Write ``slots`` into the request's row after what it holds; commit up to ``committed``.
-    The first write also stores the matched prefix's indices at the row's start."""
-
-    req: Req
-    slots: torch.Tensor
-    committed: int
-
-    def __call__(self, cache: UnifiedRadixCache) -> None:
-        req = self.req
-        row = req.req_pool_idx
-        assert row is not None
-        pool = cache.req_to_token_pool
-        prefix = req.cache_protected_len
-        start = max(req.kv_allocated_len, prefix)
-        end = start + int(self.slots.shape[0])
-        if end > pool.max_context_len:
-            raise InvalidInputError(f"request {req.rid}: {end} tokens exceed the row")
-        if req.kv_allocated_len < prefix:
-            pool.write(row, 0, req.prefix_indices)
-        pool.write(row, start, self.slots)
-        req.kv_allocated_len = end
-        req.kv_committed_len = self.committed
-
-
-@dataclass(frozen=True, slots=True)
-class _Rematch:
-    """Match the request again after a load-back and move its lock to the longer hit."""
-
-    req: Req
-    cow_mamba: bool
-
-    def __call__(self, cache: UnifiedRadixCache) -> int:
-        req = self.req
-        res = cache.match_prefix(
-            MatchPrefixParams(RadixKey(req.fill_ids, req.extra_key), self.cow_mamba, req)
-        )
-        node = res.last_device_node
-        receipt = cache.inc_lock_ref(node)  # lock the new end before unlocking the old one
-        old, old_receipt = req.last_node, req.lock_receipt
-        if old is not None and old.parent is not None and old_receipt is not None:
-            cache.dec_lock_ref(old, old_receipt.to_dec_params())
-        req.last_node = node
-        req.lock_receipt = receipt
-        req.prefix_indices = res.device_indices
-        req.cache_protected_len = int(res.device_indices.shape[0])
-        req.mamba_branching_seqlen = res.mamba_branching_seqlen
-        return req.cache_protected_len
-
-
-@dataclass(frozen=True, slots=True)
-class _SlideWindow:
-    """SWA: free the SWA slots of the request's own tokens that slid out of the window."""
-
-    req: Req
-    seq_len: int
-
-    def __call__(self, cache: UnifiedRadixCache) -> int:
-        swa = cast(SWAComponent, cache.component(ComponentType.SWA))
-        return swa.free_out_of_window_slots(self.req, self.seq_len)
 
 
 # ---------------------------------------------------------------------- memory admission
@@ -267,7 +175,7 @@ class _ServingLoop:
     async def _serve_one(self, tr: TraceRequest) -> None:
         svc = self.svc
         req = Req(f"r{tr.index}", list(tr.input_ids), extra_key=tr.namespace)
-        await self._timed("alloc_row", svc.call(_AllocRow(req)))
+        await self._timed("alloc_row", svc.alloc_req_row(req))
         self.gate.active += 1
         try:
             ok = await self._run(req, tr)
@@ -318,33 +226,31 @@ class _ServingLoop:
         n_in = tr.input_length
         self.requests += 1
         self.input_tokens += n_in
-        m = await self._timed("match_req", svc.match_req(req, cow_mamba=self.mamba))
-        device_hit = m.prefix_len
-        host_hit = m.host_hit_length
         controller = self.controller
         storage = self.storage
-        from_storage = 0
-        key = RadixKey(req.origin_input_ids, req.extra_key)
-        if storage is not None and device_hit + host_hit + config.page_size <= n_in:
-            # Pages past the host hit may be in L3: bring them to host first.
+        # One command pair: the match starts loading a host hit back, the commit re-matches.
+        m = await self._timed(
+            "match_req",
+            svc.match_req(req, cow_mamba=self.mamba, load_back=controller is not None),
+        )
+        hits = self.hits
+        hits["host"] += m.host_loaded_len
+        device_hit = m.prefix_len - m.host_loaded_len
+        if storage is not None and m.prefix_len + m.host_hit_length + config.page_size <= n_in:
+            # Pages past the host hit may be in L3: bring them to host, then to device.
+            key = RadixKey(req.origin_input_ids, req.extra_key)
             from_storage = await self._timed("storage_prefetch", storage.prefetch(svc, key))
-        if controller is not None and host_hit + from_storage > 0:
-            loaded = await self._timed("load_back", controller.load_back(svc, key))
-            if loaded > 0:
-                await self._timed("rematch", svc.call(_Rematch(req, self.mamba)))
-                # The longer hit is the host span, then what the prefetch brought from L3;
-                # anything past that was inserted by a concurrent request meanwhile (device).
-                gained = max(0, req.cache_protected_len - device_hit)
-                from_host = min(gained, host_hit)
-                from_l3 = min(gained - from_host, from_storage)
-                self.hits["host"] += from_host
-                self.hits["storage"] += from_l3
-                device_hit += gained - from_host - from_l3
-        self.hits["device"] += device_hit
+            if from_storage > 0:
+                m2 = await self._timed("load_back", svc.load_back_req(req, cow_mamba=self.mamba))
+                # The longer hit is what the prefetch brought from L3 first; anything else
+                # newly on host counts as host, what a concurrent request inserted as device.
+                from_l3 = min(m2.host_loaded_len, from_storage)
+                hits["storage"] += from_l3
+                hits["host"] += m2.host_loaded_len - from_l3
+                device_hit += m2.prefix_len - m.prefix_len - m2.host_loaded_len
+        hits["device"] += device_hit
         if self.mamba and req.mamba_pool_idx is None:
-            got = await self._with_memory(
-                "alloc_mamba_state", lambda: svc.call(_AllocMambaSlot(req))
-            )
+            got = await self._with_memory("alloc_mamba_state", partial(svc.alloc_req_mamba, req))
             if got is None:
                 return await self._reject(req)
 
@@ -365,7 +271,7 @@ class _ServingLoop:
                 slots = await self._with_memory("alloc", partial(svc.alloc, need))
                 if slots is None:
                     return await self._reject(req)
-                await self._timed("write_row", svc.call(_WriteRow(req, slots, end)))
+                await self._timed("write_row", svc.write_req_slots(req, slots, end))
                 prefilled = prefilled or end > pos
             pos = end
             if last:
@@ -379,7 +285,7 @@ class _ServingLoop:
             req.output_ids = output_token_ids(tr.index, out_len)
             req.kv_committed_len = n_in + out_len
             if self.swa and out_len:
-                await self._timed("swa_slide_window", svc.call(_SlideWindow(req, n_in + out_len)))
+                await self._timed("swa_slide_window", svc.slide_req_window(req, n_in + out_len))
             self.output_tokens += out_len
         await self._timed("cache_finished_req", svc.cache_finished_req(req))
         return True
@@ -434,13 +340,15 @@ async def run_replay(
     metrics_port: int | None = None,
     on_metrics: MetricsHook | None = None,
     summary: WorkloadSummary | None = None,
+    trace: TraceHook | None = None,
 ) -> ReplayReport:
     """Replay ``config``'s workload through a fresh cache and service; returns the report.
 
     ``progress`` shows tqdm bars on stderr (the replay, then the L3 flush).  ``metrics_port``
     (0: any free port) serves ``/metrics`` on 127.0.0.1 for the duration of the run;
     ``on_metrics`` is awaited with its URL once the endpoint and the service are up.
-    ``summary``: a first pass already made (a sweep reuses one).
+    ``summary``: a first pass already made (a sweep reuses one).  ``trace``: the service's
+    test hook (every command the actor applies, with its result).
 
     Raises :class:`~urc.replay.source.EmptyWorkloadError` (no request to replay),
     :class:`~urc.workloads.TraceFormatError` (malformed trace), ``OSError`` (unreadable
@@ -506,7 +414,13 @@ async def run_replay(
                 url = server.url
             if store is not None:
                 stack.push_async_callback(store.close)  # closed after the service
-            svc = AsyncUnifiedRadixCache(cache, observer=metrics, workers=workers)
+            svc = AsyncUnifiedRadixCache(
+                cache,
+                observer=metrics,
+                workers=workers,
+                load_back=LoadBackPolicy(copy_in_thread=config.realtime),
+                trace=trace,
+            )
             await stack.enter_async_context(svc)
             if url is not None and on_metrics is not None:
                 await on_metrics(url)
