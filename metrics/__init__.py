@@ -19,6 +19,7 @@ multiprocess mode), :mod:`metrics.http` for the endpoint, and
 
 from __future__ import annotations
 
+from metrics import direct, scrape  # noqa: F401  (they register their export modes)
 from metrics.config import (
     COMMAND_BUCKETS,
     NAMESPACE,

@@ -34,8 +34,9 @@ from prometheus_client import CollectorRegistry
 from metrics.config import ExportMode, MetricsConfig
 from metrics.exporter import CacheMetrics
 from urc.bench import generate_sequences
+from urc.cache import build_cache
 from urc.commands import CommandKind
-from urc.config import CacheConfig, build_cache
+from urc.config import CacheConfig
 from urc.key import RadixKey
 from urc.observer import ServiceObserver, StatsSource, TransferKind
 from urc.service import AsyncUnifiedRadixCache

@@ -10,8 +10,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from metrics.config import MetricsConfig
-from metrics.exporter import CacheMetrics
+from metrics.config import ExportMode, MetricsConfig
+from metrics.exporter import CacheMetrics, register_mode
 from metrics.spec import (
     _BACKED_UP,
     _ERRORS,
@@ -72,6 +72,7 @@ class _SizeSeries:
         self.last = values
 
 
+@register_mode(ExportMode.DIRECT)
 class _DirectMetrics(CacheMetrics):
     """DIRECT mode: ``prometheus_client`` metric objects written per batch and per command.
 

@@ -73,9 +73,10 @@ Both modes export the same names, labels, HELP texts and values.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
+from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -84,10 +85,26 @@ from urc.commands import CommandKind
 from urc.observer import StatsSource, TransferKind
 from urc.stats import CacheStats
 
-__all__ = ["CacheMetrics", "make_observer"]
+__all__ = ["CacheMetrics", "make_observer", "register_mode"]
 
 
 # ---------------------------------------------------------------------------- the exporter
+_M = TypeVar("_M", bound="CacheMetrics")
+# The write path of each export mode, registered by its module (``metrics.direct``,
+# ``metrics.scrape``; the package imports both), so this module imports neither.
+_IMPLEMENTATIONS: dict[ExportMode, type[CacheMetrics]] = {}
+
+
+def register_mode(mode: ExportMode) -> Callable[[type[_M]], type[_M]]:
+    """Class decorator: ``CacheMetrics(config=...)`` builds this class for ``mode``."""
+
+    def register(cls: type[_M]) -> type[_M]:
+        _IMPLEMENTATIONS[mode] = cls
+        return cls
+
+    return register
+
+
 class CacheMetrics:
     """Prometheus exporter for one cache; implements :class:`~urc.observer.ServiceObserver`.
 
@@ -128,14 +145,12 @@ class CacheMetrics:
             cfg = config if config is not None else MetricsConfig()
             if not cfg.enabled:
                 cls = _DisabledMetrics
-            elif cfg.mode.resolve() is ExportMode.DIRECT:
-                from metrics.direct import _DirectMetrics
-
-                cls = _DirectMetrics
             else:
-                from metrics.scrape import _ScrapeMetrics
-
-                cls = _ScrapeMetrics
+                mode = cfg.mode.resolve()
+                impl = _IMPLEMENTATIONS.get(mode)
+                if impl is None:  # the package's __init__ registers both modes
+                    raise RuntimeError(f"no CacheMetrics implementation registered for {mode}")
+                cls = impl
         return super().__new__(cls)
 
     def __init__(

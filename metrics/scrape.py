@@ -21,8 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 
-from metrics.config import MetricsConfig, _le
-from metrics.exporter import CacheMetrics
+from metrics.config import ExportMode, MetricsConfig, _le
+from metrics.exporter import CacheMetrics, register_mode
 from metrics.spec import (
     _ALL_SPECS,
     _ERRORS,
@@ -61,6 +61,7 @@ __all__: list[str] = []
 _MAX_READ_TRIES = 1000
 
 
+@register_mode(ExportMode.SCRAPE)
 class _ScrapeMetrics(CacheMetrics):
     """SCRAPE mode: plain numbers on the hot path, families built by a collector per scrape.
 

@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     "CacheConfig": "urc.config",
     "CachePools": "urc.config",
     "EvictionPolicy": "urc.config",
-    "build_cache": "urc.config",
+    "build_cache": "urc.cache",
     "build_pools": "urc.config",
     "ConfigError": "urc.errors",
     "DoubleFreeError": "urc.errors",
@@ -125,6 +125,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from urc.cache import (
         UnifiedRadixCache,
+        build_cache,
     )
     from urc.commands import (
         CommandKind,
@@ -135,7 +136,6 @@ if TYPE_CHECKING:
         CacheConfig,
         CachePools,
         EvictionPolicy,
-        build_cache,
         build_pools,
     )
     from urc.errors import (

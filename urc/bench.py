@@ -30,13 +30,21 @@ from typing import Any
 
 import torch
 
-from urc.cache import UnifiedRadixCache
-from urc.config import CacheConfig, build_cache
+from urc.cache import UnifiedRadixCache, build_cache
+from urc.config import CacheConfig
 from urc.key import RadixKey
 from urc.params import EvictParams, InsertParams, MatchPrefixParams
 from urc.tree import ComponentType
 
-__all__ = ["COMPONENT_SETS", "generate_sequences", "main", "run_phases"]
+__all__ = [
+    "COMPONENT_SETS",
+    "PhaseStats",
+    "generate_sequences",
+    "main",
+    "make_config",
+    "run_phases",
+    "run_scaling",
+]
 
 COMPONENT_SETS: dict[str, tuple[ComponentType, ...]] = {
     "full": (ComponentType.FULL,),

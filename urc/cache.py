@@ -22,7 +22,7 @@ from urc import checks, eviction, insertion, matching, request_caching, tiering
 from urc.components import component_class
 from urc.components.base import TreeComponent
 from urc.components.full import FullComponent
-from urc.config import CacheConfig, CachePools
+from urc.config import CacheConfig, CachePools, build_pools
 from urc.errors import (
     InvalidInputError,
     InvalidLockError,
@@ -46,7 +46,7 @@ from urc.stats import CacheCounters, CacheStats, StatsSnapshotter
 from urc.tiers import HostTier, WritePolicy
 from urc.tree import Tree
 
-__all__ = ["UnifiedRadixCache"]
+__all__ = ["UnifiedRadixCache", "build_cache"]
 
 _FULL = 0
 _new_tuple = tuple.__new__
@@ -472,3 +472,8 @@ class UnifiedRadixCache:
     def iter_nodes(self) -> Sequence[TreeNode]:
         """Every node but the root (parents before children)."""
         return self.tree.nodes()
+
+
+def build_cache(config: CacheConfig, pools: CachePools | None = None) -> UnifiedRadixCache:
+    """A cache for ``config``, on ``pools`` (built from ``config`` when not given)."""
+    return UnifiedRadixCache(config, pools if pools is not None else build_pools(config))

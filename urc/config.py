@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,10 +14,7 @@ from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
 from urc.tree import ComponentType
 
-if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
-
-__all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_cache", "build_pools"]
+__all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_pools"]
 
 
 class EvictionPolicy(Enum):
@@ -122,10 +119,3 @@ def build_pools(config: CacheConfig) -> CachePools:
         swa=swa,
         mamba=mamba,
     )
-
-
-def build_cache(config: CacheConfig, pools: CachePools | None = None) -> UnifiedRadixCache:
-    """A cache for ``config``, on ``pools`` (built from ``config`` when not given)."""
-    from urc.cache import UnifiedRadixCache
-
-    return UnifiedRadixCache(config, pools if pools is not None else build_pools(config))

@@ -61,9 +61,7 @@ def evict_device_leaf(cache: UnifiedRadixCache, node: TreeNode, tracker: list[in
     assert fcd is not None
     if cache.host_tier is not None and fcd.host_value is None:
         if cache.write_policy is WritePolicy.WRITE_BACK:
-            from urc.tiering import write_backup
-
-            if not write_backup(cache, node):
+            if not cache.write_backup(node):
                 return False
         elif node.children:
             return False  # host-only children need this node's structure: keep it

@@ -43,8 +43,8 @@ import torch
 from anyio.abc import TaskStatus
 
 from urc.bench import generate_sequences
-from urc.cache import UnifiedRadixCache
-from urc.config import CacheConfig, build_cache
+from urc.cache import UnifiedRadixCache, build_cache
+from urc.config import CacheConfig
 from urc.key import RadixKey
 from urc.lease import Lease
 from urc.params import EvictParams, InsertParams, MatchPrefixParams

@@ -27,7 +27,7 @@ import anyio
 from urc.replay.config import Capacity, ReplayConfig
 from urc.replay.driver import run_replay
 
-__all__ = ["ChunkCost", "main", "measure"]
+__all__ = ["ChunkCost", "format_costs", "main", "measure"]
 
 DEFAULT_LENGTHS = (4096, 32768, 131072)
 

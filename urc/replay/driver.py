@@ -58,8 +58,7 @@ from hicache.storage_worker import StorageWorker
 from hicache.tier import attach_hicache
 from metrics.exporter import CacheMetrics
 from metrics.http import MetricsServer, MetricsServerConfig
-from urc.cache import UnifiedRadixCache
-from urc.config import build_cache
+from urc.cache import UnifiedRadixCache, build_cache
 from urc.errors import ConfigError, OutOfMemoryError, ServiceError
 from urc.key import RadixKey
 from urc.replay.config import ModelProfile, ReplayConfig

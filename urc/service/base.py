@@ -17,9 +17,9 @@ from anyio.abc import TaskGroup
 from anyio.lowlevel import checkpoint_if_cancelled
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from urc.cache import UnifiedRadixCache
+from urc.cache import UnifiedRadixCache, build_cache
 from urc.commands import Command
-from urc.config import CacheConfig, build_cache
+from urc.config import CacheConfig
 from urc.errors import InvalidInputError, ServiceClosedError, ServiceFailedError
 from urc.executor import CommandExecutor
 from urc.observer import ServiceObserver
