@@ -6,10 +6,12 @@ serving loop ``urc replay`` runs (prefill-only, no host tier), best of ``--repea
 prints the time per prompt token.  Flat per-token figures mean a request costs linearly in
 its length; figures that grow with the length mean a quadratic term.
 
-It also prints the share of that time spent in the core's ``cache_unfinished_req`` (the
-client-side latency of the chunk commits): each commit rebuilds the request's key and inserts
-it from the root, O(prompt so far), which is the quadratic term at small chunks.  The numbers
-are printed, never asserted (timings on shared machines are noise-prone).
+It also prints the time spent in the core's ``cache_unfinished_req`` per prompt token (the
+client-side latency of the chunk commits).  A commit costs its chunk: the insert resumes at
+the request's locked node, the key list grows in place (``Req.fill_prefix``) and the
+re-match result is a view of the request's row, so what is left per chunk that grows with
+the prompt is a few Python steps per node on the path (the stamps SGLang's order needs).
+The numbers are printed, never asserted (timings on shared machines are noise-prone).
 """
 
 from __future__ import annotations
