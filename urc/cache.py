@@ -30,6 +30,7 @@ from urc.errors import (
     InvalidLockError,
     KeyValueMismatchError,
 )
+from urc.fastpath import common_len, select_walk
 from urc.key import RadixKey
 from urc.params import (
     DecLockRefParams,
@@ -55,8 +56,6 @@ _new_object = object.__new__
 # Child keys of the root's namespaced children are (_NS, namespace, first page): the sentinel
 # keeps them from ever colliding with a plain (or bigram) token key.
 _NS = object()
-# Compare this many tokens per C-level slice comparison when locating a mismatch.
-_SCAN_STEP = 64
 
 
 def _overrides(component: TreeComponent, hook: str) -> bool:
@@ -142,6 +141,7 @@ class UnifiedRadixCache:
         first = self._components_rev[0]
         self._check_release = [c.check_release for c in self._release_checks if c is not first]
         self.root = self._new_root()
+        self._walk = select_walk(config.walk_impl)
 
     # ================================================================== structure helpers
     def touch(self, node: TreeNode) -> None:
@@ -205,40 +205,14 @@ class UnifiedRadixCache:
 
     def _match_len(self, edge: list[Any], tokens: list[Any], pos: int) -> int:
         """Page-aligned length of the common prefix of ``edge`` and ``tokens[pos:]``."""
-        n = min(len(edge), len(tokens) - pos)
-        i = 0
-        while (
-            i + _SCAN_STEP <= n
-            and edge[i : i + _SCAN_STEP] == tokens[pos + i : pos + i + _SCAN_STEP]
-        ):
-            i += _SCAN_STEP
-        while i < n and edge[i] == tokens[pos + i]:
-            i += 1
-        return i - i % self.page_size
+        m = common_len(edge, tokens, pos)
+        return m - m % self.page_size
 
     def _root_child_key(self, tokens: list[Any], ns: Any) -> Any:
         """The key under which the root holds the child starting ``tokens`` in namespace
         ``ns``."""
         k = self._first_key(tokens, 0)
         return k if ns is None else (_NS, ns, k)
-
-    def _descend(
-        self, node: TreeNode, ck: Any, tokens: list[Any], pos: int
-    ) -> tuple[TreeNode | None, int, bool]:
-        """One step of a walk: the child of ``node`` under ``ck`` and how many of
-        ``tokens[pos:]`` it matches (whole pages).  A partial match splits the child there
-        and returns the upper part with ``split=True``; no match returns ``(None, 0, False)``.
-        """
-        child = node.children.get(ck)
-        if child is None:
-            return None, 0, False
-        klen = child.key_len
-        if tokens[pos : pos + klen] == child.key:  # one C-level comparison in the usual case
-            return child, klen, False
-        m = self._match_len(child.key, tokens, pos)
-        if m == 0:
-            return None, 0, False
-        return self.split_node(child, m), m, True
 
     def split_node(self, child: TreeNode, k: int) -> TreeNode:
         """Split ``child`` after ``k`` tokens; returns the new upper node (``child`` keeps the
@@ -326,17 +300,23 @@ class UnifiedRadixCache:
         validators, host_validators = self._match_validators()
         tiered = host_validators is not None
         path: list[TreeNode] = []
-        node = self.root
         pos = 0
         best = 0
         best_any = 0
         on_device = True
         ck = self._root_child_key(tokens, params.key.extra_key)
-        descend = self._descend
-        while True:
-            child, m, split = descend(node, ck, tokens, pos)
-            if child is None:
-                break
+        # The structural walk first (read-only, urc.fastpath), then the per-node steps; the
+        # node where the match ends inside its edge is split when the steps reach it.
+        walked, _, partial, pm = self._walk(self.root, ck, tokens, 0, self.page_size)
+        if partial is not None:
+            walked.append(partial)
+        last = len(walked) - 1
+        for i, child in enumerate(walked):
+            m = child.key_len
+            split = partial is not None and i == last
+            if split:
+                child = self.split_node(child, pm)
+                m = pm
             fcd = child.full
             assert fcd is not None
             if fcd.value is None:
@@ -359,10 +339,6 @@ class UnifiedRadixCache:
                         ok = False
                 if ok:
                     best_any = len(path)
-            if split or pos >= n:
-                break
-            node = child
-            ck = tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
         return self._finish_match(params, path, best, best_any if tiered else best, pos, n)
 
     def match_path(
@@ -565,12 +541,22 @@ class UnifiedRadixCache:
             node = below
         if resumed and pos < n:
             ck = tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
-        descend = self._descend
-        while pos < n:
-            child, m, split = descend(node, ck, tokens, pos)
-            if child is None:
-                break
-            if not split:  # a split stamped both halves already
+        # The structural walk first (read-only, urc.fastpath), then the per-node steps; hooks
+        # that split a node keep it as the lower piece, so the walked path stays valid.
+        walked: list[TreeNode] = []
+        partial: TreeNode | None = None
+        pm = 0
+        if pos < n:
+            walked, _, partial, pm = self._walk(node, ck, tokens, pos, ps)
+            if partial is not None:
+                walked.append(partial)
+        last = len(walked) - 1
+        for i, child in enumerate(walked):
+            m = child.key_len
+            if partial is not None and i == last:
+                child = self.split_node(child, pm)  # stamps both halves
+                m = pm
+            else:
                 self._clock += 1
                 child.last_access_time = self._clock
             if priority > child.priority:
@@ -601,8 +587,6 @@ class UnifiedRadixCache:
             path.append(child)
             pos += m
             node = child
-            if pos < n:
-                ck = tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
         for a, b in free_ranges:
             # A copy: the allocator keeps what it is given, and the caller may overwrite its
             # tensor (cache_unfinished_req rewrites the req_to_token row it passed).
