@@ -32,11 +32,19 @@ import torch
 
 from urc.cache import UnifiedRadixCache
 from urc.config import CacheConfig, build_cache
+from urc.fastpath import common_len
 from urc.key import RadixKey
 from urc.params import EvictParams, InsertParams, MatchPrefixParams
 from urc.tree import ComponentType
 
-__all__ = ["COMPONENT_SETS", "generate_sequences", "main", "run_phases"]
+__all__ = [
+    "COMPONENT_SETS",
+    "generate_long_context",
+    "generate_sequences",
+    "main",
+    "run_phases",
+    "unique_tokens",
+]
 
 COMPONENT_SETS: dict[str, tuple[ComponentType, ...]] = {
     "full": (ComponentType.FULL,),
@@ -64,6 +72,59 @@ def generate_sequences(num_seqs: int, chunk_len: int, seed: int = 42) -> list[li
             for _ in range(min(rng.randint(2, 10), num_seqs - len(seqs))):
                 seqs.append(parent + fresh(chunk_len))
     return seqs
+
+
+def generate_long_context(
+    num_seqs: int = 200,
+    min_len: int = 32 * 1024,
+    max_len: int = 128 * 1024,
+    turn_len: int = 4096,
+    num_system: int = 4,
+    system_len: int = 8192,
+    seed: int = 42,
+) -> list[list[int]]:
+    """The long-context (agent) workload: ``num_seqs`` prompts of ``min_len`` to ``max_len``
+    tokens, seeded.
+
+    ``num_system`` system prompts of ``system_len`` tokens; a conversation starts with one
+    of them plus a fresh document up to ``min_len`` tokens, and each later turn is an
+    earlier turn of the same conversation (the latest one, or with probability 1/4 a random
+    earlier one: a regenerated answer) plus ``turn_len`` fresh tokens.  A conversation that
+    would pass ``max_len`` ends and the next one starts.  Every prompt is emitted in order,
+    so most of each one is a cached prefix (its system prompt and earlier turns)."""
+    rng = random.Random(seed)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(_VOCAB) for _ in range(n)]
+
+    systems = [fresh(system_len) for _ in range(num_system)]
+    seqs: list[list[int]] = []
+    turns: list[list[int]] = []
+    while len(seqs) < num_seqs:
+        if not turns:
+            system = rng.choice(systems)
+            seq = system + fresh(max(min_len - system_len, turn_len))
+        else:
+            base = turns[-1] if rng.random() < 0.75 else rng.choice(turns)
+            seq = base + fresh(turn_len)
+        if len(seq) > max_len:
+            turns = []
+            continue
+        turns.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def unique_tokens(seqs: list[list[int]]) -> int:
+    """Tokens a radix tree of page 1 holds once every sequence of ``seqs`` is inserted (the
+    number of nodes of their token trie), for sizing pools: in lexicographic order, each
+    sequence adds what lies beyond its common prefix with the one before it."""
+    total = 0
+    prev: list[int] = []
+    for seq in sorted(seqs):
+        total += len(seq) - common_len(prev, seq, 0)
+        prev = seq
+    return total
 
 
 @dataclass(frozen=True, slots=True)
