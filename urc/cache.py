@@ -52,6 +52,8 @@ __all__ = ["UnifiedRadixCache"]
 
 _FULL = 0
 _new_tuple = tuple.__new__
+# MatchResult's defaulted fields (a match with no host hit), in field order.
+_NO_HOST = tuple(MatchResult._field_defaults[f] for f in MatchResult._fields[4:])
 _new_object = object.__new__
 # Child keys of the root's namespaced children are (_NS, namespace, first page): the sentinel
 # keeps them from ever colliding with a plain (or bigram) token key.
@@ -308,6 +310,24 @@ class UnifiedRadixCache:
         # The structural walk first (read-only, urc.fastpath), then the per-node steps; the
         # node where the match ends inside its edge is split when the steps reach it.
         walked, _, partial, pm = self._walk(self.root, ck, tokens, 0, self.page_size)
+        if not validators and not tiered:
+            # Nothing to validate, device only: the hit is the walk down to the first node
+            # evicted from device (what the loop below computes, in fewer steps).
+            k = 0
+            for child in walked:
+                if child.full.value is None:  # type: ignore[union-attr]
+                    break
+                pos += child.key_len
+                k += 1
+            else:
+                if partial is not None:
+                    upper = self.split_node(partial, pm)
+                    if upper.full.value is not None:  # type: ignore[union-attr]
+                        walked.append(upper)
+                        pos += pm
+                        k += 1
+            del walked[k:]
+            return self._finish_match(params, walked, k, k, pos, n)
         if partial is not None:
             walked.append(partial)
         last = len(walked) - 1
@@ -419,7 +439,8 @@ class UnifiedRadixCache:
                 k = known[0]
                 values.append(known[1])
             values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
-            result = MatchResult(torch.cat(values), last, last, last)
+            # MatchResult(indices, last, last, last) without the keyword-default handling.
+            result = _new_tuple(MatchResult, (torch.cat(values), last, last, last, *_NO_HOST))
         if matched > best:
             host_node = path[matched - 1]
             host_len = 0
@@ -464,7 +485,8 @@ class UnifiedRadixCache:
             raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
         if n_key > owned_from:
             if self._check_owned is not None:
-                self._check_owned(value[owned_from:])  # range and allocation, host side
+                # Range and allocation, host side (no slice when the whole value is checked).
+                self._check_owned(value[owned_from:] if owned_from else value)
             else:
                 lo, hi = torch.aminmax(value)
                 size = self.token_to_kv_pool_allocator.size
