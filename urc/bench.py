@@ -13,7 +13,9 @@ match every sequence, lock and unlock every matched node, evict until empty (one
 sequence's worth of tokens).  Lock and unlock throughput comes from back-to-back passes, their
 percentiles from a per-call timed one (see ``_lock_phases``); the other phases time each
 call (their calls cost tens of microseconds, the clock reads well under one).
-``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6 cached tokens.
+``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6 cached tokens, and per-token
+cost of match and insert at 1k- and 128k-token keys (``run_key_scaling``).
+``--workload long-context`` runs the phases on :func:`generate_long_context` instead.
 """
 
 from __future__ import annotations
@@ -387,6 +389,55 @@ def run_scaling(
     return out
 
 
+def _fresh_copy(tokens: list[int]) -> list[int]:
+    """The same token ids as new int objects, as a server's next request holds them (so no
+    comparison can take the identity shortcut)."""
+    return [t ^ 0 if t > 256 else t for t in tokens]
+
+
+def run_key_scaling(
+    components: tuple[ComponentType, ...], page_size: int, lengths: list[int]
+) -> dict[str, Any]:
+    """Per-token cost of match and insert at each key length.
+
+    For a length ``L``: a cached conversation of ``L`` tokens in 8 turns; match probes are
+    fresh copies of it (a full hit), insert probes its first 7 turns plus a fresh one (each
+    a new leaf).  Figures are medians over the probes, in ns per key token."""
+    out: dict[str, Any] = {}
+    clock = time.perf_counter
+    rng = random.Random(11)
+    for n in lengths:
+        turn = n // 8
+        samples = max(8, min(64, (1 << 20) // n))
+        cache = build_cache(make_config(components, page_size, n * (3 + samples // 8) + 4096))
+        driver = _Driver(cache)
+        base = [rng.randrange(_VOCAB) for _ in range(n)]
+        for k in range(1, 9):
+            params, after = driver.insert(base[: k * turn])
+            after(cache.insert(params))
+        mat: list[float] = []
+        for _ in range(samples):
+            mp = MatchPrefixParams(key=RadixKey(_fresh_copy(base)))
+            t0 = clock()
+            cache.match_prefix(mp)
+            mat.append(clock() - t0)
+        ins: list[float] = []
+        for _ in range(samples):
+            seq = _fresh_copy(base[: n - turn]) + [rng.randrange(_VOCAB) for _ in range(turn)]
+            params, after = driver.insert(seq)
+            t0 = clock()
+            r = cache.insert(params)
+            ins.append(clock() - t0)
+            after(r)
+        out[str(n)] = {
+            "match_ns_per_token": round(statistics.median(mat) / n * 1e9, 2),
+            "insert_ns_per_token": round(statistics.median(ins) / n * 1e9, 2),
+        }
+    lo, hi = out[str(lengths[0])], out[str(lengths[-1])]
+    out["ratio_longest_to_shortest"] = {k: round(hi[k] / lo[k], 2) for k in lo}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m urc.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--components", nargs="+", choices=sorted(COMPONENT_SETS), default=None)
@@ -394,13 +445,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-seqs", type=int, default=2000)
     ap.add_argument("--chunk-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--scaling", action="store_true", help="also measure 1e4/1e5/1e6 trees")
+    ap.add_argument(
+        "--workload",
+        choices=["reference", "long-context"],
+        default="reference",
+        help="long-context: generate_long_context (--num-seqs prompts of 32k-128k tokens)",
+    )
+    ap.add_argument(
+        "--scaling",
+        action="store_true",
+        help="also measure 1e4/1e5/1e6 trees and per-token cost at 1k vs 128k-token keys",
+    )
     args = ap.parse_args(argv)
     names = args.components or [n for n in COMPONENT_SETS if _available(COMPONENT_SETS[n])]
     torch.set_num_threads(1)
-    seqs = generate_sequences(args.num_seqs, args.chunk_len, args.seed)
+    if args.workload == "reference":
+        seqs = generate_sequences(args.num_seqs, args.chunk_len, args.seed)
+    else:
+        seqs = generate_long_context(args.num_seqs, seed=args.seed)
     report: dict[str, Any] = {
         "workload": {
+            "name": args.workload,
             "num_seqs": args.num_seqs,
             "chunk_len": args.chunk_len,
             "seed": args.seed,
@@ -415,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
                 entry["scaling"] = run_scaling(
                     COMPONENT_SETS[name], ps, args.chunk_len, [10**4, 10**5, 10**6]
                 )
+                entry["key_scaling"] = run_key_scaling(COMPONENT_SETS[name], ps, [1024, 131072])
             report["results"][f"{name}/page{ps}"] = entry
             print(json.dumps({f"{name}/page{ps}": entry}), flush=True)
     print(json.dumps(report, indent=2))
