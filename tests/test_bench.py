@@ -26,3 +26,31 @@ def test_bench_prints_json_for_every_phase(capsys: pytest.CaptureFixture[str]) -
         for phase in ("insert", "match_prefix", "lock", "unlock", "evict"):
             assert entry[phase]["ops"] > 0 and entry[phase]["p99_us"] >= entry[phase]["p50_us"]
         assert entry["evict"]["tokens_per_s"] > 0
+
+
+def test_long_context_workload_is_seeded_within_its_lengths_and_shares_turns() -> None:
+    kw = {"min_len": 512, "max_len": 2048, "turn_len": 128, "num_system": 2, "system_len": 256}
+    a = bench.generate_long_context(30, seed=3, **kw)
+    assert a == bench.generate_long_context(30, seed=3, **kw)
+    assert len(a) == 30 and all(512 <= len(s) <= 2048 for s in a)
+    # Every later turn extends an earlier prompt of its conversation by one turn.
+    extends = sum(any(s[: len(s) - 128] == t for t in a[:i]) for i, s in enumerate(a))
+    assert extends >= 20
+
+
+def test_unique_tokens_is_what_a_page_one_tree_holds() -> None:
+    seqs = bench.generate_long_context(
+        12, min_len=256, max_len=1024, turn_len=64, num_system=2, system_len=128, seed=5
+    )
+    cache = bench.build_cache(bench.make_config(bench.COMPONENT_SETS["full"], 1, 20000))
+    for s in seqs:
+        value = cache.token_to_kv_pool_allocator.alloc(len(s))
+        cache.insert(bench.InsertParams(key=bench.RadixKey(s), value=value))
+    assert bench.unique_tokens(seqs) == cache.total_size()
+
+
+def test_key_scaling_reports_per_token_costs_and_their_ratio() -> None:
+    out = bench.run_key_scaling(bench.COMPONENT_SETS["full"], 1, [256, 2048])
+    for n in ("256", "2048"):
+        assert out[n]["match_ns_per_token"] > 0 and out[n]["insert_ns_per_token"] > 0
+    assert set(out["ratio_longest_to_shortest"]) == {"match_ns_per_token", "insert_ns_per_token"}

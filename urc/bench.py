@@ -13,7 +13,9 @@ match every sequence, lock and unlock every matched node, evict until empty (one
 sequence's worth of tokens).  Lock and unlock throughput comes from back-to-back passes, their
 percentiles from a per-call timed one (see ``_lock_phases``); the other phases time each
 call (their calls cost tens of microseconds, the clock reads well under one).
-``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6 cached tokens.
+``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6 cached tokens, and per-token
+cost of match and insert at 1k- and 128k-token keys (``run_key_scaling``).
+``--workload long-context`` runs the phases on :func:`generate_long_context` instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from urc.cache import UnifiedRadixCache, build_cache
 from urc.config import CacheConfig
+from urc.fastpath import common_len
 from urc.key import RadixKey
 from urc.params import EvictParams, InsertParams, MatchPrefixParams
 from urc.tree import ComponentType
@@ -39,11 +42,14 @@ from urc.tree import ComponentType
 __all__ = [
     "COMPONENT_SETS",
     "PhaseStats",
+    "generate_long_context",
     "generate_sequences",
     "main",
     "make_config",
     "run_phases",
+    "run_key_scaling",
     "run_scaling",
+    "unique_tokens",
 ]
 
 COMPONENT_SETS: dict[str, tuple[ComponentType, ...]] = {
@@ -72,6 +78,59 @@ def generate_sequences(num_seqs: int, chunk_len: int, seed: int = 42) -> list[li
             for _ in range(min(rng.randint(2, 10), num_seqs - len(seqs))):
                 seqs.append(parent + fresh(chunk_len))
     return seqs
+
+
+def generate_long_context(
+    num_seqs: int = 200,
+    min_len: int = 32 * 1024,
+    max_len: int = 128 * 1024,
+    turn_len: int = 4096,
+    num_system: int = 4,
+    system_len: int = 8192,
+    seed: int = 42,
+) -> list[list[int]]:
+    """The long-context (agent) workload: ``num_seqs`` prompts of ``min_len`` to ``max_len``
+    tokens, seeded.
+
+    ``num_system`` system prompts of ``system_len`` tokens; a conversation starts with one
+    of them plus a fresh document up to ``min_len`` tokens, and each later turn is an
+    earlier turn of the same conversation (the latest one, or with probability 1/4 a random
+    earlier one: a regenerated answer) plus ``turn_len`` fresh tokens.  A conversation that
+    would pass ``max_len`` ends and the next one starts.  Every prompt is emitted in order,
+    so most of each one is a cached prefix (its system prompt and earlier turns)."""
+    rng = random.Random(seed)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(_VOCAB) for _ in range(n)]
+
+    systems = [fresh(system_len) for _ in range(num_system)]
+    seqs: list[list[int]] = []
+    turns: list[list[int]] = []
+    while len(seqs) < num_seqs:
+        if not turns:
+            system = rng.choice(systems)
+            seq = system + fresh(max(min_len - system_len, turn_len))
+        else:
+            base = turns[-1] if rng.random() < 0.75 else rng.choice(turns)
+            seq = base + fresh(turn_len)
+        if len(seq) > max_len:
+            turns = []
+            continue
+        turns.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def unique_tokens(seqs: list[list[int]]) -> int:
+    """Tokens a radix tree of page 1 holds once every sequence of ``seqs`` is inserted (the
+    number of nodes of their token trie), for sizing pools: in lexicographic order, each
+    sequence adds what lies beyond its common prefix with the one before it."""
+    total = 0
+    prev: list[int] = []
+    for seq in sorted(seqs):
+        total += len(seq) - common_len(prev, seq, 0)
+        prev = seq
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +393,55 @@ def run_scaling(
     return out
 
 
+def _fresh_copy(tokens: list[int]) -> list[int]:
+    """The same token ids as new int objects, as a server's next request holds them (so no
+    comparison can take the identity shortcut)."""
+    return [t ^ 0 if t > 256 else t for t in tokens]
+
+
+def run_key_scaling(
+    components: tuple[ComponentType, ...], page_size: int, lengths: list[int]
+) -> dict[str, Any]:
+    """Per-token cost of match and insert at each key length.
+
+    For a length ``L``: a cached conversation of ``L`` tokens in 8 turns; match probes are
+    fresh copies of it (a full hit), insert probes its first 7 turns plus a fresh one (each
+    a new leaf).  Figures are medians over the probes, in ns per key token."""
+    out: dict[str, Any] = {}
+    clock = time.perf_counter
+    rng = random.Random(11)
+    for n in lengths:
+        turn = n // 8
+        samples = max(8, min(64, (1 << 20) // n))
+        cache = build_cache(make_config(components, page_size, n * (3 + samples // 8) + 4096))
+        driver = _Driver(cache)
+        base = [rng.randrange(_VOCAB) for _ in range(n)]
+        for k in range(1, 9):
+            params, after = driver.insert(base[: k * turn])
+            after(cache.insert(params))
+        mat: list[float] = []
+        for _ in range(samples):
+            mp = MatchPrefixParams(key=RadixKey(_fresh_copy(base)))
+            t0 = clock()
+            cache.match_prefix(mp)
+            mat.append(clock() - t0)
+        ins: list[float] = []
+        for _ in range(samples):
+            seq = _fresh_copy(base[: n - turn]) + [rng.randrange(_VOCAB) for _ in range(turn)]
+            params, after = driver.insert(seq)
+            t0 = clock()
+            r = cache.insert(params)
+            ins.append(clock() - t0)
+            after(r)
+        out[str(n)] = {
+            "match_ns_per_token": round(statistics.median(mat) / n * 1e9, 2),
+            "insert_ns_per_token": round(statistics.median(ins) / n * 1e9, 2),
+        }
+    lo, hi = out[str(lengths[0])], out[str(lengths[-1])]
+    out["ratio_longest_to_shortest"] = {k: round(hi[k] / lo[k], 2) for k in lo}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m urc.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--components", nargs="+", choices=sorted(COMPONENT_SETS), default=None)
@@ -341,13 +449,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-seqs", type=int, default=2000)
     ap.add_argument("--chunk-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--scaling", action="store_true", help="also measure 1e4/1e5/1e6 trees")
+    ap.add_argument(
+        "--workload",
+        choices=["reference", "long-context"],
+        default="reference",
+        help="long-context: generate_long_context (--num-seqs prompts of 32k-128k tokens)",
+    )
+    ap.add_argument(
+        "--scaling",
+        action="store_true",
+        help="also measure 1e4/1e5/1e6 trees and per-token cost at 1k vs 128k-token keys",
+    )
     args = ap.parse_args(argv)
     names = args.components or [n for n in COMPONENT_SETS if _available(COMPONENT_SETS[n])]
     torch.set_num_threads(1)
-    seqs = generate_sequences(args.num_seqs, args.chunk_len, args.seed)
+    if args.workload == "reference":
+        seqs = generate_sequences(args.num_seqs, args.chunk_len, args.seed)
+    else:
+        seqs = generate_long_context(args.num_seqs, seed=args.seed)
     report: dict[str, Any] = {
         "workload": {
+            "name": args.workload,
             "num_seqs": args.num_seqs,
             "chunk_len": args.chunk_len,
             "seed": args.seed,
@@ -362,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
                 entry["scaling"] = run_scaling(
                     COMPONENT_SETS[name], ps, args.chunk_len, [10**4, 10**5, 10**6]
                 )
+                entry["key_scaling"] = run_key_scaling(COMPONENT_SETS[name], ps, [1024, 131072])
             report["results"][f"{name}/page{ps}"] = entry
             print(json.dumps({f"{name}/page{ps}": entry}), flush=True)
     print(json.dumps(report, indent=2))

@@ -27,6 +27,7 @@ from urc.errors import (
     InvalidInputError,
     InvalidLockError,
 )
+from urc.fastpath import select_walk
 from urc.hooks import ComponentHooks
 from urc.key import RadixKey
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, Tier, TreeNode
@@ -111,6 +112,7 @@ class UnifiedRadixCache:
             self.device,
             self._new_data,
             [c.redistribute_on_node_split for c in comps],
+            select_walk(config.walk_impl),
         )
 
     # ================================================================== structure

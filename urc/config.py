@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from urc.errors import ConfigError
+from urc.fastpath import WalkImpl
 from urc.pools.allocator import TokenSlotAllocator, check_page_size
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
@@ -55,6 +56,9 @@ class CacheConfig:
     # Reasoning models: a finished request that produced thinking tokens caches its prompt
     # only (SGLang's ``strip_thinking_cache``); its output KV is freed.
     strip_thinking_cache: bool = False
+    # The tree walk of match and insert: the compiled one when built (AUTO), or the
+    # pure-Python twin; both give identical results (see ``urc.fastpath``).
+    walk_impl: WalkImpl = WalkImpl.AUTO
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)

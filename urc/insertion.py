@@ -67,7 +67,8 @@ def _check_value(
     if n_key > owned_from:
         check_owned = getattr(cache.token_to_kv_pool_allocator, "check_owned", None)
         if check_owned is not None:
-            check_owned(value[owned_from:])  # range and allocation, host side
+            # Range and allocation, host side (no slice when the whole value is checked).
+            check_owned(value[owned_from:] if owned_from else value)
         else:
             lo, hi = torch.aminmax(value)
             size = cache.token_to_kv_pool_allocator.size
@@ -146,12 +147,23 @@ def insert(
         node = below
     if resumed and pos < n:
         ck = tree.page_key(tokens, pos)
-    descend = tree.descend
-    while pos < n:
-        child, m, split = descend(node, ck, tokens, pos)
-        if child is None:
-            break
-        if not split:  # a split stamped both halves already
+    # The structural walk first (read-only, urc.fastpath: compiled when built), then the
+    # per-node steps; hooks that split a node keep it as the lower piece, so the walked path
+    # stays valid.
+    walked: list[TreeNode] = []
+    partial: TreeNode | None = None
+    pm = 0
+    if pos < n:
+        walked, _, partial, pm = tree.walk(node, ck, tokens, pos, tree.page_size)
+        if partial is not None:
+            walked.append(partial)
+    last = len(walked) - 1
+    for i, child in enumerate(walked):
+        m = child.key_len
+        if partial is not None and i == last:
+            child = tree.split(child, pm)  # stamps both halves
+            m = pm
+        else:
             tree.touch(child)
         if priority > child.priority:
             child.priority = priority
@@ -181,8 +193,6 @@ def insert(
         path.append(child)
         pos += m
         node = child
-        if pos < n:
-            ck = tree.page_key(tokens, pos)
     for a, b in free_ranges:
         # A copy: the allocator keeps what it is given, and the caller may overwrite its
         # tensor (cache_unfinished_req rewrites the req_to_token row it passed).

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 __all__ = ["empty_result", "finish_match", "match_path", "match_prefix"]
 
+_new_tuple = tuple.__new__
+# MatchResult's defaulted fields (a match with no host hit), in field order.
+_NO_HOST = tuple(MatchResult._field_defaults[f] for f in MatchResult._fields[4:])
+
 
 def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchResult:
     """Longest cached prefix of ``params.key``.
@@ -41,17 +45,41 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     validators, host_validators = _match_validators(cache)
     tiered = host_validators is not None
     path: list[TreeNode] = []
-    node = tree.root
     pos = 0
     best = 0
     best_any = 0
     on_device = True
     ck = tree.root_child_key(tokens, params.key.extra_key)
-    descend = tree.descend
-    while True:
-        child, m, split = descend(node, ck, tokens, pos)
-        if child is None:
-            break
+    # The structural walk first (read-only, urc.fastpath: compiled when built), then the
+    # per-node steps; the node where the match ends inside its edge is split when the steps
+    # reach it, so stamps and splits happen in the order of a node-by-node walk.
+    walked, _, partial, pm = tree.walk(tree.root, ck, tokens, 0, tree.page_size)
+    if not validators and not tiered:
+        # Nothing to validate, device only: the hit is the walk down to the first node not
+        # on device (what the loop below computes, in fewer steps).
+        k = 0
+        for child in walked:
+            if child.full.value is None:  # type: ignore[union-attr]
+                break
+            pos += child.key_len
+            k += 1
+        else:
+            if partial is not None:
+                upper = tree.split(partial, pm)
+                if upper.full.value is not None:  # type: ignore[union-attr]
+                    walked.append(upper)
+                    pos += pm
+                    k += 1
+        del walked[k:]
+        return finish_match(cache, params, walked, k, k, pos, n)
+    if partial is not None:
+        walked.append(partial)
+    last = len(walked) - 1
+    for i, child in enumerate(walked):
+        m = child.key_len
+        if partial is not None and i == last:
+            child = tree.split(child, pm)
+            m = pm
         fcd = child.full
         assert fcd is not None
         if fcd.value is None:
@@ -74,10 +102,6 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
                     ok = False
             if ok:
                 best_any = len(path)
-        if split or pos >= n:
-            break
-        node = child
-        ck = tree.page_key(tokens, pos)
     return finish_match(cache, params, path, best, best_any if tiered else best, pos, n)
 
 
@@ -161,7 +185,9 @@ def finish_match(
         result = empty_result(cache)
     else:
         last = path[best - 1]
-        result = MatchResult(_device_indices(path, best, known), last, last, last)
+        indices = _device_indices(path, best, known)
+        # MatchResult(indices, last, last, last) without the keyword-default handling.
+        result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST))
     if matched > best:
         host_node = path[matched - 1]
         host_len = 0

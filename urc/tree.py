@@ -1,5 +1,5 @@
 """``Tree``: the logical radix tree's structure — root, clock, node count, child keys and
-namespaces, the walk step, split, link and unlink.
+namespaces, the walk, split, link and unlink.
 
 The cache, eviction, request caching, the HiCache protocol, the checks and the components use
 the tree through these methods; only this module knows how child keys are spelled.  A child
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from urc.fastpath import WalkFn, common_len, py_walk
 from urc.key import RadixKey
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
@@ -31,8 +32,6 @@ __all__ = [
 
 # The sentinel that starts namespaced child keys: never equal to a token or a page.
 _NAMESPACE = object()
-# Compare this many tokens per C-level slice comparison when locating a mismatch.
-_SCAN_STEP = 64
 
 # ``hook(upper, lower)``: a split just cut ``lower``'s key; components move their data.
 SplitHook = Callable[[TreeNode, TreeNode], None]
@@ -43,7 +42,8 @@ class Tree:
 
     ``clock`` only grows: each :meth:`touch` (and each node creation) takes the next tick,
     so access times are unique and a parent stamped before its child is older.
-    ``new_data`` makes a node's per-component data; ``split_hooks`` run on every split.
+    ``new_data`` makes a node's per-component data; ``split_hooks`` run on every split;
+    ``walk`` is the descent (see :mod:`urc.fastpath`).
     Mutating methods say so; none touches pool tensors.
     """
 
@@ -56,6 +56,7 @@ class Tree:
         "page_size",
         "root",
         "split_hooks",
+        "walk",
     )
 
     def __init__(
@@ -65,12 +66,16 @@ class Tree:
         device: torch.device,
         new_data: Callable[[], list[ComponentData | None]],
         split_hooks: Sequence[SplitHook] = (),
+        walk: WalkFn = py_walk,
     ) -> None:
         self.page_size = page_size
         self.is_eagle = is_eagle
         self.device = device
         self.new_data = new_data
         self.split_hooks = tuple(split_hooks)
+        # ``walk(node, ck, tokens, pos, page_size)``: the read-only descent of match and
+        # insert (:func:`urc.fastpath.py_walk` or its compiled twin); splits are the caller's.
+        self.walk = walk
         self.clock = 0
         self.num_nodes = 0
         self.root = self.new_root()
@@ -131,36 +136,10 @@ class Tree:
 
     def match_len(self, edge: list[Any], tokens: list[Any], pos: int) -> int:
         """Page-aligned length of the common prefix of ``edge`` and ``tokens[pos:]``."""
-        n = min(len(edge), len(tokens) - pos)
-        i = 0
-        while (
-            i + _SCAN_STEP <= n
-            and edge[i : i + _SCAN_STEP] == tokens[pos + i : pos + i + _SCAN_STEP]
-        ):
-            i += _SCAN_STEP
-        while i < n and edge[i] == tokens[pos + i]:
-            i += 1
-        return i - i % self.page_size
+        m = common_len(edge, tokens, pos)
+        return m - m % self.page_size
 
     # ------------------------------------------------------------------ walk
-    def descend(
-        self, node: TreeNode, ck: Any, tokens: list[Any], pos: int
-    ) -> tuple[TreeNode | None, int, bool]:
-        """One step of a walk: the child of ``node`` under ``ck`` and how many of
-        ``tokens[pos:]`` it matches (whole pages).  A partial match splits the child there
-        (mutates) and returns the upper part with ``split=True``; no match returns
-        ``(None, 0, False)``."""
-        child = node.children.get(ck)
-        if child is None:
-            return None, 0, False
-        klen = child.key_len
-        if tokens[pos : pos + klen] == child.key:  # one C-level comparison in the usual case
-            return child, klen, False
-        m = self.match_len(child.key, tokens, pos)
-        if m == 0:
-            return None, 0, False
-        return self.split(child, m), m, True
-
     def path_to(self, node: TreeNode) -> list[TreeNode]:
         """The nodes from the root's child down to ``node`` (empty for the root)."""
         path = []

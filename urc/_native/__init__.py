@@ -1,0 +1,1 @@
+"""Compiled accelerators (optional C extensions built at install time; see ``urc.fastpath``)."""

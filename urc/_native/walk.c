@@ -1,0 +1,208 @@
+/* urc._native._walk: the compiled twin of urc.fastpath.py_walk (see its docstring).
+ *
+ * walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)
+ *
+ * Read-only: it follows ``tokens[pos:]`` down the radix tree from ``node`` (first child key
+ * ``ck``, then ``tokens[pos]`` or the tuple of the next page) and changes nothing.  Tokens are
+ * compared with Python ``==`` semantics: identity first, exact ints by value, anything else
+ * through PyObject_RichCompareBool -- exactly what comparing two list slices does, without
+ * building the slices.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *s_children, *s_key;
+
+/* 1 equal, 0 different, -1 error. */
+static inline int
+token_eq(PyObject *a, PyObject *b)
+{
+    if (a == b)
+        return 1;
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int oa, ob;
+        long long va = PyLong_AsLongLongAndOverflow(a, &oa);
+        long long vb = PyLong_AsLongLongAndOverflow(b, &ob);
+        if (!oa && !ob)
+            return va == vb;
+        if (PyErr_Occurred())
+            return -1;
+    }
+    Py_INCREF(a);
+    Py_INCREF(b);
+    int r = PyObject_RichCompareBool(a, b, Py_EQ);
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return r;
+}
+
+/* Common prefix length of edge[0:] and tokens[pos:], at most n; -1 on error. */
+static Py_ssize_t
+common_len(PyObject *edge, PyObject *tokens, Py_ssize_t pos, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* Re-read each time: a custom __eq__ may have resized either list. */
+        if (i >= PyList_GET_SIZE(edge) || pos + i >= PyList_GET_SIZE(tokens))
+            return i;
+        int r = token_eq(PyList_GET_ITEM(edge, i), PyList_GET_ITEM(tokens, pos + i));
+        if (r < 0)
+            return -1;
+        if (!r)
+            return i;
+    }
+    return n;
+}
+
+/* The child key of the page at ``pos``: the token itself (page 1) or a tuple of the page. */
+static PyObject *
+child_key(PyObject *tokens, Py_ssize_t pos, Py_ssize_t page_size)
+{
+    if (page_size == 1) {
+        PyObject *k = PyList_GET_ITEM(tokens, pos);
+        Py_INCREF(k);
+        return k;
+    }
+    Py_ssize_t end = pos + page_size;
+    if (end > PyList_GET_SIZE(tokens))
+        end = PyList_GET_SIZE(tokens);
+    PyObject *t = PyTuple_New(end - pos);
+    if (t == NULL)
+        return NULL;
+    for (Py_ssize_t i = pos; i < end; i++) {
+        PyObject *x = PyList_GET_ITEM(tokens, i);
+        Py_INCREF(x);
+        PyTuple_SET_ITEM(t, i - pos, x);
+    }
+    return t;
+}
+
+static PyObject *
+walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "walk(node, ck, tokens, pos, page_size)");
+        return NULL;
+    }
+    PyObject *node = args[0];
+    PyObject *tokens = args[2];
+    if (!PyList_Check(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "walk: tokens must be a list");
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t ps = PyLong_AsSsize_t(args[4]);
+    if ((pos == -1 || ps == -1) && PyErr_Occurred())
+        return NULL;
+    if (ps < 1) {
+        PyErr_SetString(PyExc_ValueError, "walk: page_size must be positive");
+        return NULL;
+    }
+    PyObject *nodes = PyList_New(0);
+    if (nodes == NULL)
+        return NULL;
+    PyObject *ck = args[1];
+    Py_INCREF(ck);
+    Py_INCREF(node);
+    PyObject *partial = Py_None;
+    Py_ssize_t pm = 0;
+    for (;;) {
+        Py_ssize_t n = PyList_GET_SIZE(tokens);
+        if (pos >= n)
+            break;
+        PyObject *children = PyObject_GetAttr(node, s_children);
+        if (children == NULL)
+            goto fail;
+        if (!PyDict_Check(children)) {
+            Py_DECREF(children);
+            PyErr_SetString(PyExc_TypeError, "walk: node.children must be a dict");
+            goto fail;
+        }
+        PyObject *child = PyDict_GetItemWithError(children, ck); /* borrowed */
+        Py_XINCREF(child);
+        Py_DECREF(children);
+        if (child == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        PyObject *edge = PyObject_GetAttr(child, s_key);
+        if (edge == NULL) {
+            Py_DECREF(child);
+            goto fail;
+        }
+        if (!PyList_Check(edge)) {
+            Py_DECREF(edge);
+            Py_DECREF(child);
+            PyErr_SetString(PyExc_TypeError, "walk: node.key must be a list");
+            goto fail;
+        }
+        Py_ssize_t klen = PyList_GET_SIZE(edge);
+        Py_ssize_t avail = n - pos;
+        Py_ssize_t lim = klen < avail ? klen : avail;
+        Py_ssize_t c = common_len(edge, tokens, pos, lim);
+        Py_DECREF(edge);
+        if (c < 0) {
+            Py_DECREF(child);
+            goto fail;
+        }
+        if (c == klen) {
+            if (PyList_Append(nodes, child) < 0) {
+                Py_DECREF(child);
+                goto fail;
+            }
+            Py_DECREF(node);
+            node = child;
+            pos += klen;
+            if (pos >= PyList_GET_SIZE(tokens))
+                break;
+            Py_DECREF(ck);
+            ck = child_key(tokens, pos, ps);
+            if (ck == NULL) {
+                Py_INCREF(Py_None);
+                ck = Py_None;
+                goto fail;
+            }
+            continue;
+        }
+        c -= c % ps;
+        if (c > 0) {
+            partial = child; /* owned */
+            pm = c;
+        }
+        else {
+            Py_DECREF(child);
+        }
+        break;
+    }
+    Py_DECREF(ck);
+    Py_DECREF(node);
+    if (partial == Py_None)
+        Py_INCREF(Py_None);
+    PyObject *res = Py_BuildValue("(NnNn)", nodes, pos, partial, pm);
+    return res;
+fail:
+    Py_DECREF(ck);
+    Py_DECREF(node);
+    Py_DECREF(nodes);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
+     "walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_walk", "Compiled radix-tree walk (see urc.fastpath).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__walk(void)
+{
+    s_children = PyUnicode_InternFromString("children");
+    s_key = PyUnicode_InternFromString("key");
+    if (s_children == NULL || s_key == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}
