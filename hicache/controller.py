@@ -13,7 +13,9 @@ only through ``svc.call`` (a command applied by the actor).  Byte copies run in 
 
 Every transfer is atomic with respect to cancellation: once slots are reserved, the copy and
 the commit (or the abort) run shielded, so a cancelled caller or a closing service never
-leaves pinned nodes or reserved slots behind.
+leaves pinned nodes or reserved slots behind.  A caller cancelled natively (``Task.cancel()``,
+``asyncio.timeout``) after the actor reserved them never gets the ticket: the reservation's
+``undo`` aborts it inside the actor.
 
 Copies run in worker threads by default (``copy_in_thread=True``): the event loop keeps
 serving while bytes move, and when a copy finishes relative to other commands depends on the
@@ -113,7 +115,7 @@ class HiCacheController:
                 cache.pending_backups[node.id] = node
             return tickets
 
-        tickets = await svc.call(start)
+        tickets = await svc.call(start, undo=_abort_backups)
         if not tickets:
             return False
         with anyio.CancelScope(shield=True):
@@ -200,7 +202,7 @@ class HiCacheController:
                 return None
             return tiering.start_load_back(cache, m.best_match_node, threshold)
 
-        ticket = await svc.call(start)
+        ticket = await svc.call(start, undo=_abort_load_back)
         if ticket is None:
             return 0
         with anyio.CancelScope(shield=True):
@@ -212,3 +214,15 @@ class HiCacheController:
                 TransferKind.LOAD_BACK,
             )
         return loaded
+
+
+def _abort_backups(cache: UnifiedRadixCache, tickets: list[BackupTicket]) -> None:
+    """``undo`` of a backup start whose caller is gone: free the host slots, unpin."""
+    for ticket in tickets:
+        tiering.finish_backup(cache, ticket, False)
+
+
+def _abort_load_back(cache: UnifiedRadixCache, ticket: LoadTicket | None) -> None:
+    """``undo`` of a load-back start whose caller is gone: free the device slots, unpin."""
+    if ticket is not None:
+        tiering.finish_load_back(cache, ticket, False)
