@@ -20,16 +20,23 @@ from hicache.tier import attach_hicache
 from metrics import CacheMetrics
 from urc import CacheConfig, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
-from urc.service import AsyncUnifiedRadixCache
+from urc.service import AsyncUnifiedRadixCache, TraceHook
 from urc.tiers import WritePolicy
 
 PS = 4
 
 
 class L3Stack:
-    """The stack over ``store``; ``svc`` is not entered yet."""
+    """The stack over ``store``; ``svc`` is not entered yet (``trace``: its trace hook)."""
 
-    def __init__(self, store: StorageBackend, *, host_tokens: int, retry: RetryPolicy) -> None:
+    def __init__(
+        self,
+        store: StorageBackend,
+        *,
+        host_tokens: int,
+        retry: RetryPolicy,
+        trace: TraceHook | None = None,
+    ) -> None:
         self.cache: UnifiedRadixCache = build_cache(
             CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
         )
@@ -47,7 +54,9 @@ class L3Stack:
             retry=retry,
         )
         self.store = store
-        self.svc = AsyncUnifiedRadixCache(self.cache, workers=[self.controller, self.worker])
+        self.svc = AsyncUnifiedRadixCache(
+            self.cache, workers=[self.controller, self.worker], trace=trace
+        )
 
     @property
     def kv(self) -> torch.Tensor:
