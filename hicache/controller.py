@@ -39,7 +39,7 @@ from urc.cache import UnifiedRadixCache
 from urc.key import RadixKey
 from urc.observer import ServiceObserver, TransferKind
 from urc.params import MatchPrefixParams
-from urc.tiers import BackupTicket, LoadTicket
+from urc.tiers import BackupTicket, LoadTicket, TierEvents
 from urc.tree import ComponentType
 
 if TYPE_CHECKING:
@@ -50,12 +50,13 @@ __all__ = ["HiCacheController"]
 T = TypeVar("T")
 
 
-class HiCacheController:
+class HiCacheController(TierEvents):
     """Backup, host eviction and load-back for one cache (see the module docstring).
 
-    Build it after :func:`~hicache.tier.attach_hicache` and pass it to the service as a
-    worker: ``AsyncUnifiedRadixCache(cache, workers=[controller])``.  ``copy_in_thread``:
-    see the module docstring.
+    Build it after :func:`~hicache.tier.attach_hicache` (or let :func:`hicache.attach` build
+    both) and pass it to the service as a worker: ``AsyncUnifiedRadixCache(cache,
+    workers=[controller])``.  It subscribes to the cache's tier events (``backup_due`` wakes
+    its backup loop).  ``copy_in_thread``: see the module docstring.
     """
 
     def __init__(
@@ -78,7 +79,11 @@ class HiCacheController:
         self.in_flight = 0
         self.backed_up_tokens = 0
         self.loaded_back_tokens = 0
-        cache.backup_listener = self._backup_due.set
+        cache.subscribe(self)
+
+    def backup_due(self) -> None:
+        """Tier event (inside the actor): wake the backup loop."""
+        self._backup_due.set()
 
     # ------------------------------------------------------------------ worker entry point
     async def run(self, svc: AsyncUnifiedRadixCache) -> None:
@@ -91,7 +96,6 @@ class HiCacheController:
         while True:
             await self._backup_due.wait()
             self._backup_due = anyio.Event()
-            self.cache.backup_listener = self._backup_due.set
             while await self._backup_batch(svc):
                 pass
 

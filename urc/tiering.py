@@ -181,8 +181,9 @@ def finish_backup(cache: UnifiedRadixCache, ticket: BackupTicket, ok: bool = Tru
     if not ok:
         return 0
     cache.counters.backed_up_tokens += ticket.tokens
-    if cache.host_commit_listener is not None and not ticket.nodes[-1].deleted:
-        cache.host_commit_listener(ticket.nodes[-1])
+    if not ticket.nodes[-1].deleted:
+        for events in cache.tier_events:
+            events.host_committed(ticket.nodes[-1])
     return ticket.tokens
 
 
@@ -313,8 +314,8 @@ def evict_host(cache: UnifiedRadixCache, num_tokens: int) -> int:
 
 def evict_host_leaf(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]) -> None:
     """Free every host copy of the host-only leaf ``node`` and delete it."""
-    if cache.host_evict_listener is not None:
-        cache.host_evict_listener(node)
+    for events in cache.tier_events:
+        events.host_evicted(node)
     for c in cache.components:
         cd = node.data[c.component_type]
         assert cd is not None

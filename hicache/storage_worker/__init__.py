@@ -8,11 +8,11 @@ worker threads.
 
 - **Backup** (``StorageConfig.backup_policy``):
 
-  * ``WRITE_THROUGH``: each host backup commit (the core's ``host_commit_listener``) queues
+  * ``WRITE_THROUGH``: each host backup commit (the tier event ``host_committed``) queues
     the backed-up node; the worker pins the path's host copies (``host_lock_ref``), asks the
     store how many leading Full pages it already holds, stages the rest (and the other
     components' pages of the same span, see below) and ``put``s them, then unpins.
-  * ``ON_HOST_EVICTION``: host eviction (the core's ``host_evict_listener``) copies the
+  * ``ON_HOST_EVICTION``: host eviction (the tier event ``host_evicted``) copies the
     evicted leaf's pages (every component's) into staging memory on the spot (bounded by
     ``max_pending_bytes``) and the worker ``put``s them afterwards.  A node's pages are
     reachable in storage once its ancestors were evicted (and so written) too.

@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
+from hicache.config import StorageBackupPolicy
 from hicache.storage_worker.context import WorkerContext
 from hicache.storage_worker.jobs import AuxPages, WriteJob, aux_pages_of, path_of
 from urc import tiering
 from urc.cache import UnifiedRadixCache
 from urc.observer import TransferKind
+from urc.tiers import TierEvents
 from urc.tree import ComponentType, TreeNode
 
 if TYPE_CHECKING:
@@ -33,11 +35,12 @@ __all__ = ["BackupWriter"]
 FULL = ComponentType.FULL
 
 
-class BackupWriter:
+class BackupWriter(TierEvents):
     """Queued backups and the loop that writes them (see the module docstring).
 
-    :meth:`on_host_commit` and :meth:`on_host_evict` run inside the actor (tier events);
-    :meth:`run` is the worker's background coroutine.
+    The tier events :meth:`host_committed` (write-through) and :meth:`host_evicted` (on host
+    eviction) queue work inside the actor, each under its backup policy only; :meth:`run` is
+    the worker's background coroutine.
     """
 
     def __init__(self, ctx: WorkerContext) -> None:
@@ -47,6 +50,7 @@ class BackupWriter:
         self.retry = ctx.retry
         self.stats = ctx.stats
         self.observer = ctx.observer
+        self.policy = ctx.config.backup_policy
         self._attempts: dict[int, int] = {}  # write-through: failed writes per node id
         self._due: dict[int, TreeNode] = {}  # write-through: nodes whose host copy landed
         self._staged: deque[WriteJob] = deque()  # on host eviction: pages copied out
@@ -59,17 +63,21 @@ class BackupWriter:
         if self._wake is not None:
             self._wake.set()
 
-    def on_host_commit(self, node: TreeNode) -> None:
+    def host_committed(self, node: TreeNode) -> None:
         """Write-through: ``node``'s host copy landed; queue its path for a put."""
+        if self.policy is not StorageBackupPolicy.WRITE_THROUGH:
+            return
         if node.id not in self._due and len(self._due) >= self.config.max_pending_writes:
             self.stats.dropped_writes += 1
             return
         self._due[node.id] = node
         self._signal()
 
-    def on_host_evict(self, node: TreeNode) -> None:
+    def host_evicted(self, node: TreeNode) -> None:
         """On host eviction: stage the host-only leaf's pages now (its slots are freed right
         after), put them later."""
+        if self.policy is not StorageBackupPolicy.ON_HOST_EVICTION:
+            return
         cd = node.data[FULL]
         assert cd is not None and cd.host_value is not None
         layouts = self.layouts

@@ -70,11 +70,8 @@ class StorageWorker:
         )
         self.writer = BackupWriter(ctx)
         self.prefetcher = Prefetcher(ctx)
-        policy = self.config.backup_policy
-        if policy is StorageBackupPolicy.WRITE_THROUGH:
-            cache.host_commit_listener = self.writer.on_host_commit
-        elif policy is StorageBackupPolicy.ON_HOST_EVICTION:
-            cache.host_evict_listener = self.writer.on_host_evict
+        if self.config.backup_policy is not StorageBackupPolicy.OFF:
+            cache.subscribe(self.writer)  # its tier events queue the backups
 
     async def run(self, svc: AsyncUnifiedRadixCache) -> None:
         """Write queued backups until cancelled (by the service's close)."""
