@@ -1,8 +1,13 @@
 """HiCache: the tiers below device memory (host memory L2, storage L3) and their transfers.
 
-``hicache.storage`` holds the L3 storage protocol and its backends.
+:func:`attach` gives a cache its host tier and, optionally, an L3 store, and returns the
+background workers for the service (:class:`HiCache`).  ``hicache.storage`` holds the L3
+storage protocol and its backends; ``hicache.storage_worker`` the L3 worker.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from hicache.config import HiCacheConfig, StorageConfig
+from hicache.wiring import HiCache, attach
+
+__all__ = ["HiCache", "HiCacheConfig", "StorageConfig", "attach"]

@@ -13,7 +13,9 @@ only through ``svc.call`` (a command applied by the actor).  Byte copies run in 
 
 Every transfer is atomic with respect to cancellation: once slots are reserved, the copy and
 the commit (or the abort) run shielded, so a cancelled caller or a closing service never
-leaves pinned nodes or reserved slots behind.
+leaves pinned nodes or reserved slots behind.  A caller cancelled natively (``Task.cancel()``,
+``asyncio.timeout``) after the actor reserved them never gets the ticket: the reservation's
+``undo`` aborts it inside the actor.
 
 Copies run in worker threads by default (``copy_in_thread=True``): the event loop keeps
 serving while bytes move, and when a copy finishes relative to other commands depends on the
@@ -37,7 +39,7 @@ from urc.cache import UnifiedRadixCache
 from urc.key import RadixKey
 from urc.observer import ServiceObserver, TransferKind
 from urc.params import MatchPrefixParams
-from urc.tiers import BackupTicket, LoadTicket
+from urc.tiers import BackupTicket, LoadTicket, TierEvents
 from urc.tree import ComponentType
 
 if TYPE_CHECKING:
@@ -48,12 +50,13 @@ __all__ = ["HiCacheController"]
 T = TypeVar("T")
 
 
-class HiCacheController:
+class HiCacheController(TierEvents):
     """Backup, host eviction and load-back for one cache (see the module docstring).
 
-    Build it after :func:`~hicache.tier.attach_hicache` and pass it to the service as a
-    worker: ``AsyncUnifiedRadixCache(cache, workers=[controller])``.  ``copy_in_thread``:
-    see the module docstring.
+    Build it after :func:`~hicache.tier.attach_hicache` (or let :func:`hicache.attach` build
+    both) and pass it to the service as a worker: ``AsyncUnifiedRadixCache(cache,
+    workers=[controller])``.  It subscribes to the cache's tier events (``backup_due`` wakes
+    its backup loop).  ``copy_in_thread``: see the module docstring.
     """
 
     def __init__(
@@ -76,7 +79,11 @@ class HiCacheController:
         self.in_flight = 0
         self.backed_up_tokens = 0
         self.loaded_back_tokens = 0
-        cache.backup_listener = self._backup_due.set
+        cache.subscribe(self)
+
+    def backup_due(self) -> None:
+        """Tier event (inside the actor): wake the backup loop."""
+        self._backup_due.set()
 
     # ------------------------------------------------------------------ worker entry point
     async def run(self, svc: AsyncUnifiedRadixCache) -> None:
@@ -89,7 +96,6 @@ class HiCacheController:
         while True:
             await self._backup_due.wait()
             self._backup_due = anyio.Event()
-            self.cache.backup_listener = self._backup_due.set
             while await self._backup_batch(svc):
                 pass
 
@@ -113,7 +119,7 @@ class HiCacheController:
                 cache.pending_backups[node.id] = node
             return tickets
 
-        tickets = await svc.call(start)
+        tickets = await svc.call(start, undo=_abort_backups)
         if not tickets:
             return False
         with anyio.CancelScope(shield=True):
@@ -200,7 +206,7 @@ class HiCacheController:
                 return None
             return tiering.start_load_back(cache, m.best_match_node, threshold)
 
-        ticket = await svc.call(start)
+        ticket = await svc.call(start, undo=_abort_load_back)
         if ticket is None:
             return 0
         with anyio.CancelScope(shield=True):
@@ -212,3 +218,15 @@ class HiCacheController:
                 TransferKind.LOAD_BACK,
             )
         return loaded
+
+
+def _abort_backups(cache: UnifiedRadixCache, tickets: list[BackupTicket]) -> None:
+    """``undo`` of a backup start whose caller is gone: free the host slots, unpin."""
+    for ticket in tickets:
+        tiering.finish_backup(cache, ticket, False)
+
+
+def _abort_load_back(cache: UnifiedRadixCache, ticket: LoadTicket | None) -> None:
+    """``undo`` of a load-back start whose caller is gone: free the device slots, unpin."""
+    if ticket is not None:
+        tiering.finish_load_back(cache, ticket, False)

@@ -11,43 +11,43 @@ import anyio
 import torch
 from prometheus_client import CollectorRegistry
 
-from hicache.config import HiCacheConfig, StorageConfig
-from hicache.controller import HiCacheController
+import hicache
+from hicache.config import HiCacheConfig
 from hicache.storage.base import StorageBackend
 from hicache.storage.stats import StorageOp
-from hicache.storage_worker import RetryPolicy, StorageWorker
-from hicache.tier import attach_hicache
+from hicache.storage_worker import RetryPolicy
 from metrics import CacheMetrics
 from urc import CacheConfig, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
-from urc.service import AsyncUnifiedRadixCache
+from urc.service import AsyncUnifiedRadixCache, TraceHook
 from urc.tiers import WritePolicy
 
 PS = 4
 
 
 class L3Stack:
-    """The stack over ``store``; ``svc`` is not entered yet."""
+    """The stack over ``store``; ``svc`` is not entered yet (``trace``: its trace hook)."""
 
-    def __init__(self, store: StorageBackend, *, host_tokens: int, retry: RetryPolicy) -> None:
+    def __init__(
+        self,
+        store: StorageBackend,
+        *,
+        host_tokens: int,
+        retry: RetryPolicy,
+        trace: TraceHook | None = None,
+    ) -> None:
         self.cache: UnifiedRadixCache = build_cache(
             CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
         )
         hconfig = HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_tokens=host_tokens)
-        self.tier = attach_hicache(self.cache, hconfig)
-        self.controller = HiCacheController(self.cache, self.tier, hconfig)
         self.registry = CollectorRegistry()
-        self.worker = StorageWorker(
-            self.cache,
-            self.tier,
-            store,
-            StorageConfig(),
-            controller=self.controller,
-            observer=CacheMetrics(self.registry),
-            retry=retry,
+        hc = hicache.attach(
+            self.cache, hconfig, store, observer=CacheMetrics(self.registry), retry=retry
         )
+        assert hc.storage is not None
+        self.tier, self.controller, self.worker = hc.tier, hc.controller, hc.storage
         self.store = store
-        self.svc = AsyncUnifiedRadixCache(self.cache, workers=[self.controller, self.worker])
+        self.svc = AsyncUnifiedRadixCache(self.cache, workers=hc.workers, trace=trace)
 
     @property
     def kv(self) -> torch.Tensor:

@@ -6,16 +6,27 @@ invariants and device + host pool conservation.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import anyio
 import pytest
 import torch
+from test_service_ownership import CancelTaskOnApply
 
 from hicache.config import HiCacheConfig
 from hicache.controller import HiCacheController
 from hicache.tier import attach_hicache
-from urc import CacheConfig, ComponentType, KVShape, OutOfMemoryError, RadixKey, build_cache
+from urc import (
+    CacheConfig,
+    ComponentType,
+    InvalidLockError,
+    KVShape,
+    OutOfMemoryError,
+    RadixKey,
+    build_cache,
+)
+from urc.commands import Call
 from urc.service import AsyncUnifiedRadixCache
 from urc.tiers import WritePolicy
 
@@ -198,3 +209,58 @@ async def test_cancelled_load_back_leaks_no_pin_and_no_slot() -> None:
     cache.sanity_check()
     cache.check_pools({FULL: 0}, {FULL: 0})
     assert all(cd is None or cd.host_lock_ref == 0 for n in cache.iter_nodes() for cd in n.data)
+
+
+@pytest.mark.asyncio
+async def test_natively_cancelled_load_back_gives_its_reservation_back() -> None:
+    """``Task.cancel()`` of a load-back right after the actor reserved its device slots and
+    pinned the host copies: the caller never gets the ticket, the service's ``undo`` aborts
+    it (slots freed, pins dropped), and the node can still be loaded back later."""
+    cache = build_cache(
+        CacheConfig(page_size=PS, kv_size=64, kv_shape=KVShape(2, 2, 4, torch.float32))
+    )
+    config = HiCacheConfig(host_tokens=256)
+    controller = HiCacheController(cache, attach_hicache(cache, config), config)
+    hook = CancelTaskOnApply(Call)
+    tokens = list(range(16))
+    async with AsyncUnifiedRadixCache(cache, workers=[controller], trace=hook) as svc:
+        with anyio.fail_after(20):
+            await _request(svc, controller, tokens)
+            await _quiesce(svc)
+            await svc.evict(64)
+            free_before = cache.token_to_kv_pool_allocator.available_size()
+            task = asyncio.ensure_future(controller.load_back(svc, RadixKey(tokens)))
+            hook.victim = task
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert hook.fired == 1
+            await svc.sanity_check({FULL: 0})
+            assert cache.token_to_kv_pool_allocator.available_size() == free_before
+            assert all(
+                cd is None or cd.host_lock_ref == 0 for n in cache.iter_nodes() for cd in n.data
+            )
+            assert await controller.load_back(svc, RadixKey(tokens)) == 16
+    cache.check_pools({FULL: 0}, {FULL: 0})
+
+
+@pytest.mark.asyncio
+async def test_lock_of_a_node_demoted_to_host_since_the_match_is_refused() -> None:
+    """A handle whose node was evicted to host after the match: ``lock`` raises
+    ``InvalidLockError`` (a lease there would protect nothing on device, and host eviction
+    could delete its node under it)."""
+    svc, controller = _setup(64, 256)
+    assert controller is not None
+    tokens = list(range(16))
+    async with svc:
+        with anyio.fail_after(20):
+            await _request(svc, controller, tokens)
+            await _quiesce(svc)
+            handle = (await svc.match(RadixKey(tokens))).node
+            await svc.evict(64)
+            assert (await svc.match(RadixKey(tokens))).host_hit_length == 16
+            with pytest.raises(InvalidLockError):
+                await svc.lock(handle)
+            await svc.call(lambda c: c.evict_host(1 << 20))  # the node is deleted
+            assert svc.leases_held == 0
+            await svc.sanity_check({FULL: 0})
+    svc._cache.check_pools({FULL: 0}, {FULL: 0})

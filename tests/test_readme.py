@@ -37,7 +37,7 @@ def test_readme_python_example_runs_as_written(block: str) -> None:
 def test_readme_has_the_documented_examples() -> None:
     # The API, the async service, HiCache and Metrics snippets.
     assert len(BLOCKS) >= 4
-    assert any("HiCacheController" in b for b in BLOCKS)
+    assert any("hicache.attach(" in b for b in BLOCKS)
     assert any("MetricsServer" in b for b in BLOCKS)
 
 

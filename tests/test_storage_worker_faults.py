@@ -10,6 +10,7 @@ back, and never let a failure reach a caller or the service.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import torch
 from cache_harness import pins
 from storage_harness import L3Stack
+from test_service_ownership import CancelTaskOnApply
 
 from hicache.storage.errors import StorageUnavailableError
 from hicache.storage.file import FileStorage
@@ -26,6 +28,7 @@ from hicache.storage.keys import PageKey
 from hicache.storage.stats import StorageOp
 from hicache.storage_worker import RetryPolicy
 from urc import ComponentType, RadixKey
+from urc.commands import Call
 from urc.service import ServiceState
 
 FULL = ComponentType.FULL
@@ -138,3 +141,27 @@ async def test_a_failing_get_mid_prefetch_frees_the_reserved_host_slots(tmp_path
         assert await s.worker.prefetch(s.svc, RadixKey(tokens_of(32))) == 0
         assert s.worker.stats.errors == 1 and s.storage_errors(StorageOp.GET) == 1
         assert s.worker.stats.prefetch_misses == 1
+
+
+@pytest.mark.asyncio
+async def test_a_natively_cancelled_prefetch_unpins_the_host_node_it_starts_from(
+    tmp_path: Path,
+) -> None:
+    """``Task.cancel()`` right after the actor host-locked the node where the key's host
+    copies end: the caller never gets that pin, the service's ``undo`` drops it."""
+    hook = CancelTaskOnApply(Call)
+    store = FileStorage(tmp_path / "pages")
+    s = L3Stack(store, host_tokens=512, retry=FAST_RETRY, trace=hook)
+    async with store, s.svc:
+        with anyio.fail_after(30):
+            await s.put(tokens_of(16))
+            await s.settle()
+            await s.svc.evict(1 << 20)  # device copies go, host copies stay
+            task = asyncio.ensure_future(s.worker.prefetch(s.svc, RadixKey(tokens_of(32))))
+            hook.victim = task
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert hook.fired == 1
+            assert await s.svc.call(pins) == 0
+            await s.svc.sanity_check()
+    s.cache.check_pools({FULL: 0}, {FULL: 0})

@@ -243,8 +243,10 @@ class ValkeyCluster:
     def kill_all(self) -> list[int]:
         """SIGKILL every node by PID (a whole-cluster crash); returns the PIDs killed."""
         pids = [node.pid for node in self.nodes if node.pid is not None]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
         for node in self.nodes:
-            node.kill()
+            node.kill()  # reaps the dead process
         return pids
 
     def restart_all(self) -> None:

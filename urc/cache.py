@@ -14,7 +14,7 @@ Not thread-safe: one owner mutates it (the async service's actor task, or a sche
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ from urc.params import (
 )
 from urc.req import Req
 from urc.stats import CacheCounters, CacheStats, StatsSnapshotter
-from urc.tiers import HostTier, WritePolicy
+from urc.tiers import HostTier, TierEvents, WritePolicy
 from urc.tree import Tree
 
 __all__ = ["UnifiedRadixCache", "build_cache"]
@@ -79,13 +79,8 @@ class UnifiedRadixCache:
         # Nodes whose hit count reached the write-through threshold, waiting for a backup.
         self.pending_backups: dict[int, TreeNode] = {}
         self.backups_in_flight: set[int] = set()
-        # Called (from the tree's owner) when a node becomes due for backup.
-        self.backup_listener: Callable[[], None] | None = None
-        # Lower tiers (L3 storage): called from the tree's owner with the lowest node of a
-        # chain whose host copies were just committed, and with a host-only leaf just before
-        # host eviction frees its host copies (the listener must copy what it needs now).
-        self.host_commit_listener: Callable[[TreeNode], None] | None = None
-        self.host_evict_listener: Callable[[TreeNode], None] | None = None
+        # The tiers below device that listen (``subscribe``): see ``urc.tiers.TierEvents``.
+        self.tier_events: tuple[TierEvents, ...] = ()
         self.components: list[TreeComponent] = [
             component_class(ct)(self) for ct in config.components
         ]
@@ -215,6 +210,16 @@ class UnifiedRadixCache:
         self.host_tier = tier
         self.write_policy = policy
         self.backup_threshold = policy.hit_threshold
+
+    def subscribe(self, events: TierEvents) -> None:
+        """Deliver the tier events (:class:`~urc.tiers.TierEvents`) to ``events`` from now on
+        (after the subscribers already there; subscribing twice delivers once)."""
+        if events not in self.tier_events:
+            self.tier_events = (*self.tier_events, events)
+
+    def unsubscribe(self, events: TierEvents) -> None:
+        """Stop delivering tier events to ``events`` (no-op if it is not subscribed)."""
+        self.tier_events = tuple(e for e in self.tier_events if e is not events)
 
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
         """Back ``node`` up to host now (with its ancestors that lack a copy); returns the

@@ -45,7 +45,7 @@ from urc.commands import (
     Stats,
     WriteReqSlots,
 )
-from urc.errors import InvalidInputError, LeaseError, OutOfMemoryError
+from urc.errors import InvalidInputError, InvalidLockError, LeaseError, OutOfMemoryError
 from urc.lease import Lease, LeaseOwner, NodeHandle
 from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams, MatchResult
 from urc.pools.swa import SWATokenSlotAllocator
@@ -192,6 +192,10 @@ class CommandExecutor:
 
     def _lock(self, cmd: Lock) -> Lease:
         node = cmd.node.node
+        if node.evicted:
+            # Demoted to host since the match (or deleted): the lease would hold a node that
+            # host eviction may delete under it, and protect fewer tokens than its depth.
+            raise InvalidLockError(f"lock on node {node.id}, which was evicted from device")
         depth = 0
         walk: TreeNode | None = node
         while walk is not None and walk.parent is not None:

@@ -92,7 +92,8 @@ def host_alloc(cache: UnifiedRadixCache, ct: ComponentType, n: int) -> torch.Ten
 # ---------------------------------------------------------------------- backup
 def note_hit(cache: UnifiedRadixCache, node: TreeNode) -> None:
     """Write-through: an insert hit ``node``; at the policy's hit threshold a node on device
-    without a host copy becomes due for backup (``pending_backups``, then the listener)."""
+    without a host copy becomes due for backup (``pending_backups``; subscribers get
+    ``backup_due``)."""
     threshold = cache.backup_threshold
     cd = node.data[_FULL]
     if (
@@ -103,8 +104,8 @@ def note_hit(cache: UnifiedRadixCache, node: TreeNode) -> None:
         and cd.value is not None
     ):
         cache.pending_backups[node.id] = node
-        if cache.backup_listener is not None:
-            cache.backup_listener()
+        for events in cache.tier_events:
+            events.backup_due()
 
 
 def take_pending_backups(cache: UnifiedRadixCache, limit: int) -> list[TreeNode]:
@@ -202,8 +203,9 @@ def finish_backup(cache: UnifiedRadixCache, ticket: BackupTicket, ok: bool = Tru
     if not ok:
         return 0
     cache.counters.backed_up_tokens += ticket.tokens
-    if cache.host_commit_listener is not None and not ticket.nodes[-1].deleted:
-        cache.host_commit_listener(ticket.nodes[-1])
+    if not ticket.nodes[-1].deleted:
+        for events in cache.tier_events:
+            events.host_committed(ticket.nodes[-1])
     return ticket.tokens
 
 
@@ -334,8 +336,8 @@ def evict_host(cache: UnifiedRadixCache, num_tokens: int) -> int:
 
 def evict_host_leaf(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]) -> None:
     """Free every host copy of the host-only leaf ``node`` and delete it."""
-    if cache.host_evict_listener is not None:
-        cache.host_evict_listener(node)
+    for events in cache.tier_events:
+        events.host_evicted(node)
     for c in cache.components:
         cd = node.data[c.component_type]
         assert cd is not None

@@ -21,7 +21,7 @@ from urc.tree import ComponentType, TreeNode
 if TYPE_CHECKING:
     from urc.params import IncLockRefResult
 
-__all__ = ["BackupTicket", "HostTier", "LoadTicket", "TransferItem", "WritePolicy"]
+__all__ = ["BackupTicket", "HostTier", "LoadTicket", "TierEvents", "TransferItem", "WritePolicy"]
 
 
 class WritePolicy(Enum):
@@ -56,6 +56,30 @@ class HostTier(Protocol):
     def backup(self, ct: ComponentType, device: torch.Tensor, host: torch.Tensor) -> None: ...
 
     def load(self, ct: ComponentType, host: torch.Tensor, device: torch.Tensor) -> None: ...
+
+
+class TierEvents:
+    """What a cache tells the tiers below device memory (HiCache's controller, an L3 storage
+    worker): subclass it, override the events you need (every one is a no-op here) and
+    ``cache.subscribe(events)``.
+
+    Events are delivered synchronously, from the tree's owner (inside the service's actor),
+    to every subscriber in subscription order; a handler must not change the tree and must
+    not block (wake a background task instead).
+    """
+
+    __slots__ = ()
+
+    def backup_due(self) -> None:
+        """A node became due for a host backup (write-through policies; the node is in
+        ``cache.pending_backups``)."""
+
+    def host_committed(self, node: TreeNode) -> None:
+        """The host copies of a chain were committed; ``node`` is its lowest node."""
+
+    def host_evicted(self, node: TreeNode) -> None:
+        """Host eviction is about to free the host copies of the host-only leaf ``node``
+        (copy what you need now: the slots are reused right after)."""
 
 
 @dataclass(slots=True)

@@ -39,7 +39,7 @@ After the run the service is closed (background work stopped, pins released) and
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing, suppress
 from dataclasses import asdict
 from functools import partial
@@ -51,11 +51,11 @@ import anyio.lowlevel
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
+import hicache
 from hicache.config import HiCacheConfig, StorageConfig
 from hicache.controller import HiCacheController
 from hicache.storage.file import FileStorage
 from hicache.storage_worker import StorageWorker
-from hicache.tier import attach_hicache
 from metrics.exporter import CacheMetrics
 from metrics.http import MetricsServer, MetricsServerConfig
 from urc.cache import UnifiedRadixCache, build_cache
@@ -367,32 +367,24 @@ async def run_replay(
     registry = CollectorRegistry(auto_describe=True)
     metrics = CacheMetrics(registry) if metrics_port is not None else None
     controller: HiCacheController | None = None
-    if host > 0:
-        hc = HiCacheConfig(write_policy=config.write_policy, host_ratio=host / device)
-        tier = attach_hicache(cache, hc)
-        host = tier.host_capacity(ComponentType.FULL)
-        controller = HiCacheController(
-            cache, tier, hc, observer=metrics, copy_in_thread=config.realtime
-        )
     storage: StorageWorker | None = None
     store: FileStorage | None = None
-    if config.l3_dir is not None:
-        if controller is None:
-            raise ConfigError("the L3 storage tier needs the host tier (host_tokens > 0)")
-        store = await FileStorage.open(config.l3_dir)
-        storage = StorageWorker(
+    workers: Sequence[BackgroundWorker] = ()
+    if config.l3_dir is not None and host <= 0:
+        raise ConfigError("the L3 storage tier needs the host tier (host_tokens > 0)")
+    if host > 0:
+        if config.l3_dir is not None:
+            store = await FileStorage.open(config.l3_dir)
+        hc = hicache.attach(
             cache,
-            controller.tier,
+            HiCacheConfig(write_policy=config.write_policy, host_ratio=host / device),
             store,
-            StorageConfig(backup_policy=config.l3_backup),
-            controller=controller,
+            storage_config=StorageConfig(backup_policy=config.l3_backup),
             observer=metrics,
+            copy_in_thread=config.realtime,
         )
-    workers: list[BackgroundWorker] = []
-    if controller is not None:
-        workers.append(controller)
-    if storage is not None:
-        workers.append(storage)
+        host = hc.tier.host_capacity(ComponentType.FULL)
+        controller, storage, workers = hc.controller, hc.storage, hc.workers
 
     bar = tqdm(
         total=summary.requests,

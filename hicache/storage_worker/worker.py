@@ -1,0 +1,100 @@
+"""``StorageWorker``: the L3 storage tier's background worker (see :mod:`hicache.storage_worker`).
+
+It puts the pieces of this package together: the store calls (:class:`StoreCalls`), the
+writes (:class:`BackupWriter`, its background loop) and the reads (:class:`Prefetcher`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+
+from hicache.config import StorageBackupPolicy, StorageConfig
+from hicache.storage.base import StorageBackend
+from hicache.storage_worker.backup import BackupWriter
+from hicache.storage_worker.calls import StoreCalls
+from hicache.storage_worker.context import WorkerContext
+from hicache.storage_worker.layout import PageLayouts
+from hicache.storage_worker.prefetch import Prefetcher
+from hicache.storage_worker.retry import RetryPolicy
+from hicache.storage_worker.stats import StorageWorkerStats
+from hicache.tier import HostMemoryTier
+from urc.cache import UnifiedRadixCache
+from urc.errors import ConfigError
+from urc.key import RadixKey
+from urc.observer import ServiceObserver
+
+if TYPE_CHECKING:
+    from hicache.controller import HiCacheController
+    from urc.service import AsyncUnifiedRadixCache
+
+__all__ = ["StorageWorker"]
+
+
+class StorageWorker:
+    """Backup to and prefetch from an L3 store for one cache (see the package docstring).
+
+    Build it after :func:`~hicache.tier.attach_hicache` (or let :func:`hicache.attach` build
+    it); ``controller`` (optional) is used by :meth:`fetch` to load prefetched pages on to
+    device.  Raises :class:`~urc.errors.ConfigError` for EAGLE bigram keys and for a
+    component the storage tier cannot store.
+    """
+
+    def __init__(
+        self,
+        cache: UnifiedRadixCache,
+        tier: HostMemoryTier,
+        storage: StorageBackend,
+        config: StorageConfig | None = None,
+        *,
+        controller: HiCacheController | None = None,
+        observer: ServiceObserver | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if cache.is_eagle:
+            raise ConfigError("the storage tier does not support EAGLE bigram keys")
+        self.cache = cache
+        self.tier = tier
+        self.storage = storage
+        self.config = config or StorageConfig()
+        self.controller = controller
+        self.observer = observer
+        self.retry = retry or RetryPolicy()
+        self.layouts = PageLayouts(cache, tier)
+        self.page_size = cache.page_size
+        self.stats = StorageWorkerStats()
+        calls = StoreCalls(storage, self.stats, self.retry, cache.page_size, observer)
+        ctx = WorkerContext(
+            tier, self.layouts, calls, self.config, self.retry, self.stats, observer
+        )
+        self.writer = BackupWriter(ctx)
+        self.prefetcher = Prefetcher(ctx)
+        if self.config.backup_policy is not StorageBackupPolicy.OFF:
+            cache.subscribe(self.writer)  # its tier events queue the backups
+
+    async def run(self, svc: AsyncUnifiedRadixCache) -> None:
+        """Write queued backups until cancelled (by the service's close)."""
+        await self.writer.run(svc)
+
+    async def flush(self) -> None:
+        """Wait until every queued backup was written (or failed)."""
+        await self.writer.flush()
+
+    async def fetch(
+        self, svc: AsyncUnifiedRadixCache, key: RadixKey, stop: anyio.Event | None = None
+    ) -> int:
+        """:meth:`prefetch` ``key`` into host, then (with a controller) load its host part
+        back to device; returns the tokens that came from storage."""
+        got = await self.prefetch(svc, key, stop)
+        if self.controller is not None:
+            await self.controller.load_back(svc, key)
+        return got
+
+    async def prefetch(
+        self, svc: AsyncUnifiedRadixCache, key: RadixKey, stop: anyio.Event | None = None
+    ) -> int:
+        """Bring the pages of ``key`` that are in storage but not on host into host memory,
+        as host-only nodes; returns the tokens inserted (0: a miss).  See
+        :meth:`~hicache.storage_worker.prefetch.Prefetcher.prefetch`."""
+        return await self.prefetcher.prefetch(svc, key, stop)
