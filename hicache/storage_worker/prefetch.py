@@ -53,7 +53,7 @@ def _unlock_anchor(cache: UnifiedRadixCache, pf: _Start) -> None:
         tiering.host_unlock_pieces(cache, pf.anchor, pf.anchor_len)
 
 
-def runs(idx: Sequence[int]) -> list[tuple[int, int]]:
+def _runs(idx: Sequence[int]) -> list[tuple[int, int]]:
     """Maximal runs of consecutive values of the sorted ``idx``: ``(first, length)`` each."""
     out: list[tuple[int, int]] = []
     for i in idx:
@@ -217,7 +217,7 @@ class Prefetcher:
             out = parts[ct] = []
             if self.layouts.per_token[ct]:
                 j = 0
-                for i, n in runs(idx):
+                for i, n in _runs(idx):
                     a = (first + i) * ps
                     out.append(HostPart(a, a + n * ps, host[j * ps : (j + n) * ps]))
                     j += n
