@@ -28,7 +28,7 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from urc import AsyncUnifiedRadixCache, CacheConfig, URCError
+from urc import AsyncUnifiedRadixCache, CacheConfig, Tier, URCError
 
 MAX_LINE = 1 << 20
 
@@ -45,7 +45,7 @@ async def respond(svc: AsyncUnifiedRadixCache, line: str) -> str | None:
             cached = sum(c.evictable + c.protected for c in s.components if c.tier == 0)
             return (
                 f"OK nodes={s.num_nodes} cached_tokens={cached} "
-                f"match_requests={s.match_requests} hit_tokens={s.hit_tokens['device']}"
+                f"match_requests={s.match_requests} hit_tokens={s.hit_tokens[Tier.DEVICE]}"
             )
         tokens = [int(t) for t in rest.split()]
         if not tokens:

@@ -88,11 +88,11 @@ class _DirectMetrics(CacheMetrics):
         self._collectors: list[Any] = []
         # Previous snapshot's cumulative counters (scalars, hit tokens by tier, evictions).
         self._prev_scalars = (0, 0, 0, 0, 0)
-        self._prev_hits: dict[str, int] = {}
+        self._prev_hits: dict[Tier, int] = {}
         self._prev_evicted: dict[tuple[ComponentType, Tier], int] = {}
         self._units: dict[ComponentType, str] = {}
         self._series: dict[tuple[ComponentType, Tier], _SizeSeries] = {}
-        self._hit_children: dict[str, Any] = {}
+        self._hit_children: dict[Tier, Any] = {}
         self._evicted_children: dict[tuple[ComponentType, Tier], Any] = {}
         self._error_children: dict[tuple[str, str], Any] = {}
         self._error_types: set[str] = set()
@@ -227,7 +227,7 @@ class _DirectMetrics(CacheMetrics):
         self._series[(cs.component, cs.tier)] = s
         return s
 
-    def _advance_hits(self, hits: Mapping[str, int]) -> None:
+    def _advance_hits(self, hits: Mapping[Tier, int]) -> None:
         prev = self._prev_hits
         children = self._hit_children
         for tier, cur in hits.items():
@@ -235,7 +235,7 @@ class _DirectMetrics(CacheMetrics):
             if cur != old:
                 child = children.get(tier)
                 if child is None:
-                    child = children[tier] = self._hit_tokens.labels(tier)
+                    child = children[tier] = self._hit_tokens.labels(_label(tier))
                 child.inc(cur - old if cur > old else cur)
         self._prev_hits = dict(hits)
 

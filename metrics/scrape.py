@@ -114,7 +114,7 @@ class _ScrapeMetrics(CacheMetrics):
         self._sizes: dict[tuple[ComponentType, Tier], tuple[str, tuple[int, ...]]] = {}
         self._units: dict[ComponentType, str] = {}
         self._monotonic: dict[Hashable, list[int]] = {}  # key -> [last raw value, offset]
-        self._hit_tiers: dict[str, None] = {}
+        self._hit_tiers: dict[Tier, None] = {}
         self._evicted_keys: dict[tuple[ComponentType, Tier], None] = {}
         self._collector = _Collector(self)
         registry.register(self._collector)
@@ -298,9 +298,9 @@ class _ScrapeMetrics(CacheMetrics):
                 )
             scalars = _scalars(stats)
             num_nodes = stats.num_nodes
-            for tier_name, n in stats.hit_tokens.items():
-                self._hit_tiers[tier_name] = None
-                self._counter_value(("hit", tier_name), n)
+            for hit_tier, n in stats.hit_tokens.items():
+                self._hit_tiers[hit_tier] = None
+                self._counter_value(("hit", hit_tier), n)
             for key, n in stats.evicted.items():
                 self._evicted_keys[key] = None
                 self._counter_value(("evicted", key), n)
@@ -323,9 +323,9 @@ class _ScrapeMetrics(CacheMetrics):
             fams[spec.name] = cfam = _counter(spec)
             cfam.add_metric([], float(self._counter_value(spec.name, raw)), created)
         fams[_HIT_TOKENS.name] = cfam = _counter(_HIT_TOKENS)
-        for tier_name in self._hit_tiers:
-            value = float(self._last_counter_value(("hit", tier_name)))
-            cfam.add_metric([tier_name], value, created)
+        for hit_tier in self._hit_tiers:
+            value = float(self._last_counter_value(("hit", hit_tier)))
+            cfam.add_metric([_label(hit_tier)], value, created)
         evicted = {unit: _counter(spec) for unit, spec in _EVICTED.items()}
         for key in self._evicted_keys:
             component, tier = key

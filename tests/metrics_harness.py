@@ -140,7 +140,7 @@ def assert_counters_match(registry: CollectorRegistry, cache: UnifiedRadixCache)
     assert value(registry, "urc_match_requests_total") == k.match_requests
     assert value(registry, "urc_match_query_tokens_total") == k.query_tokens
     for tier, n in k.hit_tokens.items():
-        assert value(registry, "urc_match_hit_tokens_total", tier=tier) == n
+        assert value(registry, "urc_match_hit_tokens_total", tier=tier.name.lower()) == n
     assert value(registry, "urc_inserted_tokens_total") == k.inserted_tokens
     for (ct, where), n in k.evicted.items():
         unit = "states" if ct is MAMBA else "tokens"
@@ -174,7 +174,7 @@ def make_stats(
     num_nodes: int = 0,
     match_requests: int = 0,
     query_tokens: int = 0,
-    hit_tokens: dict[str, int] | None = None,
+    hit_tokens: dict[Tier, int] | None = None,
     inserted_tokens: int = 0,
     evicted: dict[tuple[ComponentType, Tier], int] | None = None,
     backed_up_tokens: int = 0,

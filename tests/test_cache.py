@@ -26,7 +26,7 @@ from urc import (
     RadixKey,
     build_cache,
 )
-from urc.tree import TreeNode
+from urc.tree import Tier, TreeNode
 
 FULL = ComponentType.FULL
 
@@ -523,7 +523,7 @@ def test_pretty_print_and_stats(h: Harness, capsys: pytest.CaptureFixture[str]) 
     text = h.cache.pretty_print()
     assert "#nodes=1" in capsys.readouterr().out and "full=D-/0" in text
     stats = h.cache.stats()
-    assert stats.match_requests == 1 and stats.hit_tokens["device"] == 2 * ps
+    assert stats.match_requests == 1 and stats.hit_tokens[Tier.DEVICE] == 2 * ps
     assert stats.inserted_tokens == 2 * ps
     full = stats.component(ComponentType.FULL)
     assert full is not None and full.evictable == 2 * ps

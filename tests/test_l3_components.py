@@ -45,7 +45,7 @@ from urc.params import MatchPrefixParams
 from urc.service import AsyncUnifiedRadixCache
 from urc.tiering import HostPart
 from urc.tiers import WritePolicy
-from urc.tree import TreeNode
+from urc.tree import Tier, TreeNode
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA
@@ -227,7 +227,7 @@ async def test_round_trip_is_byte_exact_for_every_component_set(
         assert await s.device_hit(b) == 32
         (await s.snap(b)).assert_equal(before[1])
         (await s.snap(a)).assert_equal(before[0])
-        assert (await s.svc.stats()).hit_tokens["storage"] == 48
+        assert (await s.svc.stats()).hit_tokens[Tier.STORAGE] == 48
         kinds = {k for k, _ in s.recorder.transfers}
         assert {TransferKind.STORAGE_WRITE, TransferKind.STORAGE_READ} <= kinds
 

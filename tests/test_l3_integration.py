@@ -38,6 +38,7 @@ from urc.cache import UnifiedRadixCache
 from urc.observer import TransferKind
 from urc.service import AsyncUnifiedRadixCache
 from urc.tiers import WritePolicy
+from urc.tree import Tier
 
 FULL = ComponentType.FULL
 PS = 4
@@ -213,7 +214,7 @@ async def test_round_trip_device_host_storage_and_back_is_byte_exact(
         hit, data = await s.device_bytes(tokens)
         assert hit == 40 and torch.equal(data, original)
         stats = await s.svc.stats()
-        assert stats.hit_tokens["storage"] == 40
+        assert stats.hit_tokens[Tier.STORAGE] == 40
         kinds = {k for k, _ in s.recorder.transfers}
         assert {TransferKind.STORAGE_WRITE, TransferKind.STORAGE_READ} <= kinds
 
@@ -293,7 +294,7 @@ async def test_two_instances_share_one_cluster(cluster: ValkeyCluster) -> None:
             assert await second.worker.fetch(second.svc, RadixKey(tokens)) == 32
             hit, data = await second.device_bytes(tokens)
             assert hit == 32 and torch.equal(data, original)
-            assert (await second.svc.stats()).hit_tokens["storage"] == 32
+            assert (await second.svc.stats()).hit_tokens[Tier.STORAGE] == 32
 
 
 # ---------------------------------------------------------------------- faults

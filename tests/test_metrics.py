@@ -160,7 +160,7 @@ def test_host_tier_and_mamba_units_from_snapshots(
             num_nodes=9,
             match_requests=4,
             query_tokens=100,
-            hit_tokens={"device": 40, "host": 20, "storage": 10},
+            hit_tokens={Tier.DEVICE: 40, Tier.HOST: 20, Tier.STORAGE: 10},
             evicted={(FULL, Tier.DEVICE): 50, (FULL, Tier.HOST): 30, (MAMBA, Tier.DEVICE): 2},
             backed_up_tokens=70,
             loaded_back_tokens=20,
@@ -201,14 +201,14 @@ def test_counter_going_backwards_counts_as_reset(
     registry: CollectorRegistry, mode: ExportMode
 ) -> None:
     exporter = CacheMetrics(registry, MetricsConfig(mode=mode))
-    exporter.on_batch(make_stats(match_requests=10, hit_tokens={"device": 5}), 0)
-    exporter.on_batch(make_stats(match_requests=12, hit_tokens={"device": 9}), 0)
+    exporter.on_batch(make_stats(match_requests=10, hit_tokens={Tier.DEVICE: 5}), 0)
+    exporter.on_batch(make_stats(match_requests=12, hit_tokens={Tier.DEVICE: 9}), 0)
     assert value(registry, "urc_match_requests_total") == 12
     # A replaced/reset source: its new value is the increase since the reset.
-    exporter.on_batch(make_stats(match_requests=3, hit_tokens={"device": 1}), 0)
+    exporter.on_batch(make_stats(match_requests=3, hit_tokens={Tier.DEVICE: 1}), 0)
     assert value(registry, "urc_match_requests_total") == 15
     assert value(registry, "urc_match_hit_tokens_total", tier="device") == 10
-    exporter.on_batch(make_stats(match_requests=4, hit_tokens={"device": 1}), 0)
+    exporter.on_batch(make_stats(match_requests=4, hit_tokens={Tier.DEVICE: 1}), 0)
     assert value(registry, "urc_match_requests_total") == 16
 
 
@@ -397,7 +397,7 @@ def _exported_names() -> set[str]:
     exporter.on_batch(
         make_stats(
             comps,
-            hit_tokens={"device": 1},
+            hit_tokens={Tier.DEVICE: 1},
             evicted={(FULL, Tier.DEVICE): 1, (MAMBA, Tier.DEVICE): 1},
         ),
         0,

@@ -71,7 +71,7 @@ def _feed(exporter: CacheMetrics) -> None:
                 num_nodes=9 + i,
                 match_requests=4 + i,
                 query_tokens=100 + 10 * i,
-                hit_tokens={"device": 40 + i, "host": 20},
+                hit_tokens={Tier.DEVICE: 40 + i, Tier.HOST: 20},
                 inserted_tokens=5,
                 evicted={(FULL, Tier.DEVICE): 50, (MAMBA, Tier.DEVICE): 2 + i},
                 backed_up_tokens=70,

@@ -26,6 +26,7 @@ from urc.replay import (
     run_replay,
 )
 from urc.tiers import WritePolicy
+from urc.tree import Tier
 from urc.workloads import (
     WorkloadKind,
     default_config,
@@ -180,7 +181,7 @@ async def test_unbounded_prefill_only_equals_the_ideal(kind: WorkloadKind, page_
     rep = await replay(config)
     assert rep.requests_done == n and rep.requests_rejected == 0
     assert rep.input_tokens == ideal.input_tokens
-    assert rep.hit_tokens == {"device": ideal.hit_tokens, "host": 0, "storage": 0}
+    assert rep.hit_tokens == {Tier.DEVICE: ideal.hit_tokens, Tier.HOST: 0, Tier.STORAGE: 0}
     assert rep.hit_rate == pytest.approx(ideal.hit_rate)
     assert rep.ideal_hit_rate == pytest.approx(ideal.hit_rate)
     assert not any(rep.evicted.values())
@@ -204,7 +205,7 @@ async def test_small_device_uses_the_host_tier(policy: WritePolicy) -> None:
     assert rep.evicted.get("full/device", 0) > 0
     assert rep.backed_up_tokens > 0
     assert rep.loaded_back_tokens > 0
-    assert rep.hit_tokens["host"] > 0
+    assert rep.hit_tokens[Tier.HOST] > 0
 
 
 @pytest.mark.parametrize(
@@ -308,7 +309,7 @@ async def test_conversation_trace_prefix_equals_the_block_ideal() -> None:
     rep = await replay(config)
     assert rep.check_ok, rep.check_error
     assert rep.input_tokens == ideal.input_tokens
-    assert rep.hit_tokens["device"] == ideal.hit_tokens
+    assert rep.hit_tokens[Tier.DEVICE] == ideal.hit_tokens
 
 
 @pytest.mark.asyncio
@@ -338,7 +339,7 @@ async def test_l3_storage_tier_serves_a_second_run(
     assert "L3 flush" in first.format() and first.deterministic is False
     second = await replay(config)
     assert second.check_ok, second.check_error
-    assert second.hit_tokens["storage"] > 0
+    assert second.hit_tokens[Tier.STORAGE] > 0
     assert second.to_dict()["config"]["l3"].endswith("(on_host_eviction)")
     if second.hit_rate > second.ideal_hit_rate:
         assert any("above the cold-start ideal" in n for n in second.notes)

@@ -14,6 +14,7 @@ from trace_paths import conversation_trace, requires_conversation_trace
 
 from urc.commands import Command, CommandKind, MatchOutcome
 from urc.replay import Capacity, ReplayConfig, run_replay
+from urc.tree import Tier
 
 # The commands a request sends before it prefills: its row, then its match (with a host hit,
 # the load-back's commit too).
@@ -64,7 +65,7 @@ async def _check_one_pair_per_host_hit(config: ReplayConfig) -> None:
             host_hits += commit.host_loaded_len > 0
             loaded += commit.host_loaded_len
     assert host_hits > 0, "the workload was meant to hit the host tier"
-    assert report.hit_tokens["host"] == loaded
+    assert report.hit_tokens[Tier.HOST] == loaded
     assert report.check_ok, report.check_error
 
 

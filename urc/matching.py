@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from urc.components.base import MatchValidator
-from urc.node import TreeNode
+from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams, MatchResult
 
 if TYPE_CHECKING:
@@ -201,8 +201,8 @@ def finish_match(
     for c in cache.hooks.finalize:
         result = c.finalize_match_result(result, params, path, best, pos)
     hits = counters.hit_tokens
-    hits["device"] += result.device_indices.shape[0]
-    hits["host"] += result.host_hit_length
+    hits[Tier.DEVICE] += result.device_indices.shape[0]
+    hits[Tier.HOST] += result.host_hit_length
     return result
 
 

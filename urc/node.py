@@ -42,10 +42,12 @@ class SizeUnit(str, Enum):
 
 
 class Tier(IntEnum):
-    """Where a copy of a component's data lives."""
+    """Where a copy of a component's data lives (nodes hold DEVICE and HOST copies; STORAGE
+    is the L3 tier below the host, which keeps pages by hash, not on nodes)."""
 
     DEVICE = 0
     HOST = 1
+    STORAGE = 2
 
 
 class ComponentData:

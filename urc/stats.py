@@ -40,15 +40,13 @@ class ComponentStats:
 class CacheCounters:
     """Cumulative event counters the core increments (monotonic; never reset by reads).
 
-    ``hit_tokens`` is indexed by tier name ("device", "host", "storage"); ``evicted`` by
+    ``hit_tokens`` is indexed by :class:`~urc.node.Tier` (every tier present); ``evicted`` by
     (component, tier) in that component's unit.
     """
 
     match_requests: int = 0
     query_tokens: int = 0
-    hit_tokens: dict[str, int] = field(
-        default_factory=lambda: {"device": 0, "host": 0, "storage": 0}
-    )
+    hit_tokens: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
     inserted_tokens: int = 0
     evicted: dict[tuple[ComponentType, Tier], int] = field(default_factory=dict)
     backed_up_tokens: int = 0
@@ -66,7 +64,7 @@ class CacheStats:
     num_nodes: int
     match_requests: int
     query_tokens: int
-    hit_tokens: dict[str, int]
+    hit_tokens: dict[Tier, int]
     inserted_tokens: int
     evicted: dict[tuple[ComponentType, Tier], int]
     backed_up_tokens: int

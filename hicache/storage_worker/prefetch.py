@@ -26,7 +26,7 @@ from urc.cache import UnifiedRadixCache
 from urc.key import RadixKey
 from urc.observer import TransferKind
 from urc.tiering import HostPart
-from urc.tree import ComponentType, TreeNode
+from urc.tree import ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.service import AsyncUnifiedRadixCache
@@ -179,7 +179,7 @@ class Prefetcher:
                         n = tiering.insert_host(
                             cache, key[: pf.start + got * ps], placed, pf.start, parts
                         )
-                        cache.counters.hit_tokens["storage"] += n
+                        cache.counters.hit_tokens[Tier.STORAGE] += n
                         return n
 
                     inserted = await svc.call(commit)

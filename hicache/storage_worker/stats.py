@@ -13,7 +13,7 @@ class StorageWorkerStats:
     SWA pages of ``page_size`` tokens, Mamba states).
 
     ``prefetch_hit_tokens`` counts tokens inserted on host from storage (also added to the
-    cache's ``hit_tokens["storage"]``); ``prefetch_misses`` prefetches that brought nothing
+    cache's ``hit_tokens[Tier.STORAGE]``); ``prefetch_misses`` prefetches that brought nothing
     (no page stored, a failure, or a timeout before the first page); ``prefetch_timeouts``
     prefetches stopped by their deadline; ``errors`` storage calls that failed (an error or
     a timeout of the store, or a storage error raised for the call); ``retried_writes``

@@ -66,7 +66,7 @@ from urc.replay.report import TIERS, LatencyRecorder, ReplayReport
 from urc.replay.source import EmptyWorkloadError, WorkloadSummary, aiter_requests, summarize
 from urc.req import Req
 from urc.service import AsyncUnifiedRadixCache, BackgroundWorker, LoadBackPolicy, TraceHook
-from urc.tree import ComponentType
+from urc.tree import ComponentType, Tier
 from urc.workloads import TraceRequest
 
 __all__ = ["OUTPUT_TOKEN_BASE", "MetricsHook", "output_token_ids", "run_replay"]
@@ -233,7 +233,7 @@ class _ServingLoop:
             svc.match_req(req, cow_mamba=self.mamba, load_back=controller is not None),
         )
         hits = self.hits
-        hits["host"] += m.host_loaded_len
+        hits[Tier.HOST] += m.host_loaded_len
         device_hit = m.prefix_len - m.host_loaded_len
         if storage is not None and m.prefix_len + m.host_hit_length + config.page_size <= n_in:
             # Pages past the host hit may be in L3: bring them to host, then to device.
@@ -244,10 +244,10 @@ class _ServingLoop:
                 # The longer hit is what the prefetch brought from L3 first; anything else
                 # newly on host counts as host, what a concurrent request inserted as device.
                 from_l3 = min(m2.host_loaded_len, from_storage)
-                hits["storage"] += from_l3
-                hits["host"] += m2.host_loaded_len - from_l3
+                hits[Tier.STORAGE] += from_l3
+                hits[Tier.HOST] += m2.host_loaded_len - from_l3
                 device_hit += m2.prefix_len - m.prefix_len - m2.host_loaded_len
-        hits["device"] += device_hit
+        hits[Tier.DEVICE] += device_hit
         if self.mamba and req.mamba_pool_idx is None:
             got = await self._with_memory("alloc_mamba_state", partial(svc.alloc_req_mamba, req))
             if got is None:

@@ -27,9 +27,17 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["IDEAL_SCOPE", "LatencyRecorder", "LatencySummary", "ReplayReport"]
+from urc.tree import Tier
 
-TIERS = ("device", "host", "storage")
+__all__ = ["IDEAL_SCOPE", "TIERS", "LatencyRecorder", "LatencySummary", "ReplayReport"]
+
+TIERS = tuple(Tier)
+
+
+def _name(tier: Tier) -> str:
+    """A tier's key in the JSON report ("device", "host", "storage")."""
+    return tier.name.lower()
+
 
 IDEAL_SCOPE = "unbounded full-attention cache, empty at start, prompts only"
 
@@ -111,11 +119,11 @@ class ReplayReport:
     requests_rejected: int
     input_tokens: int
     output_tokens: int
-    hit_tokens: dict[str, int]
+    hit_tokens: dict[Tier, int]
     evicted: dict[str, int]
     backed_up_tokens: int
     loaded_back_tokens: int
-    core_match_hit_tokens: dict[str, int]
+    core_match_hit_tokens: dict[Tier, int]
     storage_stats: dict[str, int]
     latency: dict[str, LatencySummary]
     setup_time_s: float
@@ -138,7 +146,7 @@ class ReplayReport:
         """Prompt tokens served from any tier over all prompt tokens."""
         return sum(self.hit_tokens.values()) / self.input_tokens if self.input_tokens else 0.0
 
-    def tier_hit_rate(self, tier: str) -> float:
+    def tier_hit_rate(self, tier: Tier) -> float:
         return self.hit_tokens.get(tier, 0) / self.input_tokens if self.input_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,16 +182,16 @@ class ReplayReport:
             "tokens": {
                 "input": self.input_tokens,
                 "output": self.output_tokens,
-                "hit": {t: self.hit_tokens.get(t, 0) for t in TIERS},
+                "hit": {_name(t): self.hit_tokens.get(t, 0) for t in TIERS},
             },
             "hit_rate": {
                 "overall": self.hit_rate,
-                **{t: self.tier_hit_rate(t) for t in TIERS},
+                **{_name(t): self.tier_hit_rate(t) for t in TIERS},
             },
             "evicted": dict(self.evicted),
             "backed_up_tokens": self.backed_up_tokens,
             "loaded_back_tokens": self.loaded_back_tokens,
-            "core_match_hit_tokens": dict(self.core_match_hit_tokens),
+            "core_match_hit_tokens": {_name(t): n for t, n in self.core_match_hit_tokens.items()},
             "storage": dict(self.storage_stats),
             "check": {"ok": self.check_ok, "error": self.check_error},
             "warnings": list(self.warnings),
@@ -219,13 +227,13 @@ class ReplayReport:
             f"requests   {self.requests_total:,} ({self.requests_done:,} done, "
             f"{self.requests_rejected:,} rejected)",
             f"tokens     input {self.input_tokens:,}, output {self.output_tokens:,}",
-            f"hit rate   {pct(self.hit_rate)}  (device {pct(self.tier_hit_rate('device'))}, "
-            f"host {pct(self.tier_hit_rate('host'))}, "
-            f"storage {pct(self.tier_hit_rate('storage'))})",
+            f"hit rate   {pct(self.hit_rate)}  (device {pct(self.tier_hit_rate(Tier.DEVICE))}, "
+            f"host {pct(self.tier_hit_rate(Tier.HOST))}, "
+            f"storage {pct(self.tier_hit_rate(Tier.STORAGE))})",
             f"ideal      {pct(self.ideal_hit_rate)}  ({IDEAL_SCOPE})",
             *(
                 [
-                    f"host tier  +{self.tier_hit_rate('host') * 100:.2f} points of hit rate "
+                    f"host tier  +{self.tier_hit_rate(Tier.HOST) * 100:.2f} points of hit rate "
                     f"(prompt tokens loaded back from host instead of recomputed)"
                 ]
                 if self.host_tokens

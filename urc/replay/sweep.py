@@ -20,6 +20,7 @@ from urc.replay.config import Capacity, ReplayConfig
 from urc.replay.driver import run_replay
 from urc.replay.report import IDEAL_SCOPE, ReplayReport
 from urc.replay.source import EmptyWorkloadError, summarize
+from urc.tree import Tier
 
 __all__ = ["DEFAULT_SWEEP", "SweepPoint", "SweepResult", "run_sweep"]
 
@@ -73,8 +74,8 @@ class SweepResult:
                     "capacity": str(p.capacity),
                     "device_tokens": p.device_tokens,
                     "hit_rate": p.hit_rate,
-                    "device_hit_rate": p.report.tier_hit_rate("device"),
-                    "host_hit_rate": p.report.tier_hit_rate("host"),
+                    "device_hit_rate": p.report.tier_hit_rate(Tier.DEVICE),
+                    "host_hit_rate": p.report.tier_hit_rate(Tier.HOST),
                     "rejected": p.report.requests_rejected,
                 }
                 for p in self.points
@@ -102,7 +103,7 @@ class SweepResult:
             r = p.report
             lines.append(
                 f"  {p.capacity!s:>9} {p.device_tokens:>14,} {p.hit_rate:>9.2%} "
-                f"{r.tier_hit_rate('device'):>8.2%} {r.tier_hit_rate('host'):>8.2%} "
+                f"{r.tier_hit_rate(Tier.DEVICE):>8.2%} {r.tier_hit_rate(Tier.HOST):>8.2%} "
                 f"{r.requests_rejected:>9,}"
             )
         lines.append("")
