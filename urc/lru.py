@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import islice
 
 from urc.tree import TreeNode
 
@@ -17,42 +18,48 @@ __all__ = ["LRUList"]
 class LRUList:
     """Nodes in least- to most-recently-used order."""
 
-    __slots__ = ("_od",)
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self._od: OrderedDict[int, TreeNode] = OrderedDict()
+        # id -> node, least recently used first.  Public for hot loops that test membership
+        # or move entries themselves (SWA's refresh); the methods keep the same order rules.
+        self.entries: OrderedDict[int, TreeNode] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._od)
+        return len(self.entries)
 
     def __contains__(self, node: TreeNode) -> bool:
-        return node.id in self._od
+        return node.id in self.entries
 
     def insert_mru(self, node: TreeNode) -> None:
         """Add ``node`` (or move it) to the most-recently-used end."""
-        od = self._od
+        od = self.entries
         od[node.id] = node
         od.move_to_end(node.id)
 
     def promote(self, node: TreeNode) -> None:
         """Move ``node`` to the MRU end if it is in the list."""
-        if node.id in self._od:
-            self._od.move_to_end(node.id)
+        if node.id in self.entries:
+            self.entries.move_to_end(node.id)
 
     def remove(self, node: TreeNode) -> None:
         """Remove ``node``; a node not in the list is ignored."""
-        self._od.pop(node.id, None)
+        self.entries.pop(node.id, None)
 
     def clear(self) -> None:
-        self._od.clear()
+        self.entries.clear()
 
     def first_where(self, accept: Callable[[TreeNode], bool]) -> TreeNode | None:
         """The least-recently-used node for which ``accept`` is true (skips locked nodes)."""
-        for node in self._od.values():
+        for node in self.entries.values():
             if accept(node):
                 return node
         return None
 
     def ids(self) -> list[int]:
         """Node ids from LRU to MRU (for tests and sanity checks)."""
-        return list(self._od)
+        return list(self.entries)
+
+    def oldest(self, n: int) -> list[TreeNode]:
+        """Up to ``n`` nodes from the least-recently-used end (a copy: safe to mutate)."""
+        return list(islice(self.entries.values(), n))

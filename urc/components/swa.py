@@ -45,12 +45,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from itertools import count, islice
+from itertools import count
 from typing import TYPE_CHECKING
 
 import torch
 
 from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
+from urc.components.swa_data import SWAData
+from urc.components.swa_window import (
+    free_out_of_window,
+    window_match_validator,
+    window_path_validator,
+)
 from urc.errors import ConfigError, InvalidInputError, InvalidLockError
 from urc.eviction import cascade_evict
 from urc.lru import LRUList
@@ -79,47 +85,6 @@ _SWA = 1
 _EVICT_BATCH = 64
 
 
-def _has_window_kv(node: TreeNode) -> bool:
-    return node.data[_SWA].value is not None  # type: ignore[union-attr]
-
-
-def _has_window_kv_any_tier(node: TreeNode) -> bool:
-    # Host pass: a host-only node's SWA host copy is data (a load-back restores it); a node
-    # on device counts only with SWA on device (a load-back leaves it as is).
-    cd = node.data[_SWA]
-    assert cd is not None
-    if cd.value is not None:
-        return True
-    return cd.host_value is not None and node.data[_FULL].value is None  # type: ignore[union-attr]
-
-
-class SWAData(ComponentData):
-    """SWA's data on one node: ``ComponentData`` plus the window-lock stamps.
-
-    ``uuid`` names the node as the top of window locks (stamped by the first lock whose
-    window it fills; a split moves it to the upper part).  ``restored`` is the recovery epoch
-    at which the node last got SWA back while Full-locked (0: never), see the module
-    docstring.
-    """
-
-    __slots__ = ("restored", "uuid")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.uuid: int | None = None
-        self.restored = 0
-
-
-class _SWALRU(LRUList):
-    """The LRU list plus a bounded peek at its oldest entries."""
-
-    __slots__ = ()
-
-    def oldest(self, n: int) -> list[TreeNode]:
-        """Up to ``n`` nodes from the least-recently-used end (a copy: safe to mutate)."""
-        return list(islice(self._od.values(), n))
-
-
 class SWAComponent(TreeComponent):
     """Sliding-window KV (see the module docstring)."""
 
@@ -139,8 +104,8 @@ class SWAComponent(TreeComponent):
         self.page_size = ps
         # Longest SWA span a new leaf keeps: one window, rounded up to whole pages.
         self.leaf_cap = -(-window // ps) * ps
-        self.lru = _SWALRU()
-        self._od = self.lru._od
+        self.lru = LRUList()
+        self._od = self.lru.entries
         self._uuids = count(1)
         # Bumped on every recovery of a Full-locked tombstone (see the module docstring).
         self._epoch = 0
@@ -175,45 +140,12 @@ class SWAComponent(TreeComponent):
         return result
 
     def create_match_validator(self, match_device_only: bool) -> MatchValidator:
-        window = self.window
-        has = _has_window_kv if match_device_only else _has_window_kv_any_tier
-        # Contiguous SWA tokens above (and including) the current node.  Starts satisfied:
-        # a path from the root without tombstones is always a valid boundary.
-        acc = window
-
-        def validate(node: TreeNode) -> bool:
-            nonlocal acc
-            if not has(node):
-                acc = 0
-                return False
-            acc += node.key_len
-            return acc >= window
-
-        return validate
+        return window_match_validator(self.window, match_device_only)
 
     def create_path_validator(
         self, path: Sequence[TreeNode], match_device_only: bool
     ) -> PathValidator:
-        window = self.window
-        has = _has_window_kv if match_device_only else _has_window_kv_any_tier
-
-        def validate(i: int) -> bool:
-            # The walk's answer at ``path[i - 1]``, from the nodes just above it: valid when
-            # the tokens back to the nearest tombstone fill a window, or no tombstone is
-            # above (the walk's count starts satisfied at the root).
-            if not has(path[i - 1]):
-                return False
-            acc = 0
-            for j in range(i - 1, -1, -1):
-                node = path[j]
-                if not has(node):
-                    return False
-                acc += node.key_len
-                if acc >= window:
-                    return True
-            return True
-
-        return validate
+        return window_path_validator(path, self.window, match_device_only)
 
     def _refresh(self, node: TreeNode) -> None:
         """Move the nodes covering one window plus one page above ``node`` (inclusive) to the
@@ -606,27 +538,10 @@ class SWAComponent(TreeComponent):
         return None
 
     def free_out_of_window_slots(self, req: Req, pre_len: int) -> int:
-        """Free the SWA slots of ``req``'s own tokens that slid out of the window.
-
-        ``pre_len``: the request's sequence length so far.  Frees the SWA side of
-        ``req_to_token[row, start:new)`` with ``start = max(swa_evicted_seqlen,
-        cache_protected_len)`` (below ``cache_protected_len`` the slots are the tree's) and
-        ``new = floor_page(pre_len - max(window, page_size))``, then sets
-        ``req.swa_evicted_seqlen = new``.  Returns the SWA tokens freed.
-        """
-        row = req.req_pool_idx
-        if row is None:
-            raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
-        ps = self.page_size
-        start = max(req.swa_evicted_seqlen, req.cache_protected_len)
-        new = pre_len - max(self.window, ps)
-        new -= new % ps
-        if new <= start:
-            return 0
-        slots = self.cache.req_to_token_pool.read(row, start, new)
-        freed = self.allocator.free_swa(slots)
-        req.swa_evicted_seqlen = new
-        return freed
+        """Free the SWA slots of ``req``'s own tokens that slid out of the window (see
+        :func:`urc.components.swa_window.free_out_of_window`); returns the tokens freed."""
+        pool = self.cache.req_to_token_pool
+        return free_out_of_window(req, pre_len, self.window, self.page_size, pool, self.allocator)
 
     # ------------------------------------------------------------------ pools and checks
     def pool_capacity(self) -> int:

@@ -1,0 +1,111 @@
+"""The sliding window's rules: where a match may end, and which of a request's SWA slots
+have slid out of the window.
+
+A match may end at a node only if the SWA KV of the last ``window`` tokens up to its end is
+there: the tokens back to the nearest SWA tombstone above fill a window, or no tombstone is
+above (a path from the root without tombstones is always valid).  A request's own tokens::
+
+    [0, cache_protected_len)          tree-owned: never freed here
+    [start, new)                      slid out of the window: SWA slots freed, where
+                                      start = max(swa_evicted_seqlen, cache_protected_len)
+                                      new = floor_page(pre_len - max(window, page_size))
+    [new, pre_len)                    still in the window (SWA kept)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from urc.errors import InvalidInputError
+from urc.node import ComponentType, TreeNode
+
+if TYPE_CHECKING:
+    from urc.pools.req_to_token import ReqToTokenPool
+    from urc.pools.swa import SWATokenSlotAllocator
+    from urc.req import Req
+
+__all__ = ["free_out_of_window", "window_match_validator", "window_path_validator"]
+
+_FULL = ComponentType.FULL
+_SWA = ComponentType.SWA
+
+
+def _has_window_kv(node: TreeNode) -> bool:
+    return node.data[_SWA].value is not None  # type: ignore[union-attr]
+
+
+def _has_window_kv_any_tier(node: TreeNode) -> bool:
+    # Host pass: a host-only node's SWA host copy is data (a load-back restores it); a node
+    # on device counts only with SWA on device (a load-back leaves it as is).
+    cd = node.data[_SWA]
+    assert cd is not None
+    if cd.value is not None:
+        return True
+    return cd.host_value is not None and node.data[_FULL].value is None  # type: ignore[union-attr]
+
+
+def window_match_validator(window: int, device_only: bool) -> Callable[[TreeNode], bool]:
+    """A walk's validator (called top-down on every node it enters): may the match end at
+    this node?"""
+    has = _has_window_kv if device_only else _has_window_kv_any_tier
+    # Contiguous SWA tokens above (and including) the current node.  Starts satisfied.
+    acc = window
+
+    def validate(node: TreeNode) -> bool:
+        nonlocal acc
+        if not has(node):
+            acc = 0
+            return False
+        acc += node.key_len
+        return acc >= window
+
+    return validate
+
+
+def window_path_validator(
+    path: Sequence[TreeNode], window: int, device_only: bool
+) -> Callable[[int], bool]:
+    """What :func:`window_match_validator` answers at ``path[i - 1]``, asked in any order:
+    from the nodes just above it only (at most one window of tokens)."""
+    has = _has_window_kv if device_only else _has_window_kv_any_tier
+
+    def validate(i: int) -> bool:
+        if not has(path[i - 1]):
+            return False
+        acc = 0
+        for j in range(i - 1, -1, -1):
+            node = path[j]
+            if not has(node):
+                return False
+            acc += node.key_len
+            if acc >= window:
+                return True
+        return True
+
+    return validate
+
+
+def free_out_of_window(
+    req: Req,
+    pre_len: int,
+    window: int,
+    page_size: int,
+    req_to_token: ReqToTokenPool,
+    allocator: SWATokenSlotAllocator,
+) -> int:
+    """Free the SWA side of ``req``'s slots in ``[start, new)`` (see the module docstring;
+    ``pre_len``: the request's sequence length so far), set ``req.swa_evicted_seqlen =
+    new`` and return the SWA tokens freed.  Raises :class:`~urc.errors.InvalidInputError`
+    for a request without a ``req_to_token`` row."""
+    row = req.req_pool_idx
+    if row is None:
+        raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
+    start = max(req.swa_evicted_seqlen, req.cache_protected_len)
+    new = pre_len - max(window, page_size)
+    new -= new % page_size
+    if new <= start:
+        return 0
+    freed = allocator.free_swa(req_to_token.read(row, start, new))
+    req.swa_evicted_seqlen = new
+    return freed
