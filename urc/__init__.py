@@ -45,6 +45,9 @@ _EXPORTS: dict[str, str] = {
     "MatchPrefixParams": "urc.params",
     "MatchResult": "urc.params",
     "KVShape": "urc.pools.kv_pool",
+    "MambaSpec": "urc.specs",
+    "SlidingWindowSpec": "urc.specs",
+    "WalkImpl": "urc.fastpath",
     "Req": "urc.req",
     "ComponentType": "urc.tree",
     "Tier": "urc.tree",
@@ -92,6 +95,7 @@ __all__ = [
     "NodeHandle",
     "OutOfMemoryError",
     "PoolError",
+    "MambaSpec",
     "RadixKey",
     "Req",
     "ServiceClosedError",
@@ -99,11 +103,13 @@ __all__ = [
     "ServiceFailedError",
     "ServiceObserver",
     "ServiceState",
+    "SlidingWindowSpec",
     "Tier",
     "TransferKind",
     "TreeNode",
     "URCError",
     "UnifiedRadixCache",
+    "WalkImpl",
     "build_cache",
     "build_pools",
 ]
@@ -153,6 +159,7 @@ if TYPE_CHECKING:
         ServiceFailedError,
         URCError,
     )
+    from urc.fastpath import WalkImpl
     from urc.key import (
         RadixKey,
     )
@@ -186,6 +193,7 @@ if TYPE_CHECKING:
         BackgroundWorker,
         ServiceState,
     )
+    from urc.specs import MambaSpec, SlidingWindowSpec
     from urc.tree import (
         ComponentType,
         Tier,

@@ -13,6 +13,7 @@ from urc.fastpath import WalkImpl
 from urc.pools.allocator import TokenSlotAllocator, check_page_size
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
+from urc.specs import ComponentSpec, MambaSpec, SlidingWindowSpec
 from urc.tree import ComponentType
 
 __all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_pools"]
@@ -73,15 +74,50 @@ class CacheConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_size % self.page_size:
             raise ConfigError(f"kv_size {self.kv_size} is not a multiple of {self.page_size}")
-        if ComponentType.SWA in self.components:
-            if self.sliding_window_size is None or self.sliding_window_size <= 0:
-                raise ConfigError(f"SWA needs sliding_window_size > 0: {self.sliding_window_size}")
-            if self.swa_kv_size is not None and self.swa_kv_size <= 0:
-                raise ConfigError(f"swa_kv_size must be positive, got {self.swa_kv_size}")
-        if ComponentType.MAMBA in self.components and self.mamba_size <= 0:
-            raise ConfigError(f"MAMBA needs mamba_size > 0, got {self.mamba_size}")
+        for spec in self.specs:
+            spec.validate(self)
         if self.mamba_size < 0:
             raise ConfigError(f"mamba_size must not be negative, got {self.mamba_size}")
+
+    @property
+    def specs(self) -> tuple[ComponentSpec, ...]:
+        """One spec per auxiliary component, in component order (from the flat fields)."""
+        out: list[ComponentSpec] = []
+        for ct in self.components[1:]:
+            if ct is ComponentType.SWA:
+                out.append(SlidingWindowSpec(self.sliding_window_size or 0, self.swa_kv_size))
+            elif ct is ComponentType.MAMBA:
+                out.append(
+                    MambaSpec(
+                        self.mamba_size,
+                        self.mamba_chunk_size,
+                        self.mamba_conv_shape,
+                        self.mamba_ssm_shape,
+                    )
+                )
+        return tuple(out)
+
+    @classmethod
+    def with_specs(cls, *specs: ComponentSpec, **fields: Any) -> CacheConfig:
+        """A config of FULL plus the components ``specs`` describe (any order); ``fields``
+        are the other constructor arguments.  ``config.specs`` gives the specs back."""
+        flat: dict[str, Any] = {}
+        for spec in specs:
+            if isinstance(spec, SlidingWindowSpec):
+                flat.update(sliding_window_size=spec.window, swa_kv_size=spec.kv_size)
+            elif isinstance(spec, MambaSpec):
+                flat.update(
+                    mamba_size=spec.size,
+                    mamba_chunk_size=spec.chunk_size,
+                    mamba_conv_shape=spec.conv_shape,
+                    mamba_ssm_shape=spec.ssm_shape,
+                )
+            else:
+                raise ConfigError(f"unknown component spec {spec!r}")
+        types = sorted({spec.component_type for spec in specs})
+        if len(types) != len(specs):
+            raise ConfigError(f"one spec per component, got {specs}")
+        return cls(components=(ComponentType.FULL, *types), **flat, **fields)
 
 
 @dataclass(slots=True)
@@ -103,23 +139,11 @@ class CachePools:
 def build_pools(config: CacheConfig) -> CachePools:
     """Allocate the pools ``config`` describes (real tensors, on ``config.device``)."""
     device = torch.device(config.device)
-    allocator: TokenSlotAllocator
-    swa: Any = None
-    mamba: Any = None
-    if ComponentType.SWA in config.components:
-        from urc.pools.swa import build_swa_allocator
-
-        allocator, swa = build_swa_allocator(config)
-    else:
-        allocator = TokenSlotAllocator(config.kv_size, config.page_size, device)
-    if ComponentType.MAMBA in config.components:
-        from urc.pools.mamba import build_mamba_pool
-
-        mamba = build_mamba_pool(config)
-    return CachePools(
-        token_allocator=allocator,
+    pools = CachePools(
+        token_allocator=TokenSlotAllocator(config.kv_size, config.page_size, device),
         req_to_token_pool=ReqToTokenPool(config.max_num_reqs, config.max_context_len, device),
         kv_pool=KVPool(config.kv_size, config.kv_shape, device),
-        swa=swa,
-        mamba=mamba,
     )
+    for spec in config.specs:
+        spec.build_pools(config, pools)
+    return pools
