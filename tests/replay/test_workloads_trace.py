@@ -23,7 +23,7 @@ from urc.workloads import (
     iter_mooncake_trace,
 )
 
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+REAL_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def _line(timestamp: int, input_length: int, output_length: int, hash_ids: list[int]) -> str:

@@ -14,7 +14,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from urc import AsyncUnifiedRadixCache, CacheConfig
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TIMEOUT = 30
 
 

@@ -120,7 +120,7 @@ def test_run_that_rejects_every_request_warns_and_fails(capsys: pytest.CaptureFi
 
 
 # ---------------------------------------------------------------------- timings
-# (the L3 flush: tests/test_replay.py::test_l3_storage_tier_serves_a_second_run)
+# (the L3 flush: tests/replay/test_replay.py::test_l3_storage_tier_serves_a_second_run)
 def test_cli_report_includes_process_start_up_in_the_total(tmp_path: Path) -> None:
     rc, rep = cli_json(tmp_path, "t", "--num-requests", "30")
     t = rep["timings"]
