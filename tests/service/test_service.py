@@ -657,6 +657,7 @@ async def test_background_worker_failure_never_fails_service() -> None:
 
 
 # ====================================================================== concurrency
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_256_clients_random_ops_conserve_everything() -> None:
     """256 clients x 100 random ops: invariants hold, every slot and lock is returned, and the

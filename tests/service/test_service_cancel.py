@@ -221,6 +221,7 @@ async def test_cancelled_release_keeps_lease_usable() -> None:
         check_clean(svc.cache)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_random_cancellations_256_clients_leak_nothing() -> None:
     """256 clients x 60 random ops; scopes are cancelled before sending, while queued, and

@@ -392,6 +392,7 @@ async def scenario(components: tuple[ComponentType, ...], seed: int) -> dict[Sty
         return totals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("components", COMPONENT_SETS, ids=IDS)
 @pytest.mark.asyncio
 async def test_chaos_asyncio_leaks_nothing(components: tuple[ComponentType, ...]) -> None:
@@ -400,6 +401,7 @@ async def test_chaos_asyncio_leaks_nothing(components: tuple[ComponentType, ...]
     assert all(n > 50 for n in totals.values()), totals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("components", COMPONENT_SETS, ids=IDS)
 def test_chaos_trio_leaks_nothing(components: tuple[ComponentType, ...]) -> None:
     """trio: cancel scopes and deadlines (trio has no other cancellation)."""
