@@ -8,7 +8,7 @@ import itertools
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from enum import Enum
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -343,16 +343,16 @@ class _ScrapeMetrics(CacheMetrics):
                 cfam.add_metric([kind], figures[i], created)
         fams[_TRANSFER_SECONDS.name] = hfam = _histogram(_TRANSFER_SECONDS)
         for kind, h in transfer_hists.items():
-            _add_hist(hfam, [kind], self._tles, h, created)
+            _add_hist(hfam, _TRANSFER_SECONDS.labels, [kind], self._tles, h, created)
 
         fams[_ERRORS.name] = cfam = _counter(_ERRORS)
         for (kind, error_type), n in errors.items():
             cfam.add_metric([kind, error_type], float(n), created)
         fams[_LATENCY.name] = hfam = _histogram(_LATENCY)
         for kind, h in latency:
-            _add_hist(hfam, [kind], self._cles, h, created)
+            _add_hist(hfam, _LATENCY.labels, [kind], self._cles, h, created)
         fams[_QUEUE_WAIT.name] = hfam = _histogram(_QUEUE_WAIT)
-        _add_hist(hfam, [], self._cles, wait, created)
+        _add_hist(hfam, _QUEUE_WAIT.labels, [], self._cles, wait, created)
         fams[_STORAGE_ERRORS.name] = cfam = _counter(_STORAGE_ERRORS)
         for (backend, op), n in storage_errors.items():
             cfam.add_metric([backend, op], float(n), created)
@@ -375,6 +375,7 @@ def _histogram(spec: _Spec) -> HistogramMetricFamily:
 
 def _add_hist(
     fam: HistogramMetricFamily,
+    names: Sequence[str],
     labels: list[str],
     les: tuple[str, ...],
     hist: tuple[float, ...],
@@ -384,7 +385,6 @@ def _add_hist(
     buckets = list(zip(les, itertools.accumulate(hist[:-1]), strict=True))
     fam.add_metric(labels, buckets, hist[-1])
     if created is not None:  # as prometheus_client's own Histogram exposes
-        names = fam._labelnames
         fam.samples.append(
             Sample(f"{fam.name}_created", dict(zip(names, labels, strict=True)), created)
         )

@@ -27,6 +27,7 @@ from urc.errors import (
     InvalidInputError,
     InvalidLockError,
 )
+from urc.eviction import Evictor
 from urc.fastpath import select_walk
 from urc.hooks import ComponentHooks
 from urc.key import RadixKey
@@ -81,8 +82,13 @@ class UnifiedRadixCache:
         self.backups_in_flight: set[int] = set()
         # The tiers below device that listen (``subscribe``): see ``urc.tiers.TierEvents``.
         self.tier_events: tuple[TierEvents, ...] = ()
+        # The tree's structure and the eviction steps first: components are built with them.
+        self.tree = tree = Tree(
+            config.page_size, config.is_eagle, self.device, select_walk(config.walk_impl)
+        )
+        self.evictor = Evictor(self)
         self.components: list[TreeComponent] = [
-            component_class(ct)(self) for ct in config.components
+            component_class(ct)(tree, pools, config, self.evictor) for ct in config.components
         ]
         full = self.components[0]
         assert isinstance(full, FullComponent)
@@ -101,14 +107,7 @@ class UnifiedRadixCache:
         # raise before changing anything), so only the later ones need a separate check.
         first = self._components_rev[0]
         self._check_release = [c.check_release for c in hooks.release_checks if c is not first]
-        self.tree = Tree(
-            config.page_size,
-            config.is_eagle,
-            self.device,
-            self._new_data,
-            [c.redistribute_on_node_split for c in comps],
-            select_walk(config.walk_impl),
-        )
+        tree.bind(self._new_data, [c.redistribute_on_node_split for c in comps])
 
     # ================================================================== structure
     @property
@@ -208,6 +207,8 @@ class UnifiedRadixCache:
         """Give the cache a host tier: from now on device leaves with a host copy are demoted
         instead of deleted, matches report host hits, and ``policy`` decides backups."""
         self.host_tier = tier
+        for c in self.components:
+            c.attach_host_tier(tier)
         self.write_policy = policy
         self.backup_threshold = policy.hit_threshold
 

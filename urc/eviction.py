@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
     from urc.components.base import TreeComponent
 
-__all__ = ["cascade_evict", "drop_if_empty", "evict", "evict_device_leaf"]
+__all__ = ["Evictor", "cascade_evict", "drop_if_empty", "evict", "evict_device_leaf"]
 
 _FULL = 0
 _DEVICE = Tier.DEVICE
@@ -145,3 +145,37 @@ def drop_if_empty(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]) 
         node = parent
     if node.parent is not None and not node.in_heap and full.is_device_leaf(node):
         full.note_leaf(node)
+
+
+class Evictor:
+    """The cache-wide eviction steps of one cache, as its components call them from their
+    eviction drivers and allocators (a component is given this, not the cache)."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        self._cache = cache
+
+    def evict(self, params: EvictParams, protect: TreeNode | None = None) -> EvictResult:
+        """``cache.evict(params)``; ``protect`` (with its ancestors) is locked meanwhile, so
+        it survives (its lock is released with its own receipt afterwards)."""
+        cache = self._cache
+        if protect is None or protect.parent is None:
+            return cache.evict(params)
+        receipt = cache.inc_lock_ref(protect)
+        try:
+            return cache.evict(params)
+        finally:
+            cache.dec_lock_ref(protect, receipt.to_dec_params())
+
+    def evict_device_leaf(self, node: TreeNode, tracker: list[int]) -> bool:
+        """:func:`evict_device_leaf` on this cache."""
+        return evict_device_leaf(self._cache, node, tracker)
+
+    def cascade(self, node: TreeNode, trigger: TreeComponent, tracker: list[int]) -> None:
+        """:func:`cascade_evict` on this cache."""
+        cascade_evict(self._cache, node, trigger, tracker)
+
+    def evict_host_leaf(self, node: TreeNode, tracker: list[int]) -> None:
+        """Free every host copy of the host-only leaf ``node`` and delete it."""
+        self._cache.evict_host_leaf(node, tracker)

@@ -73,6 +73,11 @@ class PendingLoad:
         """Copy the host bytes into the reserved device slots (no tree access)."""
         tiering.copy_load_back(self._tier, self._ticket)
 
+    def finish(self, cache: UnifiedRadixCache, ok: bool) -> int:
+        """Commit the load (``ok``) or drop it, unpinning either way; returns the tokens
+        committed (see :func:`urc.tiering.finish_load_back`)."""
+        return tiering.finish_load_back(cache, self._ticket, ok)
+
     def __repr__(self) -> str:
         return f"PendingLoad({self.tokens} tokens)"
 
@@ -145,7 +150,7 @@ def finish_req_load(
     """Commit ``load`` (``ok``: its copy succeeded) or drop it, unpinning either way.  After a
     commit, re-match the request and move its lock to the longer hit, as :func:`match_req`
     records it.  Returns that match (``None`` when nothing was loaded)."""
-    if tiering.finish_load_back(cache, load._ticket, ok) == 0:
+    if load.finish(cache, ok) == 0:
         return None
     res = cache.match_prefix(MatchPrefixParams(_key(req), cow_mamba, req))
     _lock(cache, req, res)

@@ -64,20 +64,27 @@ class Tree:
         page_size: int,
         is_eagle: bool,
         device: torch.device,
-        new_data: Callable[[], list[ComponentData | None]],
-        split_hooks: Sequence[SplitHook] = (),
         walk: WalkFn = py_walk,
     ) -> None:
         self.page_size = page_size
         self.is_eagle = is_eagle
         self.device = device
-        self.new_data = new_data
-        self.split_hooks = tuple(split_hooks)
         # ``walk(node, ck, tokens, pos, page_size)``: the read-only descent of match and
         # insert (:func:`urc.fastpath.py_walk` or its compiled twin); splits are the caller's.
         self.walk = walk
         self.clock = 0
         self.num_nodes = 0
+
+    def bind(
+        self,
+        new_data: Callable[[], list[ComponentData | None]],
+        split_hooks: Sequence[SplitHook] = (),
+    ) -> None:
+        """Complete the tree once its components exist (they are built with the tree):
+        ``new_data`` makes a node's per-component data, ``split_hooks`` run on every split.
+        Creates the root; nothing else may be called before."""
+        self.new_data = new_data
+        self.split_hooks = tuple(split_hooks)
         self.root = self.new_root()
 
     # ------------------------------------------------------------------ clock

@@ -1,8 +1,10 @@
 """``TreeComponent``: the hooks through which one kind of model state lives in the tree.
 
-The tree (``urc.cache``) walks keys, splits nodes and keeps the node structure; every
+The cache walks keys and the tree (``urc.tree.Tree``) keeps the node structure; every
 physical action -- allocating, freeing, copying, translating indices, locking, choosing what
-to evict -- happens in a component hook.  A cache holds one component per
+to evict -- happens in a component hook.  A component is built with its collaborators: the
+tree, the pools, the config (its spec) and the cache-wide eviction steps
+(``urc.eviction.Evictor``); it never sees the cache itself.  A cache holds one component per
 :class:`~urc.tree.ComponentType`; FULL is always present and is the anchor: a node exists
 while its Full data exists on some tier.
 
@@ -25,7 +27,8 @@ import torch
 from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
+    from urc.config import CacheConfig, CachePools
+    from urc.eviction import Evictor
     from urc.params import (
         DecLockRefParams,
         EvictParams,
@@ -37,7 +40,8 @@ if TYPE_CHECKING:
     )
     from urc.req import Req
     from urc.tiering import HostPart
-    from urc.tiers import TransferItem
+    from urc.tiers import HostTier, TransferItem
+    from urc.tree import Tree
 
 __all__ = ["EvictTracker", "MatchValidator", "PathValidator", "TreeComponent"]
 
@@ -54,14 +58,26 @@ class TreeComponent(ABC):
     component_type: ClassVar[ComponentType]
     unit: ClassVar[SizeUnit] = SizeUnit.TOKENS
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
-        self.cache = cache
+    def __init__(
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+    ) -> None:
+        # Collaborators: the tree's structure, the pools, the config (and this component's
+        # spec in it), and the cache-wide eviction steps.  No reference to the cache.
+        self.tree = tree
+        self.pools = pools
+        self.config = config
+        self.evictor = evictor
+        self.host_tier: HostTier | None = None  # see attach_host_tier
         # Device sizes in this component's unit: data on unlocked / locked nodes.
         self.evictable_size = 0
         self.protected_size = 0
         # Host sizes: host copies without / with a host lock.
         self.host_evictable_size = 0
         self.host_protected_size = 0
+
+    def attach_host_tier(self, tier: HostTier) -> None:
+        """The cache got a host tier (HiCache): host copies go there from now on."""
+        self.host_tier = tier
 
     # ------------------------------------------------------------------ node data
     def new_data(self) -> ComponentData:
@@ -179,7 +195,7 @@ class TreeComponent(ABC):
     ) -> TreeNode:
         """Attach this component's data to the insert's target ``node``.
 
-        May split ``node`` (via ``cache.split_node``); returns the node later components
+        May split ``node`` (via ``tree.split``); returns the node later components
         should treat as the target (the lower part after a split).
         """
         return node
@@ -293,7 +309,7 @@ class TreeComponent(ABC):
         top-down).  Default for per-token data: slice by piece length; a piece whose device
         data is no longer ``source``'s (lost or replaced despite the backup's locks) or that
         already has a host copy gets none (its host slots are freed)."""
-        tier = self.cache.host_tier
+        tier = self.host_tier
         assert tier is not None
         ct = self.component_type
         pos = 0
@@ -403,7 +419,7 @@ class TreeComponent(ABC):
         """Free ``node``'s host copy of this component (it must not be host-locked)."""
         cd = node.data[self.component_type]
         assert cd is not None and cd.host_value is not None and cd.host_lock_ref == 0
-        tier = self.cache.host_tier
+        tier = self.host_tier
         assert tier is not None
         n = self.host_len(cd)
         tier.host_free(self.component_type, cd.host_value)
@@ -417,11 +433,11 @@ class TreeComponent(ABC):
         return None
 
     def host_capacity(self) -> int:
-        tier = self.cache.host_tier
+        tier = self.host_tier
         return 0 if tier is None else tier.host_capacity(self.component_type)
 
     def host_available(self) -> int:
-        tier = self.cache.host_tier
+        tier = self.host_tier
         return 0 if tier is None else tier.host_available(self.component_type)
 
     # ------------------------------------------------------------------ pools and checks

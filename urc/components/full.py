@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any
 from urc.components.base import EvictTracker, TreeComponent
 from urc.config import EvictionPolicy
 from urc.errors import InvalidLockError
-from urc.eviction import evict_device_leaf
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
     import torch
 
-    from urc.cache import UnifiedRadixCache
+    from urc.config import CacheConfig, CachePools
+    from urc.eviction import Evictor
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
+    from urc.tree import Tree
 
 __all__ = ["FullComponent"]
 
@@ -58,11 +59,13 @@ class FullComponent(TreeComponent):
 
     component_type = ComponentType.FULL
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
-        super().__init__(cache)
-        self.allocator = alloc = cache.pools.token_allocator
+    def __init__(
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+    ) -> None:
+        super().__init__(tree, pools, config, evictor)
+        self.allocator = alloc = pools.token_allocator
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
-        self._key = _policy_key(cache.config.eviction_policy)
+        self._key = _policy_key(config.eviction_policy)
         self._heap: list[tuple[Any, int, TreeNode]] = []
         self._dead = 0  # entries of leaves that got a child since (see ``note_child``)
         # Host-only leaves (HiCache), same lazy rules with ``node.in_host_heap``.
@@ -93,7 +96,7 @@ class FullComponent(TreeComponent):
         if not node.in_heap:
             node.in_heap = True
             heapq.heappush(self._heap, (self._key(node), node.id, node))
-            if len(self._heap) > 2 * self.cache.num_nodes + 64:
+            if len(self._heap) > 2 * self.tree.num_nodes + 64:
                 self._compact()
 
     def _compact(self) -> None:
@@ -118,7 +121,7 @@ class FullComponent(TreeComponent):
         if cd.value is None or cd.lock_ref:
             return False
         children = node.children
-        if children and self.cache.host_tier is None:
+        if children and self.host_tier is None:
             return False  # without a host tier every child is on device
         for child in children.values():
             ccd = child.data[_FULL]
@@ -131,7 +134,7 @@ class FullComponent(TreeComponent):
         target = params.num_tokens
         heap = self._heap
         key = self._key
-        cache = self.cache
+        evict_leaf = self.evictor.evict_device_leaf
         skipped: dict[int, TreeNode] = {}
         pop = heapq.heappop
         replace = heapq.heapreplace
@@ -147,7 +150,7 @@ class FullComponent(TreeComponent):
                 continue
             pop(heap)
             node.in_heap = False
-            if not evict_device_leaf(cache, node, tracker):
+            if not evict_leaf(node, tracker):
                 skipped[nid] = node  # could not be demoted (host full): keep it this call
         for node in skipped.values():
             if self.is_device_leaf(node):
@@ -184,7 +187,7 @@ class FullComponent(TreeComponent):
                 node.in_host_heap = True
                 heapq.heappush(heap, (nk, nid, node))
                 continue
-            self.cache.evict_host_leaf(node, tracker)
+            self.evictor.evict_host_leaf(node, tracker)
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
@@ -201,11 +204,11 @@ class FullComponent(TreeComponent):
         return n
 
     def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
-        kv = self.cache.pools.kv_pool
+        kv = self.pools.kv_pool
         return None if kv is None else kv.slot_buffers()
 
     def release_load_slots(self, device: torch.Tensor) -> None:
-        self.cache.free_full(device)
+        self._free_owned(device)
 
     # ------------------------------------------------------------------ locks
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:

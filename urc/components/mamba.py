@@ -37,14 +37,14 @@ from urc.errors import (
     InvalidInputError,
     InvalidLockError,
 )
-from urc.eviction import cascade_evict
 from urc.lru import LRUList
 from urc.params import EvictParams, MatchResult
 from urc.tiers import TransferItem
 from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
+    from urc.config import CacheConfig, CachePools
+    from urc.eviction import Evictor
     from urc.params import (
         DecLockRefParams,
         IncLockRefResult,
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from urc.pools.mamba import MambaPool
     from urc.req import Req
     from urc.tiering import HostPart
+    from urc.tree import Tree
 
 __all__ = ["MambaComponent"]
 
@@ -89,16 +90,18 @@ class MambaComponent(TreeComponent):
     component_type = ComponentType.MAMBA
     unit = SizeUnit.STATES
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
-        super().__init__(cache)
-        pool = cache.pools.mamba
+    def __init__(
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+    ) -> None:
+        super().__init__(tree, pools, config, evictor)
+        pool = pools.mamba
         if pool is None:
             raise ConfigError("the MAMBA component needs a Mamba pool (CachePools.mamba)")
         self.pool: MambaPool = pool
         self.device = pool.device
-        self.page_size = cache.config.page_size
-        self.chunk_size = cache.config.mamba_chunk_size
-        self.is_eagle = cache.config.is_eagle
+        self.page_size = config.page_size
+        self.chunk_size = config.mamba_chunk_size
+        self.is_eagle = config.is_eagle
         self.requests = MambaRequestSlots(pool, self.page_size, self.is_eagle, self._alloc_slot)
         self.lru = LRUList()
         # node id -> slot of its state (saves a tensor read on every evict and copy).
@@ -110,7 +113,7 @@ class MambaComponent(TreeComponent):
         self._values: list[torch.Tensor | None] = [None] * pool.size
         # Auxiliary components above Mamba in the lock order (SWA); see _may_lock.
         self._above = tuple(
-            ct for ct in cache.config.components if ComponentType.FULL < ct < ComponentType.MAMBA
+            ct for ct in config.components if ComponentType.FULL < ct < ComponentType.MAMBA
         )
         # (params, slot) of the insert validated last, so commit need not read the tensor.
         self._pending: tuple[InsertParams | None, int] = (None, -1)
@@ -214,8 +217,8 @@ class MambaComponent(TreeComponent):
                 if idx is None:
                     dst = self._alloc_slot(node)
                     if dst is None:
-                        root = self.cache.root
-                        empty = torch.empty(0, dtype=torch.int64, device=self.cache.device)
+                        root = self.tree.root
+                        empty = torch.empty(0, dtype=torch.int64, device=self.tree.device)
                         return MatchResult(
                             empty, root, root, root, mamba_branching_seqlen=branching
                         )
@@ -233,15 +236,7 @@ class MambaComponent(TreeComponent):
         slot = pool.alloc_slot()
         if slot is not None or self.evictable_size == 0:
             return slot
-        cache = self.cache
-        if protect is not None and protect.parent is not None:
-            receipt = cache.inc_lock_ref(protect)
-            try:
-                cache.evict(_EVICT_ONE)
-            finally:
-                cache.dec_lock_ref(protect, receipt.to_dec_params())
-        else:
-            cache.evict(_EVICT_ONE)
+        self.evictor.evict(_EVICT_ONE, protect)
         return pool.alloc_slot()
 
     # ------------------------------------------------------------------ insert
@@ -270,7 +265,7 @@ class MambaComponent(TreeComponent):
             # The node keeps its state; the caller still owns (and frees) its slot.
             result.mamba_exist = True
             self.lru.promote(node)
-            self.cache.touch(node)  # an insert onto an existing node re-stamps it (SGLang)
+            self.tree.touch(node)  # an insert onto an existing node re-stamps it (SGLang)
             return node
         mv = params.mamba_value
         if mv is None:
@@ -286,7 +281,7 @@ class MambaComponent(TreeComponent):
         self.lru.insert_mru(node)
         self.evictable_size += 1
         if not is_new_leaf:
-            self.cache.touch(node)
+            self.tree.touch(node)
         return node
 
     # ------------------------------------------------------------------ split
@@ -303,7 +298,7 @@ class MambaComponent(TreeComponent):
     def drive_eviction(self, params: EvictParams, tracker: EvictTracker) -> None:
         target = params.mamba_num
         lru = self.lru
-        cache = self.cache
+        evictor = self.evictor
         while tracker[_M] < target:
             node = lru.first_where(_unlocked)
             if node is None:
@@ -314,7 +309,7 @@ class MambaComponent(TreeComponent):
             else:
                 # Leaf: the node goes with every component (or, if its Full data is
                 # locked, every unlocked lower-priority component's data).
-                cascade_evict(cache, node, self, tracker)
+                evictor.cascade(node, self, tracker)
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
@@ -349,7 +344,7 @@ class MambaComponent(TreeComponent):
             or cd.host_value is not None
             or self._slot_of.get(node.id) != int(source.item())
         ):
-            tier = self.cache.host_tier
+            tier = self.host_tier
             assert tier is not None
             tier.host_free(ComponentType.MAMBA, host)
             return

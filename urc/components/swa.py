@@ -58,14 +58,14 @@ from urc.components.swa_window import (
     window_path_validator,
 )
 from urc.errors import ConfigError, InvalidInputError, InvalidLockError
-from urc.eviction import cascade_evict
 from urc.lru import LRUList
 from urc.pools.swa import SWATokenSlotAllocator
 from urc.tiers import TransferItem
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
+    from urc.config import CacheConfig, CachePools
+    from urc.eviction import Evictor
     from urc.params import (
         DecLockRefParams,
         EvictParams,
@@ -76,6 +76,7 @@ if TYPE_CHECKING:
         MatchResult,
     )
     from urc.req import Req
+    from urc.tree import Tree
 
 __all__ = ["SWAComponent", "SWAData"]
 
@@ -90,17 +91,19 @@ class SWAComponent(TreeComponent):
 
     component_type = ComponentType.SWA
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
-        super().__init__(cache)
-        allocator = cache.pools.token_allocator
+    def __init__(
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+    ) -> None:
+        super().__init__(tree, pools, config, evictor)
+        allocator = pools.token_allocator
         if not isinstance(allocator, SWATokenSlotAllocator):
             raise ConfigError("SWA needs an SWATokenSlotAllocator as the token allocator")
-        window = cache.config.sliding_window_size
+        window = config.sliding_window_size
         if window is None or window <= 0:
             raise ConfigError(f"SWA needs sliding_window_size > 0, got {window}")
         self.allocator = allocator
         self.window = window
-        ps = cache.page_size
+        ps = config.page_size
         self.page_size = ps
         # Longest SWA span a new leaf keeps: one window, rounded up to whole pages.
         self.leaf_cap = -(-window // ps) * ps
@@ -179,7 +182,7 @@ class SWAComponent(TreeComponent):
     def validate_insert(self, params: InsertParams, key_len: int) -> None:
         s = params.get_evicted_seqlen(ComponentType.SWA)
         # An EAGLE key is one shorter than the request's token ids.
-        limit = key_len + 1 if self.cache.is_eagle else key_len
+        limit = key_len + 1 if self.tree.is_eagle else key_len
         if not 0 <= s <= limit:
             raise InvalidInputError(f"swa_evicted_seqlen must be in [0, {limit}], got {s}")
 
@@ -203,18 +206,17 @@ class SWAComponent(TreeComponent):
             return node
         cut = self._boundary(params) - result.prefix_len
         if cut > 0:
-            cache = self.cache
             if cut >= node.key_len:
                 # Entirely below the boundary: a tombstone leaf that lives on its Full value.
                 self.allocator.free_swa(node.data[_FULL].value)  # type: ignore[union-attr,arg-type]
                 return node
-            upper = cache.split_node(node, cut)
+            upper = self.tree.split(node, cut)
             self.allocator.free_swa(upper.data[_FULL].value)  # type: ignore[union-attr,arg-type]
         self._add_swa(node)
         excess = node.key_len - self.leaf_cap
         if excess > 0:
             # The upper part keeps SWA too; only the leaf is what a window lock pins.
-            self.cache.split_node(node, excess)
+            self.tree.split(node, excess)
         return node
 
     def update_component_on_insert_overlap(
@@ -249,7 +251,7 @@ class SWAComponent(TreeComponent):
         if not self.allocator.swa_mapped(fresh):
             return prefix_len
         if start:
-            self.cache.split_node(node, start)
+            self.tree.split(node, start)
         full = node.data[_FULL]
         assert full is not None and full.value is not None
         if full.lock_ref == 0:
@@ -283,7 +285,7 @@ class SWAComponent(TreeComponent):
             alloc.free_swa(full)
             return
         if start:
-            upper = self.cache.split_node(node, start)
+            upper = self.tree.split(node, start)
             alloc.free_swa(upper.data[_FULL].value)  # type: ignore[union-attr,arg-type]
         self._restored(node)
 
@@ -333,7 +335,7 @@ class SWAComponent(TreeComponent):
         ones, until ``swa_num_tokens`` are freed."""
         target = params.swa_num_tokens
         od = self._od
-        cache = self.cache
+        evictor = self.evictor
         batch = _EVICT_BATCH
         while tracker[_SWA] < target:
             candidates = self.lru.oldest(batch)
@@ -345,7 +347,7 @@ class SWAComponent(TreeComponent):
                 # Gone or tombstoned by an earlier cascade in this batch, or locked.
                 if node.id not in od or cd.lock_ref:  # type: ignore[union-attr]
                     continue
-                cascade_evict(cache, node, self, tracker)
+                evictor.cascade(node, self, tracker)
                 progressed = True
             if not progressed:
                 if len(candidates) < batch:
@@ -453,7 +455,7 @@ class SWAComponent(TreeComponent):
         locked = self._walk_release(node, params, True)
         # Valid until the tree changes: every walk that can split or recover a node ticks
         # the cache clock.
-        self._plan = (params, node, self.cache.tree.clock, locked)
+        self._plan = (params, node, self.tree.clock, locked)
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Undo the window lock of receipt ``params``.  Uses the walk of the ``check_release``
@@ -467,7 +469,7 @@ class SWAComponent(TreeComponent):
             plan is not None
             and plan[0] is params
             and plan[1] is node
-            and plan[2] == self.cache.tree.clock
+            and plan[2] == self.tree.clock
         ):
             locked = plan[3]
         else:
@@ -489,7 +491,7 @@ class SWAComponent(TreeComponent):
     # (SWA host data read from L3 storage) uses the per-token default too: a node gets SWA
     # host data only where a stored part covers it whole, else it stays an SWA tombstone.
     def host_mirror_buffers(self) -> list[tuple[torch.Tensor, int]] | None:
-        swa = self.cache.pools.swa
+        swa = self.pools.swa
         return None if swa is None else swa.kv_pool.slot_buffers()
 
     def load_target(self, node: TreeNode, full_device: torch.Tensor) -> TransferItem | None:
@@ -540,7 +542,7 @@ class SWAComponent(TreeComponent):
     def free_out_of_window_slots(self, req: Req, pre_len: int) -> int:
         """Free the SWA slots of ``req``'s own tokens that slid out of the window (see
         :func:`urc.components.swa_window.free_out_of_window`); returns the tokens freed."""
-        pool = self.cache.req_to_token_pool
+        pool = self.pools.req_to_token_pool
         return free_out_of_window(req, pre_len, self.window, self.page_size, pool, self.allocator)
 
     # ------------------------------------------------------------------ pools and checks
