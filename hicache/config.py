@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from urc.errors import ConfigError
-from urc.tiers import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.tree import SizeUnit
 
 __all__ = [

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 
 from hicache.config import HiCacheConfig
-from hicache.tier import HostMemoryTier
-from urc import tiering
+from hicache.host_tier import HostMemoryTier
+from urc import host_transfers
 from urc.cache import UnifiedRadixCache
+from urc.host_protocol import BackupTicket, LoadTicket, TierEvents
 from urc.key import RadixKey
 from urc.observer import ServiceObserver, TransferKind
 from urc.params import MatchPrefixParams
-from urc.tiers import BackupTicket, LoadTicket, TierEvents
 from urc.tree import ComponentType
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ T = TypeVar("T")
 class HiCacheController(TierEvents):
     """Backup, host eviction and load-back for one cache (see the module docstring).
 
-    Build it after :func:`~hicache.tier.attach_hicache` (or let :func:`hicache.attach` build
+    Build it after :func:`~hicache.host_tier.attach_hicache` (or let :func:`hicache.attach` build
     both) and pass it to the service as a worker: ``AsyncUnifiedRadixCache(cache,
     workers=[controller])``.  It subscribes to the cache's tier events (``backup_due`` wakes
     its backup loop).  ``copy_in_thread``: see the module docstring.
@@ -106,8 +106,8 @@ class HiCacheController(TierEvents):
         def start(cache: UnifiedRadixCache) -> list[BackupTicket]:
             tickets = []
             retry = []
-            for node in tiering.take_pending_backups(cache, batch):
-                ticket = tiering.start_backup(cache, node)
+            for node in host_transfers.take_pending_backups(cache, batch):
+                ticket = host_transfers.start_backup(cache, node)
                 if ticket is not None:
                     tickets.append(ticket)
                 elif node.id not in cache.backups_in_flight and not node.deleted:
@@ -124,7 +124,11 @@ class HiCacheController(TierEvents):
             return False
         with anyio.CancelScope(shield=True):
             await self._transfer(
-                svc, tickets, tiering.copy_backup, tiering.finish_backup, TransferKind.BACKUP
+                svc,
+                tickets,
+                host_transfers.copy_backup,
+                host_transfers.finish_backup,
+                TransferKind.BACKUP,
             )
         self._host_pressure.set()
         if self.cache.pending_backups:
@@ -204,7 +208,7 @@ class HiCacheController(TierEvents):
             m = cache.match_prefix(MatchPrefixParams(key=key))
             if m.host_hit_length == 0:
                 return None
-            return tiering.start_load_back(cache, m.best_match_node, threshold)
+            return host_transfers.start_load_back(cache, m.best_match_node, threshold)
 
         ticket = await svc.call(start, undo=_abort_load_back)
         if ticket is None:
@@ -213,8 +217,8 @@ class HiCacheController(TierEvents):
             loaded = await self._transfer(
                 svc,
                 [ticket],
-                tiering.copy_load_back,
-                tiering.finish_load_back,
+                host_transfers.copy_load_back,
+                host_transfers.finish_load_back,
                 TransferKind.LOAD_BACK,
             )
         return loaded
@@ -223,10 +227,10 @@ class HiCacheController(TierEvents):
 def _abort_backups(cache: UnifiedRadixCache, tickets: list[BackupTicket]) -> None:
     """``undo`` of a backup start whose caller is gone: free the host slots, unpin."""
     for ticket in tickets:
-        tiering.finish_backup(cache, ticket, False)
+        host_transfers.finish_backup(cache, ticket, False)
 
 
 def _abort_load_back(cache: UnifiedRadixCache, ticket: LoadTicket | None) -> None:
     """``undo`` of a load-back start whose caller is gone: free the device slots, unpin."""
     if ticket is not None:
-        tiering.finish_load_back(cache, ticket, False)
+        host_transfers.finish_load_back(cache, ticket, False)

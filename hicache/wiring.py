@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from hicache.config import HiCacheConfig, StorageConfig
 from hicache.controller import HiCacheController
+from hicache.host_tier import HostMemoryTier, attach_hicache
 from hicache.storage.base import StorageBackend
 from hicache.storage_worker import RetryPolicy, StorageWorker
-from hicache.tier import HostMemoryTier, attach_hicache
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.observer import ServiceObserver

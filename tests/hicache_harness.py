@@ -10,7 +10,7 @@ import torch
 from cache_harness import assert_path_validators_agree
 
 from hicache.config import HiCacheConfig
-from hicache.tier import attach_hicache
+from hicache.host_tier import attach_hicache
 from urc import (
     CacheConfig,
     ComponentType,
@@ -22,8 +22,8 @@ from urc import (
     UnifiedRadixCache,
     build_cache,
 )
+from urc.host_protocol import BackupTicket, LoadTicket, WritePolicy
 from urc.params import MatchResult
-from urc.tiers import BackupTicket, LoadTicket, WritePolicy
 from urc.tree import TreeNode
 
 FULL = ComponentType.FULL

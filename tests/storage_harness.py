@@ -19,8 +19,8 @@ from hicache.storage_worker import RetryPolicy
 from metrics import CacheMetrics
 from urc import CacheConfig, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
+from urc.host_protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache, TraceHook
-from urc.tiers import WritePolicy
 
 PS = 4
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from urc import checks, eviction, insertion, matching, request_caching, tiering
+from urc import checks, eviction, host_transfers, insertion, matching, request_caching
 from urc.components import component_class
 from urc.components.base import TreeComponent
 from urc.components.full import FullComponent
@@ -30,6 +30,7 @@ from urc.errors import (
 from urc.eviction import Evictor
 from urc.fastpath import select_walk
 from urc.hooks import ComponentHooks
+from urc.host_protocol import HostTier, TierEvents, WritePolicy
 from urc.key import RadixKey
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, Tier, TreeNode
 from urc.params import (
@@ -45,7 +46,6 @@ from urc.params import (
 )
 from urc.req import Req
 from urc.stats import CacheCounters, CacheStats, StatsSnapshotter
-from urc.tiers import HostTier, TierEvents, WritePolicy
 from urc.tree import Tree
 
 __all__ = ["UnifiedRadixCache", "build_cache"]
@@ -80,7 +80,7 @@ class UnifiedRadixCache:
         # Nodes whose hit count reached the write-through threshold, waiting for a backup.
         self.pending_backups: dict[int, TreeNode] = {}
         self.backups_in_flight: set[int] = set()
-        # The tiers below device that listen (``subscribe``): see ``urc.tiers.TierEvents``.
+        # The tiers below device that listen (``subscribe``): see ``urc.host_protocol.TierEvents``.
         self.tier_events: tuple[TierEvents, ...] = ()
         # The tree's structure and the eviction steps first: components are built with them.
         self.tree = tree = Tree(
@@ -213,8 +213,9 @@ class UnifiedRadixCache:
         self.backup_threshold = policy.hit_threshold
 
     def subscribe(self, events: TierEvents) -> None:
-        """Deliver the tier events (:class:`~urc.tiers.TierEvents`) to ``events`` from now on
-        (after the subscribers already there; subscribing twice delivers once)."""
+        """Deliver the tier events (:class:`~urc.host_protocol.TierEvents`) to ``events``
+        from now on (after the subscribers already there; subscribing twice delivers
+        once)."""
         if events not in self.tier_events:
             self.tier_events = (*self.tier_events, events)
 
@@ -225,38 +226,38 @@ class UnifiedRadixCache:
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
         """Back ``node`` up to host now (with its ancestors that lack a copy); returns the
         tokens backed up, 0 when impossible.  (``write_back`` is accepted for SGLang.)"""
-        return tiering.write_backup(self, node)
+        return host_transfers.write_backup(self, node)
 
     def load_back(self, node: TreeNode, threshold: int = 0) -> int:
         """Load the host-only part of the path to ``node`` to device now; returns tokens
         loaded (0 when below ``threshold`` or no device memory could be found)."""
-        return tiering.load_back(self, node, threshold)
+        return host_transfers.load_back(self, node, threshold)
 
     def evict_host(
         self, num_tokens: int, component_type: ComponentType = ComponentType.FULL
     ) -> int:
         """Free host-only leaves (no host lock), oldest first; returns Full tokens freed."""
-        return tiering.evict_host(self, num_tokens)
+        return host_transfers.evict_host(self, num_tokens)
 
     def evict_host_leaf(self, node: TreeNode, tracker: list[int]) -> None:
         """Free every host copy of the host-only leaf ``node`` and delete it."""
-        tiering.evict_host_leaf(self, node, tracker)
+        host_transfers.evict_host_leaf(self, node, tracker)
 
     def insert_host(self, key: RadixKey, host_value: torch.Tensor, start: int) -> int:
         """Attach host data read from a lower tier (L3 storage) for ``key[start:start + n]``
         (``host_value``: ``n`` Full host slots, owned by the tree from now on); returns the
-        tokens placed on new host-only nodes.  See :func:`urc.tiering.insert_host`."""
-        return tiering.insert_host(self, key, host_value, start)
+        tokens placed on new host-only nodes.  See :func:`urc.host_transfers.insert_host`."""
+        return host_transfers.insert_host(self, key, host_value, start)
 
     def inc_host_lock_ref(self, node: TreeNode) -> None:
         """Pin ``node``'s host copy against host eviction."""
         if node.parent is not None:
-            tiering.host_lock(self, node, 1)
+            host_transfers.host_lock(self, node, 1)
 
     def dec_host_lock_ref(self, node: TreeNode) -> None:
         """Release :meth:`inc_host_lock_ref` (``InvalidLockError`` if not host-locked)."""
         if node.parent is not None:
-            tiering.host_lock(self, node, -1)
+            host_transfers.host_lock(self, node, -1)
 
     # ================================================================== locks
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:

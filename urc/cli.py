@@ -125,9 +125,9 @@ def _enum_option(group: Any, flag: str, members: Sequence[Enum], default: Enum, 
 def _add_replay_parser(sub: Any) -> None:
     from hicache.config import StorageBackupPolicy
     from urc.config import EvictionPolicy
+    from urc.host_protocol import WritePolicy
     from urc.replay import DEFAULT_CHUNK_SIZE, Capacity, ModelProfile
     from urc.replay.sweep import DEFAULT_SWEEP
-    from urc.tiers import WritePolicy
     from urc.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
 
     p = sub.add_parser(
@@ -311,8 +311,8 @@ def _add_replay_parser(sub: Any) -> None:
 def _config(args: argparse.Namespace) -> ReplayConfig:
     from hicache.config import StorageBackupPolicy
     from urc.config import EvictionPolicy
+    from urc.host_protocol import WritePolicy
     from urc.replay import ModelProfile, ReplayConfig
-    from urc.tiers import WritePolicy
     from urc.workloads import WorkloadKind
 
     return ReplayConfig(

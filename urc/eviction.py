@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from urc.errors import InvalidInputError
+from urc.host_protocol import WritePolicy
 from urc.params import EvictParams, EvictResult
-from urc.tiers import WritePolicy
 from urc.tree import NUM_COMPONENT_TYPES, Tier, TreeNode
 
 if TYPE_CHECKING:

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from urc import tiering
+from urc import host_transfers
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
+from urc.host_protocol import WritePolicy
 from urc.node import ComponentType, TreeNode
 from urc.params import InsertParams, InsertResult
-from urc.tiers import WritePolicy
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
@@ -141,7 +141,7 @@ def insert(
         if count_hits:
             below.hit_count += 1
             if note_hits:
-                tiering.note_hit(cache, below)
+                host_transfers.note_hit(cache, below)
         path.append(below)
         pos += below.key_len
         node = below
@@ -189,7 +189,7 @@ def insert(
         if count_hits:  # after the hooks: a recovery split leaves ``child`` the lower part
             child.hit_count += 1
             if note_hits:
-                tiering.note_hit(cache, child)
+                host_transfers.note_hit(cache, child)
         path.append(child)
         pos += m
         node = child
@@ -216,7 +216,7 @@ def insert(
         leaf = path[-1]
         leaf.hit_count += 1
         if note_hits:
-            tiering.note_hit(cache, leaf)
+            host_transfers.note_hit(cache, leaf)
     return result
 
 

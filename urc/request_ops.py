@@ -5,7 +5,7 @@ Synchronous functions over a :class:`~urc.cache.UnifiedRadixCache` (the actor ap
 for the service's request commands, :mod:`urc.commands`).  Each raises a
 :class:`~urc.errors.URCError` before changing anything, or succeeds.  They reach the cache
 only through its public methods and the public two-phase transfer functions of
-:mod:`urc.tiering`.
+:mod:`urc.host_transfers`.
 
 Matching with load-back is two steps so that the byte copy runs outside the tree's owner:
 
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc import tiering
+from urc import host_transfers
 from urc.components.mamba import MambaComponent
 from urc.components.swa import SWAComponent
 from urc.errors import InvalidInputError, OutOfMemoryError
+from urc.host_protocol import HostTier, LoadTicket
 from urc.key import RadixKey
 from urc.params import MatchPrefixParams, MatchResult
 from urc.req import Req
-from urc.tiers import HostTier, LoadTicket
 from urc.tree import ComponentType
 
 if TYPE_CHECKING:
@@ -71,12 +71,12 @@ class PendingLoad:
 
     def copy(self) -> None:
         """Copy the host bytes into the reserved device slots (no tree access)."""
-        tiering.copy_load_back(self._tier, self._ticket)
+        host_transfers.copy_load_back(self._tier, self._ticket)
 
     def finish(self, cache: UnifiedRadixCache, ok: bool) -> int:
         """Commit the load (``ok``) or drop it, unpinning either way; returns the tokens
-        committed (see :func:`urc.tiering.finish_load_back`)."""
-        return tiering.finish_load_back(cache, self._ticket, ok)
+        committed (see :func:`urc.host_transfers.finish_load_back`)."""
+        return host_transfers.finish_load_back(cache, self._ticket, ok)
 
     def __repr__(self) -> str:
         return f"PendingLoad({self.tokens} tokens)"
@@ -107,7 +107,7 @@ def _start(cache: UnifiedRadixCache, res: MatchResult, threshold: int | None) ->
     tier = cache.host_tier
     if threshold is None or tier is None or res.host_hit_length == 0:
         return None
-    ticket = tiering.start_load_back(cache, res.best_match_node, threshold)
+    ticket = host_transfers.start_load_back(cache, res.best_match_node, threshold)
     if ticket is None:
         return None
     n = int(res.device_indices.shape[0])

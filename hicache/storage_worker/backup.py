@@ -21,10 +21,10 @@ import torch
 from hicache.config import StorageBackupPolicy
 from hicache.storage_worker.context import WorkerContext
 from hicache.storage_worker.jobs import AuxPages, WriteJob, aux_pages_of, path_of
-from urc import tiering
+from urc import host_transfers
 from urc.cache import UnifiedRadixCache
+from urc.host_protocol import TierEvents
 from urc.observer import TransferKind
-from urc.tiers import TierEvents
 from urc.tree import ComponentType, TreeNode
 
 if TYPE_CHECKING:
@@ -268,4 +268,4 @@ class BackupWriter(TierEvents):
 
 def _unpin(cache: UnifiedRadixCache, pins: Sequence[tuple[TreeNode, int]]) -> None:
     for node, length in pins:
-        tiering.host_unlock_pieces(cache, node, length)
+        host_transfers.host_unlock_pieces(cache, node, length)

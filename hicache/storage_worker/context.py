@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache.config import StorageConfig
+from hicache.host_tier import HostMemoryTier
 from hicache.storage_worker.calls import StoreCalls
 from hicache.storage_worker.layout import PageLayouts
 from hicache.storage_worker.retry import RetryPolicy
 from hicache.storage_worker.stats import StorageWorkerStats
-from hicache.tier import HostMemoryTier
 from urc.observer import ServiceObserver
 
 __all__ = ["WorkerContext"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from hicache.host_pool import HostPool
+from hicache.host_tier import HostMemoryTier
 from hicache.storage.keys import StorageComponent
-from hicache.tier import HostMemoryTier
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.tree import ComponentType, SizeUnit

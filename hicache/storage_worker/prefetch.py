@@ -4,9 +4,10 @@ A prefetch finds where the key's host copies end (pinning that node), asks the s
 many further Full pages it holds, reserves host slots, ``get``s the pages into staging
 buffers under the stop policy, then looks up and reads the other components' pages of the
 fetched span (under the same policy), copies what arrived into host slots and inserts it as
-host-only nodes (``urc.tiering.insert_host`` with one :class:`~urc.tiering.HostPart` list per
-auxiliary component).  Reserved host slots are freed and the pin released on every path,
-a natively cancelled caller included (the reservations carry an ``undo``).
+host-only nodes (``urc.host_transfers.insert_host`` with one
+:class:`~urc.host_transfers.HostPart` list per auxiliary component).  Reserved host slots
+are freed and the pin released on every path, a natively cancelled caller included (the
+reservations carry an ``undo``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import torch
 
 from hicache.config import PrefetchStopPolicy
 from hicache.storage_worker.context import WorkerContext
-from urc import tiering
+from urc import host_transfers
 from urc.cache import UnifiedRadixCache
+from urc.host_transfers import HostPart
 from urc.key import RadixKey
 from urc.observer import TransferKind
-from urc.tiering import HostPart
 from urc.tree import ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class _Start:
 
 def _unlock_anchor(cache: UnifiedRadixCache, pf: _Start) -> None:
     if pf.anchor.parent is not None:
-        tiering.host_unlock_pieces(cache, pf.anchor, pf.anchor_len)
+        host_transfers.host_unlock_pieces(cache, pf.anchor, pf.anchor_len)
 
 
 def _runs(idx: Sequence[int]) -> list[tuple[int, int]]:
@@ -97,7 +98,7 @@ class Prefetcher:
         self.stats.prefetches += 1
 
         def begin(cache: UnifiedRadixCache) -> _Start:
-            start, anchor = tiering.host_prefix(cache, key)
+            start, anchor = host_transfers.host_prefix(cache, key)
             if anchor.parent is not None:
                 cache.inc_host_lock_ref(anchor)
             tokens = key.token_ids[: len(key) - len(key) % ps]
@@ -150,7 +151,7 @@ class Prefetcher:
                     def reserve_aux(cache: UnifiedRadixCache) -> None:
                         for ct, (idx, _) in aux_read.items():
                             n = len(idx) * layouts.by_type[ct].page_size
-                            host = tiering.host_alloc(cache, ct, n)
+                            host = host_transfers.host_alloc(cache, ct, n)
                             if host is not None:
                                 aux_slots[ct] = host
 
@@ -176,7 +177,7 @@ class Prefetcher:
                     aux_slots = {}
 
                     def commit(cache: UnifiedRadixCache) -> int:
-                        n = tiering.insert_host(
+                        n = host_transfers.insert_host(
                             cache, key[: pf.start + got * ps], placed, pf.start, parts
                         )
                         cache.counters.hit_tokens[Tier.STORAGE] += n

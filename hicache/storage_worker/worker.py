@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from hicache.config import StorageBackupPolicy, StorageConfig
+from hicache.host_tier import HostMemoryTier
 from hicache.storage.base import StorageBackend
 from hicache.storage_worker.backup import BackupWriter
 from hicache.storage_worker.calls import StoreCalls
@@ -19,7 +20,6 @@ from hicache.storage_worker.layout import PageLayouts
 from hicache.storage_worker.prefetch import Prefetcher
 from hicache.storage_worker.retry import RetryPolicy
 from hicache.storage_worker.stats import StorageWorkerStats
-from hicache.tier import HostMemoryTier
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.key import RadixKey
@@ -35,7 +35,7 @@ __all__ = ["StorageWorker"]
 class StorageWorker:
     """Backup to and prefetch from an L3 store for one cache (see the package docstring).
 
-    Build it after :func:`~hicache.tier.attach_hicache` (or let :func:`hicache.attach` build
+    Build it after :func:`~hicache.host_tier.attach_hicache` (or let :func:`hicache.attach` build
     it); ``controller`` (optional) is used by :meth:`fetch` to load prefetched pages on to
     device.  Raises :class:`~urc.errors.ConfigError` for EAGLE bigram keys and for a
     component the storage tier cannot store.

@@ -21,7 +21,7 @@ from urc import (
     TreeNode,
     build_cache,
 )
-from urc.tiers import WritePolicy
+from urc.host_protocol import WritePolicy
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -190,7 +190,7 @@ def test_hits_count_on_insert_not_on_match(ps: int) -> None:
 
 def test_write_back_counts_no_hits() -> None:
     from hicache.config import HiCacheConfig
-    from hicache.tier import attach_hicache
+    from hicache.host_tier import attach_hicache
 
     cache = build_cache(CacheConfig(kv_size=64))
     attach_hicache(cache, HiCacheConfig(write_policy=WritePolicy.WRITE_BACK, host_ratio=2.0))

@@ -1,5 +1,5 @@
 """``hicache.attach`` (one entry point for the host tier and its workers) and the tier
-events a cache delivers to its subscribers (``urc.tiers.TierEvents``)."""
+events a cache delivers to its subscribers (``urc.host_protocol.TierEvents``)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from hicache_harness import insert, leaves
 import hicache
 from hicache.config import HiCacheConfig, StorageBackupPolicy, StorageConfig
 from hicache.controller import HiCacheController
+from hicache.host_tier import attach_hicache
 from hicache.storage.file import FileStorage
 from hicache.storage_worker import StorageWorker
-from hicache.tier import attach_hicache
 from urc import CacheConfig, ComponentType, ConfigError, EvictParams, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
+from urc.host_protocol import TierEvents, WritePolicy
 from urc.service import AsyncUnifiedRadixCache
-from urc.tiers import TierEvents, WritePolicy
 from urc.tree import TreeNode
 
 FULL = ComponentType.FULL

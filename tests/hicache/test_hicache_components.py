@@ -33,9 +33,9 @@ from hicache_harness import (
 from urc import (
     ComponentType,
     EvictParams,
-    tiering,
+    host_transfers,
 )
-from urc.tiers import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.tree import Tier
 
 
@@ -170,7 +170,7 @@ def test_split_and_device_eviction_during_a_backup(
     assert insert(cache, tokens)
     leaf = match(cache, tokens).last_device_node
     flight = InFlight()
-    ticket = tiering.start_backup(cache, leaf)
+    ticket = host_transfers.start_backup(cache, leaf)
     assert ticket is not None
     flight.backups.append(ticket)
     check(cache, flight)
@@ -181,9 +181,9 @@ def test_split_and_device_eviction_during_a_backup(
     r = cache.evict(EvictParams(num_tokens=10**6, swa_num_tokens=10**6, mamba_num=10**6))
     assert r.num_tokens_evicted == 0
     check(cache, flight)
-    tiering.copy_backup(cache.host_tier, ticket)  # type: ignore[arg-type]
+    host_transfers.copy_backup(cache.host_tier, ticket)  # type: ignore[arg-type]
     flight.backups.clear()
-    assert tiering.finish_backup(cache, ticket) == len(tokens)
+    assert host_transfers.finish_backup(cache, ticket) == len(tokens)
     check(cache)
     nodes = path_to(leaf)
     assert len(nodes) >= 3 and all(n.backuped for n in nodes)
@@ -206,13 +206,13 @@ def test_a_state_evicted_during_its_backup_gets_no_host_copy() -> None:
     assert insert(cache, tokens, swa_b=4)  # SWA tombstone leaf with a Mamba state
     (leaf,) = leaves(cache)
     assert mamba_slot(cache, leaf) is not None
-    ticket = tiering.start_backup(cache, leaf)
+    ticket = host_transfers.start_backup(cache, leaf)
     assert ticket is not None
     flight = InFlight(backups=[ticket])
     assert cache.evict(EvictParams(mamba_num=1)).mamba_num_evicted == 1
     check(cache, flight)
-    tiering.copy_backup(cache.host_tier, ticket)  # type: ignore[arg-type]
-    assert tiering.finish_backup(cache, ticket) == 4
+    host_transfers.copy_backup(cache.host_tier, ticket)  # type: ignore[arg-type]
+    assert host_transfers.finish_backup(cache, ticket) == 4
     check(cache)
     assert leaf.backuped and leaf.data[MAMBA].host_value is None  # type: ignore[union-attr]
     mamba = cache.component(MAMBA)
@@ -229,7 +229,7 @@ def test_split_during_a_load_back(comps: tuple[ComponentType, ...], ps: int) -> 
     demote_all(cache)
     zero_device(cache)
     flight = InFlight()
-    ticket = tiering.start_load_back(cache, match(cache, tokens).best_match_node)
+    ticket = host_transfers.start_load_back(cache, match(cache, tokens).best_match_node)
     assert ticket is not None
     flight.loads.append(ticket)
     check(cache, flight)
@@ -245,9 +245,9 @@ def test_split_during_a_load_back(comps: tuple[ComponentType, ...], ps: int) -> 
     assert cache.evict_host(10**6) == 0  # pinned by the load
     cache.evict(EvictParams(num_tokens=10**6, swa_num_tokens=10**6, mamba_num=10**6))
     check(cache, flight)
-    tiering.copy_load_back(cache.host_tier, ticket)  # type: ignore[arg-type]
+    host_transfers.copy_load_back(cache.host_tier, ticket)  # type: ignore[arg-type]
     flight.loads.clear()
-    assert tiering.finish_load_back(cache, ticket) == len(tokens)
+    assert host_transfers.finish_load_back(cache, ticket) == len(tokens)
     check(cache)
     m = match(cache, tokens)
     assert m.device_indices.shape[0] == len(tokens)
@@ -261,14 +261,14 @@ def test_insert_adopting_a_node_during_its_load_back(comps: tuple[ComponentType,
     assert insert(cache, tokens)
     demote_all(cache)
     flight = InFlight()
-    ticket = tiering.start_load_back(cache, match(cache, tokens).best_match_node)
+    ticket = host_transfers.start_load_back(cache, match(cache, tokens).best_match_node)
     assert ticket is not None
     flight.loads.append(ticket)
     assert insert(cache, tokens, flight=flight)  # the request recomputed it meanwhile
     fresh = snapshot(cache, match(cache, tokens, flight).last_device_node)
-    tiering.copy_load_back(cache.host_tier, ticket)  # type: ignore[arg-type]
+    host_transfers.copy_load_back(cache.host_tier, ticket)  # type: ignore[arg-type]
     flight.loads.clear()
-    tiering.finish_load_back(cache, ticket)
+    host_transfers.finish_load_back(cache, ticket)
     check(cache)
     # The adopted data stays; the load's slots were all freed (check_pools above).
     snapshot(cache, match(cache, tokens).last_device_node).assert_equal(fresh)
@@ -280,17 +280,17 @@ def test_aborted_transfers_free_what_they_reserved(comps: tuple[ComponentType, .
     tokens = seq(0, 8, 1)
     assert insert(cache, tokens)
     leaf = match(cache, tokens).last_device_node
-    b = tiering.start_backup(cache, leaf)
+    b = host_transfers.start_backup(cache, leaf)
     assert b is not None
     check(cache, InFlight(backups=[b]))
-    assert tiering.finish_backup(cache, b, ok=False) == 0
+    assert host_transfers.finish_backup(cache, b, ok=False) == 0
     check(cache)
     assert host_free_all(cache)
     demote_all(cache)
-    t = tiering.start_load_back(cache, match(cache, tokens).best_match_node)
+    t = host_transfers.start_load_back(cache, match(cache, tokens).best_match_node)
     assert t is not None
     check(cache, InFlight(loads=[t]))
-    assert tiering.finish_load_back(cache, t, ok=False) == 0
+    assert host_transfers.finish_load_back(cache, t, ok=False) == 0
     check(cache)
     assert all(n.evicted for n in cache.iter_nodes())
     assert all(c.pool_available() == c.pool_capacity() for c in cache.components)

@@ -32,10 +32,10 @@ from urc import (
     ComponentType,
     EvictParams,
     UnifiedRadixCache,
-    tiering,
+    host_transfers,
 )
+from urc.host_protocol import BackupTicket, LoadTicket, WritePolicy
 from urc.params import MatchResult
-from urc.tiers import BackupTicket, LoadTicket, WritePolicy
 
 
 # ---------------------------------------------------------------------- randomized sequence
@@ -137,7 +137,7 @@ def test_random_sequences_keep_invariants(
                 cache.write_backup(m.last_device_node)
             cache.evict(EvictParams(num_tokens=10**6))
         elif kind == "drain":
-            for node in tiering.take_pending_backups(cache, 4):
+            for node in host_transfers.take_pending_backups(cache, 4):
                 cache.write_backup(node)
         elif kind == "evict":
             n = op[1] * ps
@@ -160,21 +160,21 @@ def test_random_sequences_keep_invariants(
             host_only = [n for n in cache.iter_nodes() if n.evicted]
             if host_only and (kind == "load_node" or len(flight.loads) < 2):
                 node = host_only[op[1] % len(host_only)]
-                t = tiering.start_load_back(cache, node)
+                t = host_transfers.start_load_back(cache, node)
                 if t is not None:
                     flight.loads.append(t)
                     if kind == "load_node":
                         check(cache, flight)
-                        tiering.copy_load_back(cache.host_tier, t)  # type: ignore[arg-type]
+                        host_transfers.copy_load_back(cache.host_tier, t)  # type: ignore[arg-type]
                         flight.loads.remove(t)
-                        tiering.finish_load_back(cache, t)
+                        host_transfers.finish_load_back(cache, t)
                         check(cache, flight)
                         tokens = [tok for n in path_to(node) for tok in n.key]
                         _verify(cache, tokens, match(cache, tokens, flight))
         elif kind == "start_backup":
             _, m = node_of(op[1])
             if m.last_device_node is not cache.root and len(flight.backups) < 2:
-                b = tiering.start_backup(cache, m.last_device_node)
+                b = host_transfers.start_backup(cache, m.last_device_node)
                 if b is not None:
                     flight.backups.append(b)
         elif kind == "finish":
@@ -186,20 +186,20 @@ def test_random_sequences_keep_invariants(
                 if isinstance(ticket, LoadTicket):
                     flight.loads.remove(ticket)
                     if op[2]:
-                        tiering.copy_load_back(tier, ticket)
-                    tiering.finish_load_back(cache, ticket, op[2])
+                        host_transfers.copy_load_back(tier, ticket)
+                    host_transfers.finish_load_back(cache, ticket, op[2])
                 else:
                     flight.backups.remove(ticket)
                     if op[2]:
-                        tiering.copy_backup(tier, ticket)
-                    tiering.finish_backup(cache, ticket, op[2])
+                        host_transfers.copy_backup(tier, ticket)
+                    host_transfers.finish_backup(cache, ticket, op[2])
         check(cache, flight)
     for t in list(flight.loads):
         flight.loads.remove(t)
-        tiering.finish_load_back(cache, t, False)
+        host_transfers.finish_load_back(cache, t, False)
     for b in list(flight.backups):
         flight.backups.remove(b)
-        tiering.finish_backup(cache, b, False)
+        host_transfers.finish_backup(cache, b, False)
     check(cache)
     cache.reset()
     check(cache)

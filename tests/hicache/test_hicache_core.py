@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.tier import attach_hicache
+from hicache.host_tier import attach_hicache
 from urc import (
     CacheConfig,
     ComponentType,
@@ -21,9 +21,9 @@ from urc import (
     RadixKey,
     UnifiedRadixCache,
     build_cache,
-    tiering,
+    host_transfers,
 )
-from urc.tiers import WritePolicy
+from urc.host_protocol import WritePolicy
 
 FULL = ComponentType.FULL
 
@@ -114,7 +114,7 @@ def test_host_hit_extends_a_device_hit_and_split_keeps_both_tiers(ps: int) -> No
 def test_write_through_backs_up_on_first_hit() -> None:
     cache = make(1)
     insert(cache, [1, 2, 3, 4])
-    due = tiering.take_pending_backups(cache, 10)
+    due = host_transfers.take_pending_backups(cache, 10)
     assert len(due) == 1 and due[0].key == [1, 2, 3, 4]
 
 
@@ -122,11 +122,11 @@ def test_write_through_selective_backs_up_on_second_hit() -> None:
     # A hit is an insert that reaches the node (SGLang counts hits on insert only).
     cache = make(1, WritePolicy.WRITE_THROUGH_SELECTIVE)
     insert(cache, [1, 2, 3, 4])
-    assert tiering.take_pending_backups(cache, 10) == []
+    assert host_transfers.take_pending_backups(cache, 10) == []
     match(cache, [1, 2, 3, 4])
-    assert tiering.take_pending_backups(cache, 10) == []  # a match is not a hit
+    assert host_transfers.take_pending_backups(cache, 10) == []  # a match is not a hit
     insert(cache, [1, 2, 3, 4])
-    assert [n.key for n in tiering.take_pending_backups(cache, 10)] == [[1, 2, 3, 4]]
+    assert [n.key for n in host_transfers.take_pending_backups(cache, 10)] == [[1, 2, 3, 4]]
 
 
 def test_write_back_backs_up_only_on_eviction_and_demotes() -> None:
@@ -184,14 +184,14 @@ def test_host_eviction_never_frees_a_host_copy_pinned_by_a_load_in_flight() -> N
     insert(cache, tokens)
     cache.write_backup(match(cache, tokens).last_device_node)
     cache.evict(EvictParams(num_tokens=8))
-    ticket = tiering.start_load_back(cache, match(cache, tokens).best_match_node)
+    ticket = host_transfers.start_load_back(cache, match(cache, tokens).best_match_node)
     assert ticket is not None
     check(cache, held=8)
     assert cache.evict_host(1000) == 0  # pinned
     cache.evict(EvictParams(num_tokens=1000))  # device eviction while the load runs
     check(cache, held=8)
-    tiering.copy_load_back(cache.host_tier, ticket)  # type: ignore[arg-type]
-    assert tiering.finish_load_back(cache, ticket) == 8
+    host_transfers.copy_load_back(cache.host_tier, ticket)  # type: ignore[arg-type]
+    assert host_transfers.finish_load_back(cache, ticket) == 8
     check(cache)
     assert match(cache, tokens).device_indices.shape[0] == 8
 
@@ -201,13 +201,13 @@ def test_a_backup_in_flight_survives_a_split_and_device_eviction() -> None:
     tokens = list(range(8))
     insert(cache, tokens)
     node = match(cache, tokens).last_device_node
-    ticket = tiering.start_backup(cache, node)
+    ticket = host_transfers.start_backup(cache, node)
     assert ticket is not None
     check(cache, host_held=8)
     match(cache, tokens[:4])  # splits the node being copied
     assert cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0  # pinned
-    tiering.copy_backup(cache.host_tier, ticket)  # type: ignore[arg-type]
-    assert tiering.finish_backup(cache, ticket) == 8
+    host_transfers.copy_backup(cache.host_tier, ticket)  # type: ignore[arg-type]
+    assert host_transfers.finish_backup(cache, ticket) == 8
     check(cache)
     upper = match(cache, tokens[:4]).last_device_node
     assert upper.backuped and node.backuped and upper.data[0].host_value.shape[0] == 4  # type: ignore[union-attr]
@@ -251,7 +251,7 @@ def test_failed_load_back_leaves_the_host_leaf_evictable() -> None:
     insert(cache, list(range(100, 160)))  # an unlocked device leaf without a host copy
     held = cache.token_to_kv_pool_allocator.alloc(cache.token_to_kv_pool_allocator.available_size())
     assert held is not None
-    assert tiering.start_load_back(cache, leaf) is None  # no device memory to be found
+    assert host_transfers.start_load_back(cache, leaf) is None  # no device memory to be found
     check(cache, held=held.shape[0])
     assert cache.evict_host(4) == 4  # the leaf is evictable again
     check(cache, held=held.shape[0])

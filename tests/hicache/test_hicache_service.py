@@ -16,7 +16,7 @@ from test_service_ownership import CancelTaskOnApply
 
 from hicache.config import HiCacheConfig
 from hicache.controller import HiCacheController
-from hicache.tier import attach_hicache
+from hicache.host_tier import attach_hicache
 from urc import (
     CacheConfig,
     ComponentType,
@@ -27,8 +27,8 @@ from urc import (
     build_cache,
 )
 from urc.commands import Call
+from urc.host_protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache
-from urc.tiers import WritePolicy
 
 FULL = ComponentType.FULL
 PS = 4

@@ -33,18 +33,26 @@ from valkey_server import ValkeyCluster
 
 from hicache.config import HiCacheConfig, PrefetchStopPolicy, StorageBackupPolicy, StorageConfig
 from hicache.controller import HiCacheController
+from hicache.host_tier import attach_hicache
 from hicache.storage.base import StorageBackend
 from hicache.storage.file import FileStorage
 from hicache.storage.keys import PageKey, StorageComponent
 from hicache.storage_worker import StorageWorker
-from hicache.tier import attach_hicache
-from urc import CacheConfig, ComponentType, InsertParams, KVShape, RadixKey, build_cache, tiering
+from urc import (
+    CacheConfig,
+    ComponentType,
+    InsertParams,
+    KVShape,
+    RadixKey,
+    build_cache,
+    host_transfers,
+)
 from urc.cache import UnifiedRadixCache
+from urc.host_protocol import WritePolicy
+from urc.host_transfers import HostPart
 from urc.observer import TransferKind
 from urc.params import MatchPrefixParams
 from urc.service import AsyncUnifiedRadixCache
-from urc.tiering import HostPart
-from urc.tiers import WritePolicy
 from urc.tree import Tier, TreeNode
 
 FULL = ComponentType.FULL
@@ -434,7 +442,7 @@ def test_insert_host_cuts_new_nodes_at_parts_and_frees_what_no_node_takes() -> N
     }
     # [0, 16) (device only) adopts the Full slots, SWA where covered and the state at 16;
     # [16, 32) is new, cut at 24 (where the SWA part ends).
-    assert tiering.insert_host(cache, RadixKey(tokens_of(32)), full, 0, parts) == 16
+    assert host_transfers.insert_host(cache, RadixKey(tokens_of(32)), full, 0, parts) == 16
     cache.sanity_check()
     cache.check_pools()
     nodes = []

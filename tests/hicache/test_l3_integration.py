@@ -28,16 +28,16 @@ from valkey_server import (
 
 from hicache.config import HiCacheConfig, PrefetchStopPolicy, StorageBackupPolicy, StorageConfig
 from hicache.controller import HiCacheController
+from hicache.host_tier import attach_hicache
 from hicache.storage.base import StorageBackend
 from hicache.storage.file import FileStorage
 from hicache.storage.keys import PageKey
 from hicache.storage_worker import HostPageLayout, StorageWorker
-from hicache.tier import attach_hicache
 from urc import CacheConfig, ComponentType, ConfigError, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
+from urc.host_protocol import WritePolicy
 from urc.observer import TransferKind
 from urc.service import AsyncUnifiedRadixCache
-from urc.tiers import WritePolicy
 from urc.tree import Tier
 
 FULL = ComponentType.FULL

@@ -17,6 +17,7 @@ from trace_paths import conversation_trace, requires_conversation_trace
 
 from urc.cli import main
 from urc.errors import ConfigError
+from urc.host_protocol import WritePolicy
 from urc.replay import (
     Capacity,
     ModelProfile,
@@ -25,7 +26,6 @@ from urc.replay import (
     output_token_ids,
     run_replay,
 )
-from urc.tiers import WritePolicy
 from urc.tree import Tier
 from urc.workloads import (
     WorkloadKind,

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.tier import attach_hicache
+from hicache.host_tier import attach_hicache
 from urc import CacheConfig, ComponentType, KVShape, build_cache
 from urc.commands import CommandKind, MatchOutcome
 from urc.errors import InvalidInputError, OutOfMemoryError
+from urc.host_protocol import WritePolicy
 from urc.observer import TransferKind
 from urc.req import Req
 from urc.service import AsyncUnifiedRadixCache, LoadBackPolicy
 from urc.stats import CacheStats
-from urc.tiers import WritePolicy
 
 PS = 4
 FULL = ComponentType.FULL

@@ -37,7 +37,7 @@ from test_service_ownership import COMPONENT_SETS, IDS
 
 from hicache.config import HiCacheConfig
 from hicache.controller import HiCacheController
-from hicache.tier import attach_hicache
+from hicache.host_tier import attach_hicache
 from urc import (
     CacheConfig,
     ComponentType,

@@ -37,14 +37,15 @@ from urc.errors import (
     InvalidInputError,
     InvalidLockError,
 )
+from urc.host_protocol import TransferItem
 from urc.lru import LRUList
 from urc.params import EvictParams, MatchResult
-from urc.tiers import TransferItem
 from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig, CachePools
     from urc.eviction import Evictor
+    from urc.host_transfers import HostPart
     from urc.params import (
         DecLockRefParams,
         IncLockRefResult,
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     )
     from urc.pools.mamba import MambaPool
     from urc.req import Req
-    from urc.tiering import HostPart
     from urc.tree import Tree
 
 __all__ = ["MambaComponent"]

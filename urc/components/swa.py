@@ -58,9 +58,9 @@ from urc.components.swa_window import (
     window_path_validator,
 )
 from urc.errors import ConfigError, InvalidInputError, InvalidLockError
+from urc.host_protocol import TransferItem
 from urc.lru import LRUList
 from urc.pools.swa import SWATokenSlotAllocator
-from urc.tiers import TransferItem
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:

@@ -29,9 +29,9 @@ import torch
 from hicache.config import StorageBackupPolicy
 from urc.config import CacheConfig, EvictionPolicy
 from urc.errors import ConfigError
+from urc.host_protocol import WritePolicy
 from urc.pools.allocator import check_page_size
 from urc.pools.kv_pool import KVShape
-from urc.tiers import WritePolicy
 from urc.tree import ComponentType
 from urc.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
 

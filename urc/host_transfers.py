@@ -2,8 +2,8 @@
 
 Functions over a :class:`~urc.cache.UnifiedRadixCache` with a host tier attached; the cache
 exposes them as methods (``write_backup``, ``load_back``, ``evict_host``, ...).  Transfers are
-two-phase (see :mod:`urc.tiers`): ``start_*`` and ``finish_*`` run where the tree is owned (the
-actor), ``copy_*`` only moves bytes and may run in a worker thread.
+two-phase (see :mod:`urc.host_protocol`): ``start_*`` and ``finish_*`` run where the tree is
+owned (the actor), ``copy_*`` only moves bytes and may run in a worker thread.
 
 Pins, so that nothing in flight is ever freed::
 
@@ -25,9 +25,9 @@ import torch
 
 from urc.errors import InvalidLockError
 from urc.eviction import drop_if_empty
+from urc.host_protocol import BackupTicket, HostTier, LoadTicket, TransferItem
 from urc.key import RadixKey
 from urc.params import EvictParams
-from urc.tiers import BackupTicket, HostTier, LoadTicket, TransferItem
 from urc.tree import NUM_COMPONENT_TYPES, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
