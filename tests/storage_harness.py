@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import hicache
-from hicache.config import HiCacheConfig
+from hicache.config import HiCacheConfig, StorageConfig
 from hicache.storage.base import StorageBackend
 from hicache.storage.stats import StorageOp
 from hicache.storage_worker import RetryPolicy
@@ -20,6 +20,7 @@ from metrics import CacheMetrics
 from urc import CacheConfig, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
 from urc.host_protocol import WritePolicy
+from urc.observer import ServiceObserver
 from urc.service import AsyncUnifiedRadixCache, TraceHook
 
 PS = 4
@@ -33,8 +34,10 @@ class L3Stack:
         store: StorageBackend,
         *,
         host_tokens: int,
-        retry: RetryPolicy,
+        retry: RetryPolicy | None = None,
         trace: TraceHook | None = None,
+        storage_config: StorageConfig | None = None,
+        observer: ServiceObserver | None = None,
     ) -> None:
         self.cache: UnifiedRadixCache = build_cache(
             CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
@@ -42,7 +45,12 @@ class L3Stack:
         hconfig = HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_tokens=host_tokens)
         self.registry = CollectorRegistry()
         hc = hicache.attach(
-            self.cache, hconfig, store, observer=CacheMetrics(self.registry), retry=retry
+            self.cache,
+            hconfig,
+            store,
+            storage_config=storage_config,
+            observer=observer if observer is not None else CacheMetrics(self.registry),
+            retry=retry,
         )
         assert hc.storage is not None
         self.tier, self.controller, self.worker = hc.tier, hc.controller, hc.storage
@@ -55,8 +63,8 @@ class L3Stack:
         assert pool is not None
         return pool.kv
 
-    async def put(self, tokens: list[int]) -> torch.Tensor:
-        """Insert ``tokens`` with random KV bytes; returns those bytes."""
+    async def put(self, tokens: list[int], ns: tuple[str, ...] | None = None) -> torch.Tensor:
+        """Insert ``tokens`` (in namespace ``ns``) with random KV bytes; returns those bytes."""
         value = await self.svc.alloc(len(tokens))
         data = torch.randn(self.kv[:, :, value].shape)
 
@@ -64,7 +72,7 @@ class L3Stack:
             self.kv[:, :, value] = data
 
         await self.svc.call(write)
-        await self.svc.insert(RadixKey(tokens), value)
+        await self.svc.insert(RadixKey(tokens, ns), value)
         return data
 
     async def settle(self) -> None:

@@ -18,6 +18,7 @@ import anyio
 import pytest
 import torch
 from cache_harness import pins
+from storage_harness import L3Stack
 from valkey_server import (
     ValkeyCluster,
     ValkeyNode,
@@ -27,7 +28,6 @@ from valkey_server import (
 )
 
 from hicache.config import HiCacheConfig, PrefetchStopPolicy, StorageBackupPolicy, StorageConfig
-from hicache.controller import HiCacheController
 from hicache.host_tier import attach_hicache
 from hicache.storage.base import StorageBackend
 from hicache.storage.file import FileStorage
@@ -35,9 +35,7 @@ from hicache.storage.keys import PageKey
 from hicache.storage_worker import HostPageLayout, StorageWorker
 from urc import CacheConfig, ComponentType, ConfigError, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
-from urc.host_protocol import WritePolicy
 from urc.observer import TransferKind
-from urc.service import AsyncUnifiedRadixCache
 from urc.tree import Tier
 
 FULL = ComponentType.FULL
@@ -109,58 +107,19 @@ class Recorder:
         self.transfers.append((kind, tokens))
 
 
-class Stack:
+class Stack(L3Stack):
+    """The storage harness's stack with a transfer recorder, plus pool scribbling and byte
+    reads for the round-trip checks."""
+
     def __init__(self, store: StorageBackend, config: StorageConfig, host_tokens: int) -> None:
-        self.cache: UnifiedRadixCache = build_cache(
-            CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
-        )
-        hconfig = HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_tokens=host_tokens)
-        self.tier = attach_hicache(self.cache, hconfig)
-        self.controller = HiCacheController(self.cache, self.tier, hconfig)
         self.recorder = Recorder()
-        self.worker = StorageWorker(
-            self.cache,
-            self.tier,
-            store,
-            config,
-            controller=self.controller,
-            observer=self.recorder,
+        super().__init__(
+            store, host_tokens=host_tokens, storage_config=config, observer=self.recorder
         )
-        self.store = store
-        self.svc = AsyncUnifiedRadixCache(self.cache, workers=[self.controller, self.worker])
-
-    @property
-    def kv(self) -> torch.Tensor:
-        pool = self.cache.pools.kv_pool
-        assert pool is not None
-        return pool.kv
-
-    async def put(self, tokens: list[int], ns: tuple[str, ...] | None = None) -> torch.Tensor:
-        """Insert ``tokens`` with random KV bytes; returns those bytes."""
-        value = await self.svc.alloc(len(tokens))
-        data = torch.randn(self.kv[:, :, value].shape)
-
-        def write(cache: UnifiedRadixCache) -> None:
-            self.kv[:, :, value] = data
-
-        await self.svc.call(write)
-        await self.svc.insert(RadixKey(tokens, ns), value)
-        return data
-
-    async def settle(self) -> None:
-        """Wait until host backups are committed and every storage write finished."""
-        while True:
-            await anyio.wait_all_tasks_blocked()
-            busy = await self.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight))
-            if not busy:
-                break
-        await self.worker.flush()
 
     async def drop_device_and_host(self) -> None:
         """Evict everything from device and host, and scribble over both pools."""
-        await self.svc.evict(1 << 20)
-        await self.svc.call(lambda c: c.evict_host(1 << 20))
-        await self.worker.flush()
+        await super().drop_device_and_host()
 
         def scribble(cache: UnifiedRadixCache) -> None:
             self.kv.fill_(7.0)
