@@ -13,7 +13,7 @@ from urc.fastpath import WalkImpl
 from urc.pools.allocator import TokenSlotAllocator, check_page_size
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
-from urc.specs import ComponentSpec, MambaSpec, SlidingWindowSpec
+from urc.specs import SPEC_TYPES, ComponentSpec
 from urc.tree import ComponentType
 
 __all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_pools"]
@@ -82,20 +82,7 @@ class CacheConfig:
     @property
     def specs(self) -> tuple[ComponentSpec, ...]:
         """One spec per auxiliary component, in component order (from the flat fields)."""
-        out: list[ComponentSpec] = []
-        for ct in self.components[1:]:
-            if ct is ComponentType.SWA:
-                out.append(SlidingWindowSpec(self.sliding_window_size or 0, self.swa_kv_size))
-            elif ct is ComponentType.MAMBA:
-                out.append(
-                    MambaSpec(
-                        self.mamba_size,
-                        self.mamba_chunk_size,
-                        self.mamba_conv_shape,
-                        self.mamba_ssm_shape,
-                    )
-                )
-        return tuple(out)
+        return tuple(SPEC_TYPES[ct].from_config(self) for ct in self.components[1:])
 
     @classmethod
     def with_specs(cls, *specs: ComponentSpec, **fields: Any) -> CacheConfig:
@@ -103,17 +90,7 @@ class CacheConfig:
         are the other constructor arguments.  ``config.specs`` gives the specs back."""
         flat: dict[str, Any] = {}
         for spec in specs:
-            if isinstance(spec, SlidingWindowSpec):
-                flat.update(sliding_window_size=spec.window, swa_kv_size=spec.kv_size)
-            elif isinstance(spec, MambaSpec):
-                flat.update(
-                    mamba_size=spec.size,
-                    mamba_chunk_size=spec.chunk_size,
-                    mamba_conv_shape=spec.conv_shape,
-                    mamba_ssm_shape=spec.ssm_shape,
-                )
-            else:
-                raise ConfigError(f"unknown component spec {spec!r}")
+            flat.update(spec.config_fields())
         types = sorted({spec.component_type for spec in specs})
         if len(types) != len(specs):
             raise ConfigError(f"one spec per component, got {specs}")

@@ -13,7 +13,7 @@ is the same config as the flat constructor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from urc.errors import ConfigError
 from urc.node import ComponentType
@@ -21,13 +21,20 @@ from urc.node import ComponentType
 if TYPE_CHECKING:
     from urc.config import CacheConfig, CachePools
 
-__all__ = ["ComponentSpec", "MambaSpec", "SlidingWindowSpec"]
+__all__ = ["SPEC_TYPES", "ComponentSpec", "MambaSpec", "SlidingWindowSpec"]
 
 
 class ComponentSpec(Protocol):
     """An auxiliary component's configuration (frozen)."""
 
     component_type: ClassVar[ComponentType]
+
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> ComponentSpec:
+        """The spec the flat fields of ``config`` describe."""
+
+    def config_fields(self) -> dict[str, Any]:
+        """The flat ``CacheConfig`` fields that describe this spec."""
 
     def validate(self, config: CacheConfig) -> None:
         """Raise :class:`~urc.errors.ConfigError` if the spec does not fit ``config``."""
@@ -44,6 +51,13 @@ class SlidingWindowSpec:
     component_type: ClassVar[ComponentType] = ComponentType.SWA
     window: int
     kv_size: int | None = None
+
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> SlidingWindowSpec:
+        return cls(config.sliding_window_size or 0, config.swa_kv_size)
+
+    def config_fields(self) -> dict[str, Any]:
+        return {"sliding_window_size": self.window, "swa_kv_size": self.kv_size}
 
     def validate(self, config: CacheConfig) -> None:
         if self.window <= 0:
@@ -69,6 +83,23 @@ class MambaSpec:
     conv_shape: tuple[int, ...] = (4, 8)
     ssm_shape: tuple[int, ...] = (2, 8, 8)
 
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> MambaSpec:
+        return cls(
+            config.mamba_size,
+            config.mamba_chunk_size,
+            config.mamba_conv_shape,
+            config.mamba_ssm_shape,
+        )
+
+    def config_fields(self) -> dict[str, Any]:
+        return {
+            "mamba_size": self.size,
+            "mamba_chunk_size": self.chunk_size,
+            "mamba_conv_shape": self.conv_shape,
+            "mamba_ssm_shape": self.ssm_shape,
+        }
+
     def validate(self, config: CacheConfig) -> None:
         if self.size <= 0:
             raise ConfigError(f"MAMBA needs mamba_size > 0, got {self.size}")
@@ -77,3 +108,10 @@ class MambaSpec:
         from urc.pools.mamba import build_mamba_pool
 
         pools.mamba = build_mamba_pool(config)
+
+
+# The spec class of each auxiliary component type.
+SPEC_TYPES: dict[ComponentType, type[SlidingWindowSpec] | type[MambaSpec]] = {
+    ComponentType.SWA: SlidingWindowSpec,
+    ComponentType.MAMBA: MambaSpec,
+}
