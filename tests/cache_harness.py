@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import pytest
 import torch
 
 from urc import (
     CacheConfig,
     ComponentType,
+    EvictionPolicy,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -159,3 +162,31 @@ def assert_path_validators_agree(cache: UnifiedRadixCache) -> None:
                 expected = [walk(n) for n in path]
                 got = [check(i) for i in range(len(path), 0, -1)][::-1]
                 assert got == expected, f"{ct.name} device_only={device_only}: {got} != {expected}"
+
+
+class _FirstTokenOracle:
+    """A made-up future for the Belady strategy's invariant tests: a fixed pseudo-random
+    next use per node, from its first token and length."""
+
+    def next_use(self, node: Any) -> int:
+        return (node.key[0] * 7919 + node.key_len) % 101 if node.key_len else 0
+
+
+# Every strategy, with and without partial-leaf eviction (cheaper sequences than the LRU
+# tests above: these check invariants, the LRU ones are also checked against SGLang).
+POLICY_CONFIGS = [
+    pytest.param({"eviction_policy": p, "partial_leaf_eviction": partial}, id=f"{p.value}-{tag}")
+    for p in EvictionPolicy
+    if p is not EvictionPolicy.BELADY
+    for partial, tag in ((False, "whole"), (True, "partial"))
+] + [
+    pytest.param(
+        {
+            "eviction_policy": EvictionPolicy.BELADY,
+            "next_use": _FirstTokenOracle(),
+            "partial_leaf_eviction": partial,
+        },
+        id=f"belady-{tag}",
+    )
+    for partial, tag in ((False, "whole"), (True, "partial"))
+]

@@ -220,7 +220,15 @@ def _add_replay_parser(sub: Any) -> None:
         "--eviction-policy",
         list(EvictionPolicy),  # every member, so new policies appear here by themselves
         EvictionPolicy.LRU,
-        "order in which device leaves are evicted",
+        "order in which device (and host) leaves are evicted; fork-aware: LRU that evicts "
+        "first a branch the traffic just forked away from; belady: the offline "
+        "optimum (reads the whole workload first; measurement only)",
+    )
+    cache.add_argument(
+        "--partial-leaf-eviction",
+        action="store_true",
+        help="evict only the tail pages of a victim leaf that an allocation needs (default: "
+        "whole leaves, as SGLang)",
     )
     cache.add_argument(
         "--l3-dir",
@@ -329,6 +337,7 @@ def _config(args: argparse.Namespace) -> ReplayConfig:
         host_tokens=args.host_tokens,
         write_policy=WritePolicy(args.write_policy),
         eviction_policy=EvictionPolicy(args.eviction_policy),
+        partial_leaf_eviction=args.partial_leaf_eviction,
         l3_dir=args.l3_dir,
         l3_backup=StorageBackupPolicy(args.l3_backup),
         page_size=args.page_size,

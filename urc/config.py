@@ -20,12 +20,15 @@ __all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_pools"]
 
 
 class EvictionPolicy(Enum):
-    """Order in which Full device leaves are evicted (first = evicted first)."""
+    """Order in which Full device and host leaves are evicted (first = evicted first);
+    each member is a strategy in ``urc.eviction_policy``."""
 
     LRU = "lru"  # least recently used
     LFU = "lfu"  # fewest hits, then least recently used
     FIFO = "fifo"  # oldest inserted
     PRIORITY = "priority"  # lowest insert priority, then least recently used
+    FORK_AWARE = "fork-aware"  # LRU, but a branch the traffic just forked away from goes first
+    BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,13 @@ class CacheConfig:
     # The tree walk of match and insert: the compiled one when built (AUTO), or the
     # pure-Python twin; both give identical results (see ``urc.fastpath``).
     walk_impl: WalkImpl = WalkImpl.AUTO
+    # Eviction takes only the tail pages of a victim leaf that the request still needs
+    # (the leaf is split), so an eviction never frees more than a page beyond what it was
+    # asked for.  Off: whole leaves, as SGLang does.
+    partial_leaf_eviction: bool = False
+    # The future, for ``EvictionPolicy.BELADY`` only (an ``urc.eviction_policy.NextUseOracle``
+    # such as ``urc replay`` builds from a whole trace).
+    next_use: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -76,6 +86,8 @@ class CacheConfig:
             raise ConfigError(f"kv_size {self.kv_size} is not a multiple of {self.page_size}")
         for spec in self.specs:
             spec.validate(self)
+        if (self.eviction_policy is EvictionPolicy.BELADY) != (self.next_use is not None):
+            raise ConfigError("next_use is required by, and only by, the belady policy")
         if self.mamba_size < 0:
             raise ConfigError(f"mamba_size must not be negative, got {self.mamba_size}")
 

@@ -18,7 +18,8 @@ __all__ = ["ComponentHooks"]
 
 
 def _overrides(component: TreeComponent, hook: str) -> bool:
-    return getattr(type(component), hook) is not getattr(TreeComponent, hook)
+    overridden = getattr(type(component), hook) is not getattr(TreeComponent, hook)
+    return overridden and component.uses_hook(hook)
 
 
 @dataclass(frozen=True, slots=True)

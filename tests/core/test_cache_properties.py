@@ -7,9 +7,11 @@ nodes and diverge inside pages.  After each operation: ``sanity_check()`` and
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from cache_harness import start_request
+from cache_harness import POLICY_CONFIGS, start_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,9 +56,11 @@ ops = st.lists(
 class Model:
     """Drives a cache and tracks what the test itself holds."""
 
-    def __init__(self, ps: int) -> None:
+    def __init__(self, ps: int, **config: Any) -> None:
         self.ps = ps
-        self.cache = build_cache(CacheConfig(page_size=ps, kv_size=256 * ps, max_num_reqs=4))
+        self.cache = build_cache(
+            CacheConfig(page_size=ps, kv_size=256 * ps, max_num_reqs=4, **config)
+        )
         self.alloc = self.cache.token_to_kv_pool_allocator
         self.locks: list[tuple[TreeNode, IncLockRefResult]] = []
 
@@ -107,7 +111,20 @@ class Model:
 )
 @given(program=ops)
 def test_random_operations_keep_invariants(ps: int, program: list[tuple]) -> None:  # type: ignore[type-arg]
-    model = Model(ps)
+    _run(Model(ps), program)
+
+
+@pytest.mark.parametrize("config", POLICY_CONFIGS)
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(program=ops)
+def test_every_eviction_policy_keeps_invariants(
+    config: dict[str, Any], program: list[tuple]
+) -> None:  # type: ignore[type-arg]
+    _run(Model(4, **config), program)
+
+
+def _run(model: Model, program: list[tuple]) -> None:  # type: ignore[type-arg]
+    ps = model.ps
     cache = model.cache
     for op in program:
         kind = op[0]
@@ -128,6 +145,8 @@ def test_random_operations_keep_invariants(ps: int, program: list[tuple]) -> Non
             before = cache.evictable_size()
             r = cache.evict(EvictParams(num_tokens=op[1] * ps))
             assert r.num_tokens_evicted >= min(op[1] * ps, before) or cache.evictable_size() == 0
+            if cache.config.partial_leaf_eviction:  # never more than the request, in pages
+                assert r.num_tokens_evicted <= op[1] * ps, (r, op)
         elif kind == "request":
             model.request(_key(*op[1], ps), op[2], op[3])
         model.check()

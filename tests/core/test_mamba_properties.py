@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from cache_harness import assert_path_validators_agree
+from cache_harness import POLICY_CONFIGS, assert_path_validators_agree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -188,9 +188,10 @@ class Model:
         cache.check_pools(held)
 
 
-def _build(components: tuple[ComponentType, ...], ps: int) -> UnifiedRadixCache:
+def _build(components: tuple[ComponentType, ...], ps: int, **config: Any) -> UnifiedRadixCache:
     return build_cache(
         CacheConfig(
+            **config,
             components=components,
             page_size=ps,
             kv_size=40 * ps,
@@ -246,8 +247,11 @@ def _run(
     base: list[int],
     raw_seqs: list[tuple[int, list[int], int]],
     ops: list[tuple[Any, ...]],
+    **config: Any,
 ) -> None:
-    cache = _build(components, ps)
+    """Run ``ops`` on a cache of ``components`` (``config``: more ``CacheConfig`` fields),
+    checking every invariant after every step, then drain it."""
+    cache = _build(components, ps, **config)
     model = Model(cache)
     # Page x of a sequence is ps tokens derived from x (and its position, so a page id may
     # repeat); plus an unaligned tail for ps > 1.
@@ -357,3 +361,17 @@ def test_state_tensors_are_untouched_by_tree_operations() -> None:
     model.check()
     assert torch.equal(model.pool.conv[slot], before[0])
     assert torch.equal(model.pool.temporal[slot], before[1])
+
+
+@pytest.mark.parametrize("config", POLICY_CONFIGS)
+@pytest.mark.parametrize("components", [(FULL, MAMBA), (FULL, SWA, MAMBA)], ids=["mamba", "swa"])
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(base=_base, raw_seqs=_seqs, ops=_ops)
+def test_every_eviction_policy_keeps_invariants(
+    config: dict[str, Any],
+    components: tuple[ComponentType, ...],
+    base: list[int],
+    raw_seqs: list[tuple[int, list[int], int]],
+    ops: list[Any],
+) -> None:
+    _run(components, 4, base, raw_seqs, ops, **config)

@@ -75,6 +75,11 @@ class TreeComponent(ABC):
         self.host_evictable_size = 0
         self.host_protected_size = 0
 
+    def uses_hook(self, name: str) -> bool:
+        """Whether this instance wants the hook ``name`` it overrides called (a config can
+        switch an override off, so it costs nothing on the hot path when unused)."""
+        return True
+
     def attach_host_tier(self, tier: HostTier) -> None:
         """The cache got a host tier (HiCache): host copies go there from now on."""
         self.host_tier = tier

@@ -1,7 +1,8 @@
 """FULL: full-attention KV, the anchor component every node carries.
 
-Eviction takes device leaves in eviction-policy order from a persistent heap.  Keys only grow
-(access times, hit counts and priorities never decrease), so an entry whose node was touched
+Eviction takes device leaves in the order of the cache's strategy (``urc.eviction_policy``)
+from a persistent heap.  Keys grow (access times, hit counts and priorities never decrease;
+a strategy whose key can drop asks for a fresh entry then), so an entry whose node was touched
 since it was pushed is simply re-pushed with the new key when it surfaces: an ``evict`` call
 costs O(k log n) for k freed leaves instead of rebuilding a heap of every leaf.
 
@@ -21,13 +22,12 @@ instead of O(depth).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
-from operator import attrgetter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from urc.components.base import EvictTracker, TreeComponent
-from urc.config import EvictionPolicy
 from urc.errors import InvalidLockError
+from urc.eviction_policy import make_strategy
 from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -43,17 +43,6 @@ __all__ = ["FullComponent"]
 _FULL = 0
 
 
-def _policy_key(policy: EvictionPolicy) -> Callable[[TreeNode], Any]:
-    """The heap key of a node under ``policy`` (an ``attrgetter``: evaluated per candidate)."""
-    if policy is EvictionPolicy.LRU:
-        return attrgetter("last_access_time")
-    if policy is EvictionPolicy.LFU:
-        return attrgetter("hit_count", "last_access_time")
-    if policy is EvictionPolicy.FIFO:
-        return attrgetter("creation_time")
-    return attrgetter("priority", "last_access_time")
-
-
 class FullComponent(TreeComponent):
     """Full-attention KV: a path lock to the root; evicted leaf by leaf."""
 
@@ -65,7 +54,11 @@ class FullComponent(TreeComponent):
         super().__init__(tree, pools, config, evictor)
         self.allocator = alloc = pools.token_allocator
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
-        self._key = _policy_key(config.eviction_policy)
+        # What the heaps order by (``urc.eviction_policy``); ``_key`` is its bound method.
+        self.strategy = make_strategy(config.eviction_policy, config.next_use)
+        self._key = self.strategy.key
+        self._rekey_on_release = self.strategy.rekey_on_release
+        self._partial = config.partial_leaf_eviction
         self._heap: list[tuple[Any, int, TreeNode]] = []
         self._dead = 0  # entries of leaves that got a child since (see ``note_child``)
         # Host-only leaves (HiCache), same lazy rules with ``node.in_host_heap``.
@@ -86,8 +79,19 @@ class FullComponent(TreeComponent):
         """``parent`` just got a child on device: if it was a leaf with a heap entry, that
         entry is dead now.  Once dead entries are half the heap, compact it: one pass over
         the heap costs less than popping each dead entry during an eviction."""
-        if parent.in_heap and len(parent.children) == 1:
+        n = len(parent.children)
+        if n == 2:
+            # A fork: the strategy may see the older branch as left behind (its key drops,
+            # so it needs a fresh entry; the old one is re-keyed or dropped when it surfaces).
+            older = self.strategy.superseded(parent)
+            if older is not None and self.is_device_leaf(older):
+                older.in_heap = True
+                heapq.heappush(self._heap, (self._key(older), older.id, older))
+        elif n == 1 and parent.in_heap:
             self._dead += 1
+            if self._rekey_on_release:
+                # Its key may drop before it is a leaf again: it will need a fresh entry.
+                parent.in_heap = False
             if self._dead > 64 and 2 * self._dead > len(self._heap):
                 self._compact()
 
@@ -150,11 +154,44 @@ class FullComponent(TreeComponent):
                 continue
             pop(heap)
             node.in_heap = False
+            if self._partial:
+                node = self._tail_to_evict(node, target - tracker[_FULL])
             if not evict_leaf(node, tracker):
                 skipped[nid] = node  # could not be demoted (host full): keep it this call
         for node in skipped.values():
             if self.is_device_leaf(node):
                 self.note_leaf(node)
+
+    def _tail_to_evict(self, leaf: TreeNode, need: int) -> TreeNode:
+        """The part of ``leaf`` to evict when ``need`` more tokens are wanted: the whole leaf,
+        or (split off) its last ``ceil(need / page)`` pages.
+
+        ``leaf`` (key ``[0, n)``) after a split at ``k = n - take``:
+          ``[0, k)``  a new upper node: keeps its data and ``leaf``'s last access time (an
+                      eviction is not a use), and becomes an evictable leaf once the tail
+                      is gone;
+          ``[k, n)``  ``leaf`` itself, ``take`` tokens: returned, evicted by the caller.
+        """
+        page = self.tree.page_size
+        take = -(-need // page) * page
+        n = leaf.key_len
+        if take >= n:
+            return leaf
+        assert (n - take) % page == 0, f"leaf {leaf.id}: {n} tokens, split at {n - take}"
+        t = leaf.last_access_time
+        upper = self.tree.split(leaf, n - take)
+        upper.last_access_time = t
+        return leaf
+
+    def uses_hook(self, name: str) -> bool:
+        return name != "on_insert_end" or self._rekey_on_release
+
+    def on_insert_end(self, path: Sequence[TreeNode]) -> None:
+        # Only for strategies whose keys drop on use (Belady): an insert through a leaf that
+        # is in the heap is a use (the request may have matched before the leaf existed).
+        node = path[-1] if path else None
+        if node is not None and node.in_heap and self.is_device_leaf(node):
+            heapq.heappush(self._heap, (self._key(node), node.id, node))
 
     # ------------------------------------------------------------------ host eviction
     def note_host_leaf(self, node: TreeNode) -> None:
@@ -275,8 +312,9 @@ class FullComponent(TreeComponent):
         if cd.lock_ref:
             return  # still protected by other locks or locked children
         # Only the first node can become an evictable leaf: every node above it has it (on
-        # device) as a child.
-        if not node.in_heap and self.is_device_leaf(node):
+        # device) as a child.  A strategy whose keys drop on use wants a fresh entry.
+        if (not node.in_heap or self._rekey_on_release) and self.is_device_leaf(node):
+            node.in_heap = False
             self.note_leaf(node)
         delta = node.key_len
         node = node.parent  # type: ignore[assignment]
@@ -306,6 +344,9 @@ class FullComponent(TreeComponent):
         # The new parent holds no lock of its own; its one child counts if it is locked.
         p.lock_ref = 1 if c.lock_ref else 0
         p.host_lock_ref = c.host_lock_ref
+        if self._rekey_on_release and child.in_heap and self.is_device_leaf(child):
+            # ``child`` now starts further in: a key read from its first page has changed.
+            heapq.heappush(self._heap, (self._key(child), child.id, child))
 
     # ------------------------------------------------------------------ pools and checks
     def pool_capacity(self) -> int:

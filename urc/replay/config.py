@@ -29,6 +29,7 @@ import torch
 from hicache.config import StorageBackupPolicy
 from urc.config import CacheConfig, EvictionPolicy
 from urc.errors import ConfigError
+from urc.eviction_policy import NextUseOracle
 from urc.host_protocol import WritePolicy
 from urc.pools.allocator import check_page_size
 from urc.pools.kv_pool import KVShape
@@ -144,7 +145,9 @@ class ReplayConfig:
     0: no host tier), ``write_policy`` the HiCache backup policy (default ``WRITE_BACK``: a
     device leaf is copied to host when it is evicted, so device plus host behave like one
     cache of their combined size; write-through copies a node only after its first hit),
-    ``eviction_policy`` the device eviction order, ``page_size`` the tree's page.
+    ``eviction_policy`` the device and host eviction order (``BELADY``: the offline optimum,
+    from the whole workload read up front), ``partial_leaf_eviction`` takes only the pages an
+    eviction needs from a victim leaf, ``page_size`` the tree's page.
     ``l3_dir`` adds the L3 storage tier (HiCache's
     :class:`~hicache.storage_worker.StorageWorker` on a local-file store in that directory;
     full-attention models only), written per ``l3_backup``.
@@ -174,6 +177,7 @@ class ReplayConfig:
     host_tokens: Capacity = field(default_factory=_default_host)
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    partial_leaf_eviction: bool = False
     l3_dir: Path | None = None
     l3_backup: StorageBackupPolicy = StorageBackupPolicy.ON_HOST_EVICTION
     page_size: int = 16
@@ -236,11 +240,16 @@ class ReplayConfig:
         return max(self.page_size, self.swa_tokens.resolve(unique_tokens, self.page_size))
 
     def cache_config(
-        self, device_tokens: int, max_request_tokens: int, swa_tokens: int | None = None
+        self,
+        device_tokens: int,
+        max_request_tokens: int,
+        swa_tokens: int | None = None,
+        next_use: NextUseOracle | None = None,
     ) -> CacheConfig:
         """The core's config for a device pool of ``device_tokens`` (whole pages) and
         requests of at most ``max_request_tokens`` tokens (prompt plus output);
-        ``swa_tokens`` sizes the SWA pool (``None``: like the Full pool)."""
+        ``swa_tokens`` sizes the SWA pool (``None``: like the Full pool); ``next_use`` is
+        the workload's future (required by, and only by, the belady policy)."""
         ps = self.page_size
         model = self.model
         mamba_size = 0
@@ -264,4 +273,6 @@ class ReplayConfig:
             max_context_len=max(ps, -(-(max_request_tokens + ps) // ps) * ps),
             kv_shape=self.kv_shape,
             eviction_policy=self.eviction_policy,
+            partial_leaf_eviction=self.partial_leaf_eviction,
+            next_use=next_use,
         )

@@ -59,8 +59,10 @@ from hicache.storage_worker import StorageWorker
 from metrics.exporter import CacheMetrics
 from metrics.http import MetricsServer, MetricsServerConfig
 from urc.cache import UnifiedRadixCache, build_cache
+from urc.config import EvictionPolicy
 from urc.errors import ConfigError, OutOfMemoryError, ServiceError
 from urc.key import RadixKey
+from urc.replay.belady import NextUseTable, build_next_use
 from urc.replay.config import ModelProfile, ReplayConfig
 from urc.replay.report import TIERS, LatencyRecorder, ReplayReport
 from urc.replay.source import EmptyWorkloadError, WorkloadSummary, aiter_requests, summarize
@@ -125,8 +127,10 @@ class _ServingLoop:
         storage: StorageWorker | None,
         device_tokens: int,
         bar: tqdm[None],
+        next_use: NextUseTable | None = None,
     ) -> None:
         self.config = config
+        self.next_use = next_use  # Belady's view of the future: told which request is next
         self.svc = svc
         self.controller = controller
         self.storage = storage
@@ -150,6 +154,8 @@ class _ServingLoop:
                 if speed > 0:
                     await anyio.sleep_until(start + tr.timestamp_ms / 1000.0 / speed)
                 await sem.acquire()
+                if self.next_use is not None:
+                    self.next_use.advance(tr.index)
                 tg.start_soon(self._serve, tr, sem, name=f"urc-replay-{tr.index}")
 
     async def _timed(self, kind: str, aw: Awaitable[T]) -> T:
@@ -362,7 +368,12 @@ async def run_replay(
     device = max(ps, config.device_tokens.resolve(summary.unique_tokens, ps))
     host = config.host_tokens.resolve(summary.unique_tokens, ps)
     swa_pool = config.swa_pool_tokens(device, summary.unique_tokens)
-    cache = build_cache(config.cache_config(device, summary.max_request_tokens, swa_pool))
+    # Belady (measurement only) reads the whole workload first: it knows every next use.
+    belady = config.eviction_policy is EvictionPolicy.BELADY
+    future = await build_next_use(config) if belady else None
+    cache = build_cache(
+        config.cache_config(device, summary.max_request_tokens, swa_pool, next_use=future)
+    )
 
     registry = CollectorRegistry(auto_describe=True)
     metrics = CacheMetrics(registry) if metrics_port is not None else None
@@ -415,7 +426,7 @@ async def run_replay(
             await stack.enter_async_context(svc)
             if url is not None and on_metrics is not None:
                 await on_metrics(url)
-            loop = _ServingLoop(config, svc, controller, storage, device, bar)
+            loop = _ServingLoop(config, svc, controller, storage, device, bar, future)
             setup_time = perf_counter() - t_setup
             t0 = perf_counter()
             await loop.run(aiter_requests(config))
@@ -456,7 +467,8 @@ async def run_replay(
         concurrency=config.concurrency,
         prefill_only=config.prefill_only,
         write_policy=config.write_policy.value if controller is not None else None,
-        eviction_policy=config.eviction_policy.value,
+        eviction_policy=config.eviction_policy.value
+        + ("+partial" if config.partial_leaf_eviction else ""),
         l3=f"{config.l3_dir} ({config.l3_backup.value})" if storage is not None else None,
         device_tokens=device,
         host_tokens=host,
