@@ -1,32 +1,34 @@
 """Eviction strategies: the order in which Full leaves leave the device (and the host).
 
 The Full component keeps its evictable leaves in a lazy heap (``urc.components.full``); a
-strategy says what that heap orders by and learns from what happens to the tree.  It is the
-only place a policy lives, so adding one is a new class here plus an ``EvictionPolicy``
-member, and nothing else changes.
+strategy says what that heap orders by and which leaves go before the heap's order.  It is
+the only place a policy lives: adding one is a class here plus an ``EvictionPolicy`` member.
 
 The interface is small:
 
-* :meth:`EvictionStrategy.key`: the heap key of a leaf (smallest is evicted first).  It is
+* :meth:`EvictionStrategy.key_function`: the heap key of a leaf (smallest is evicted first),
+  a plain callable (an ``attrgetter`` where it can be: it runs for every candidate).  It is
   evaluated when the leaf is pushed and again when its entry surfaces, and the entry is
-  re-keyed when the two differ.  So a key that grows is always honoured; a key that *drops*
-  while the leaf sits in the heap is honoured only if the strategy asks for a fresh entry
-  (:attr:`EvictionStrategy.rekey_on_release`, :meth:`EvictionStrategy.superseded`), since
-  until then its old, larger key keeps it deeper in the heap than it should be.
-* :meth:`EvictionStrategy.superseded`: a node just got its second child; the strategy may
-  name the older sibling as superseded (its key dropped: the Full component re-pushes it).
+  re-keyed when the two differ.  So a key that grows is always honoured; a key that can
+  *drop* while the leaf sits in the heap needs :attr:`EvictionStrategy.rekey_on_release`
+  (the leaf gets a fresh entry on every release, insert and split).
+* :meth:`EvictionStrategy.superseded` / :meth:`EvictionStrategy.still_superseded`: when a
+  node gets its second child the strategy may name the older sibling; the Full component
+  queues it and evicts it before the heap's order while the strategy still says so.
 
 Which strategy the cache uses is ``CacheConfig.eviction_policy``; LRU is the default and is
-exactly SGLang's order; BELADY needs ``CacheConfig.next_use``.  The auxiliary components
-(SWA, Mamba) keep their LRU lists: they
-evict when their own pools run out, and the Full order decides which prefixes stay.
+exactly SGLang's order; BELADY needs ``CacheConfig.next_use``.  Host-only leaves are evicted
+in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU lists: they evict
+when their own pools run out, and the Full order decides which prefixes stay.
 
-Cost: every key is O(1) (Belady: O(depth) for its oracle, measurement only).
+Cost: O(1) per key and per fork (Belady: O(depth) per key for its oracle, measurement only).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, Protocol
 
 from urc.config import EvictionPolicy
@@ -37,18 +39,20 @@ __all__ = [
     "BeladyStrategy",
     "EvictionStrategy",
     "FifoStrategy",
+    "ForkAwareStrategy",
     "LfuStrategy",
     "LruStrategy",
     "NextUseOracle",
     "PriorityStrategy",
-    "ForkAwareStrategy",
     "make_strategy",
 ]
+
+HeapKey = Callable[[TreeNode], Any]
 
 
 class NextUseOracle(Protocol):
     """Knows the future (for :class:`BeladyStrategy`): the position in the workload of the
-    next request that will use ``node``'s first token, or a number past the end if none."""
+    next request that will use ``node``'s first page, or a number past the end if none."""
 
     def next_use(self, node: TreeNode) -> int: ...
 
@@ -58,17 +62,21 @@ class EvictionStrategy(ABC):
 
     __slots__ = ()
 
-    # Whether a released leaf that is still in the heap needs a fresh entry (its key may
-    # have dropped on use).  False for every policy whose keys only grow.
+    # Whether a leaf needs a fresh heap entry whenever it is used (its key may have dropped).
+    # False for every policy whose keys only grow.
     rekey_on_release: bool = False
 
     @abstractmethod
-    def key(self, node: TreeNode) -> Any:
-        """The heap key of ``node`` now; smaller keys are evicted first."""
+    def key_function(self) -> HeapKey:
+        """The heap key of a node; smaller keys are evicted first."""
 
     def superseded(self, parent: TreeNode) -> TreeNode | None:
-        """``parent`` just got its second child: the sibling whose key dropped, if any."""
+        """``parent`` just got its second child: a sibling to evict first, if any."""
         return None
+
+    def still_superseded(self, node: TreeNode) -> bool:
+        """Whether a node :meth:`superseded` named is still to be evicted first."""
+        return False
 
 
 class LruStrategy(EvictionStrategy):
@@ -76,8 +84,8 @@ class LruStrategy(EvictionStrategy):
 
     __slots__ = ()
 
-    def key(self, node: TreeNode) -> int:
-        return node.last_access_time
+    def key_function(self) -> HeapKey:
+        return attrgetter("last_access_time")
 
 
 class LfuStrategy(EvictionStrategy):
@@ -85,8 +93,8 @@ class LfuStrategy(EvictionStrategy):
 
     __slots__ = ()
 
-    def key(self, node: TreeNode) -> tuple[int, int]:
-        return (node.hit_count, node.last_access_time)
+    def key_function(self) -> HeapKey:
+        return attrgetter("hit_count", "last_access_time")
 
 
 class FifoStrategy(EvictionStrategy):
@@ -94,8 +102,8 @@ class FifoStrategy(EvictionStrategy):
 
     __slots__ = ()
 
-    def key(self, node: TreeNode) -> int:
-        return node.creation_time
+    def key_function(self) -> HeapKey:
+        return attrgetter("creation_time")
 
 
 class PriorityStrategy(EvictionStrategy):
@@ -103,47 +111,40 @@ class PriorityStrategy(EvictionStrategy):
 
     __slots__ = ()
 
-    def key(self, node: TreeNode) -> tuple[int, int]:
-        return (node.priority, node.last_access_time)
+    def key_function(self) -> HeapKey:
+        return attrgetter("priority", "last_access_time")
 
 
-class ForkAwareStrategy(EvictionStrategy):
+class ForkAwareStrategy(LruStrategy):
     """LRU, except that a branch the traffic has just left is evicted first.
 
     When a node that had one child gets a second, the older child is a branch the traffic
     just forked away from: a conversation's next turn diverged from its previous prompt (an
     edited or regenerated message, a trimmed context), an agent re-planned from an earlier
-    step.  That leaf is keyed below every other leaf until it is used again; everything else
-    is in LRU order.  Only the fork from one child to two marks a branch: the children of a
-    widely shared prefix (a system prompt with many conversations below it) are never marked,
-    and a marked branch is unmarked as soon as its parent has a third child.
+    step.  That leaf goes before the LRU order, unless it was used again since, or its parent
+    got a third child meanwhile.  Only the fork from one child to two marks a branch: the
+    children of a widely shared prefix (a system prompt with many conversations below it)
+    are never marked.
 
-    The signal is read from the tree alone (no counters to tune), costs O(1) per key, and on
-    a workload without forks the order is exactly LRU's.  A mark drops a key, so
-    :meth:`superseded` names the node and the heap gets a fresh entry.
+    The signal is read from the tree alone (no counters to tune); the heap key is LRU's, so
+    every operation costs what it costs under LRU plus O(1) per fork, and on a workload
+    without forks the order is exactly LRU's.
     """
 
     __slots__ = ()
 
-    _LEFT = 0
-    _LIVE = 1
-
-    def key(self, node: TreeNode) -> tuple[int, int]:
-        t = node.last_access_time
-        return (self._LEFT if self._is_left(node) else self._LIVE, t)
-
-    @staticmethod
-    def _is_left(node: TreeNode) -> bool:
-        parent = node.parent
-        if parent is None or parent.parent is None or len(parent.children) != 2:
-            return False
-        return any(s.last_access_time > node.last_access_time for s in parent.children.values())
-
     def superseded(self, parent: TreeNode) -> TreeNode | None:
         if parent.parent is None or len(parent.children) != 2:
             return None
-        older = min(parent.children.values(), key=lambda c: c.last_access_time)
-        return older if self._is_left(older) else None
+        older = min(parent.children.values(), key=attrgetter("last_access_time"))
+        return older if self.still_superseded(older) else None
+
+    def still_superseded(self, node: TreeNode) -> bool:
+        parent = node.parent
+        if parent is None or parent.parent is None or len(parent.children) != 2:
+            return False
+        t = node.last_access_time
+        return any(sibling.last_access_time > t for sibling in parent.children.values())
 
 
 class BeladyStrategy(EvictionStrategy):
@@ -161,8 +162,9 @@ class BeladyStrategy(EvictionStrategy):
     def __init__(self, oracle: NextUseOracle) -> None:
         self._oracle = oracle
 
-    def key(self, node: TreeNode) -> int:
-        return -self._oracle.next_use(node)
+    def key_function(self) -> HeapKey:
+        next_use = self._oracle.next_use
+        return lambda node: -next_use(node)
 
 
 _SIMPLE: dict[EvictionPolicy, type[EvictionStrategy]] = {

@@ -1,10 +1,11 @@
 """FULL: full-attention KV, the anchor component every node carries.
 
-Eviction takes device leaves in the order of the cache's strategy (``urc.eviction_policy``)
-from a persistent heap.  Keys grow (access times, hit counts and priorities never decrease;
-a strategy whose key can drop asks for a fresh entry then), so an entry whose node was touched
-since it was pushed is simply re-pushed with the new key when it surfaces: an ``evict`` call
-costs O(k log n) for k freed leaves instead of rebuilding a heap of every leaf.
+Eviction takes device leaves in the order of the cache's strategy (``urc.eviction_policy``):
+first the leaves it queued to go first, then from a persistent heap.  Keys grow (access
+times, hit counts and priorities never decrease; a strategy whose key can drop asks for fresh
+entries), so an entry whose node was touched since it was pushed is simply re-pushed with the
+new key when it surfaces: an ``evict`` call costs O(k log n) for k freed leaves instead of
+rebuilding a heap of every leaf.
 
 Heap entry rules: ``node.in_heap`` is True while the heap holds an entry for the node.  A node
 that stops being an evictable leaf (locked, got a child, was deleted) keeps its entry; the
@@ -22,6 +23,7 @@ instead of O(depth).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,10 +56,12 @@ class FullComponent(TreeComponent):
         super().__init__(tree, pools, config, evictor)
         self.allocator = alloc = pools.token_allocator
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
-        # What the heaps order by (``urc.eviction_policy``); ``_key`` is its bound method.
+        # What the heaps order by (``urc.eviction_policy``), and the leaves it wants evicted
+        # before that order (oldest fork first; checked again when their turn comes).
         self.strategy = make_strategy(config.eviction_policy, config.next_use)
-        self._key = self.strategy.key
+        self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release
+        self._first: deque[TreeNode] = deque()
         self._partial = config.partial_leaf_eviction
         self._heap: list[tuple[Any, int, TreeNode]] = []
         self._dead = 0  # entries of leaves that got a child since (see ``note_child``)
@@ -81,12 +85,11 @@ class FullComponent(TreeComponent):
         the heap costs less than popping each dead entry during an eviction."""
         n = len(parent.children)
         if n == 2:
-            # A fork: the strategy may see the older branch as left behind (its key drops,
-            # so it needs a fresh entry; the old one is re-keyed or dropped when it surfaces).
-            older = self.strategy.superseded(parent)
-            if older is not None and self.is_device_leaf(older):
-                older.in_heap = True
-                heapq.heappush(self._heap, (self._key(older), older.id, older))
+            older = self.strategy.superseded(parent)  # a fork: a branch left behind?
+            if older is not None:
+                self._first.append(older)
+                if len(self._first) > self.tree.num_nodes + 64:
+                    self._first = deque(x for x in self._first if self._goes_first(x))
         elif n == 1 and parent.in_heap:
             self._dead += 1
             if self._rekey_on_release:
@@ -134,11 +137,18 @@ class FullComponent(TreeComponent):
                 return False
         return True
 
+    def _goes_first(self, node: TreeNode) -> bool:
+        return self.is_device_leaf(node) and self.strategy.still_superseded(node)
+
     def drive_eviction(self, params: EvictParams, tracker: EvictTracker) -> None:
         target = params.num_tokens
+        first = self._first
+        while first and tracker[_FULL] < target:
+            node = first.popleft()
+            if self._goes_first(node):
+                self._evict_leaf(node, target - tracker[_FULL], tracker)
         heap = self._heap
         key = self._key
-        evict_leaf = self.evictor.evict_device_leaf
         skipped: dict[int, TreeNode] = {}
         pop = heapq.heappop
         replace = heapq.heapreplace
@@ -154,13 +164,18 @@ class FullComponent(TreeComponent):
                 continue
             pop(heap)
             node.in_heap = False
-            if self._partial:
-                node = self._tail_to_evict(node, target - tracker[_FULL])
-            if not evict_leaf(node, tracker):
+            if not self._evict_leaf(node, target - tracker[_FULL], tracker):
                 skipped[nid] = node  # could not be demoted (host full): keep it this call
         for node in skipped.values():
             if self.is_device_leaf(node):
                 self.note_leaf(node)
+
+    def _evict_leaf(self, leaf: TreeNode, need: int, tracker: EvictTracker) -> bool:
+        """Evict the device leaf ``leaf`` (only its tail pages with partial-leaf eviction);
+        False if it could not go (write-back with a full host)."""
+        if self._partial:
+            leaf = self._tail_to_evict(leaf, need)
+        return self.evictor.evict_device_leaf(leaf, tracker)
 
     def _tail_to_evict(self, leaf: TreeNode, need: int) -> TreeNode:
         """The part of ``leaf`` to evict when ``need`` more tokens are wanted: the whole leaf,
@@ -398,3 +413,4 @@ class FullComponent(TreeComponent):
         self._heap = []
         self._dead = 0
         self._host_heap = []
+        self._first.clear()
