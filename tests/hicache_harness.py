@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from cache_harness import assert_path_validators_agree
@@ -44,9 +45,12 @@ def make(
     host_pages: int = 128,
     mamba_size: int = 16,
     window_pages: int = WINDOW_PAGES,
+    **config: Any,
 ) -> UnifiedRadixCache:
+    """A cache of ``comps`` with a host tier (``config``: more ``CacheConfig`` fields)."""
     cache = build_cache(
         CacheConfig(
+            **config,
             components=comps,
             page_size=ps,
             kv_size=kv_pages * ps,

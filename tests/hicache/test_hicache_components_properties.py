@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from urc import (
     ComponentType,
+    EvictionPolicy,
     EvictParams,
     UnifiedRadixCache,
     host_transfers,
@@ -99,13 +100,29 @@ _op = st.one_of(
 @given(
     ps=st.sampled_from([1, 4]),
     policy=st.sampled_from([WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK]),
+    eviction=st.sampled_from([p for p in EvictionPolicy if p is not EvictionPolicy.BELADY]),
+    partial=st.booleans(),
     ops=st.lists(_op, min_size=10, max_size=40),
 )
 def test_random_sequences_keep_invariants(
-    comps: tuple[ComponentType, ...], ps: int, policy: WritePolicy, ops: list[tuple]
+    comps: tuple[ComponentType, ...],
+    ps: int,
+    policy: WritePolicy,
+    eviction: EvictionPolicy,
+    partial: bool,
+    ops: list[tuple],
 ) -> None:
     cache = make(
-        comps, ps, policy, kv_pages=20, swa_pages=14, host_pages=28, mamba_size=5, window_pages=2
+        comps,
+        ps,
+        policy,
+        kv_pages=20,
+        swa_pages=14,
+        host_pages=28,
+        mamba_size=5,
+        window_pages=2,
+        eviction_policy=eviction,  # device and host eviction order
+        partial_leaf_eviction=partial,
     )
     flight = InFlight()
 
