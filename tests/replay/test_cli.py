@@ -197,3 +197,12 @@ def test_package_exports_resolve_lazily_to_their_modules() -> None:
         assert getattr(urc, name) is getattr(importlib.import_module(module), name)
     with pytest.raises(AttributeError):
         _ = urc.no_such_name  # type: ignore[attr-defined]
+
+
+def test_belady_and_partial_leaf_eviction_from_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "belady.json"
+    args = ["--eviction-policy", "belady", "--partial-leaf-eviction", "--device-tokens", "0.1"]
+    rc = main(["replay", "--no-progress", "--num-requests", "60", *args, "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["config"]["eviction_policy"] == "belady+partial"
+    assert report["check"]["ok"]
