@@ -19,6 +19,10 @@ holds ``MERGE_BATCH`` spans -- so evictions pay for their frees, a few dozen at 
 fixed costs (a ``torch.cat``, a host view, two array updates: ~5 µs) would otherwise dominate
 a single small free -- and before anything allocates from a short stack or reads page states
 (a checked ``free``, ``is_allocated``, the consistency check).
+
+The per-page loops of ``free``, ``check_owned`` and the stack pushes are
+:mod:`urc.pageops` primitives: compiled where built, else their numpy twins
+(:meth:`TokenSlotAllocator.use_page_ops`; the cache selects them with its walk).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import numpy as np
 import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError
+from urc.fastpath import WalkImpl
+from urc.pageops import PageOps, select_page_ops
 
 __all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size"]
 
@@ -55,6 +61,7 @@ class TokenSlotAllocator:
 
     __slots__ = (
         "_arange",
+        "_ops",
         "_pending",
         "_pending_pages",
         "_shift",
@@ -79,7 +86,13 @@ class TokenSlotAllocator:
         self._arange = torch.arange(page_size, dtype=torch.int64, device=self.device)
         # Per page: 1 = allocated, 0 = free.
         self._state = np.zeros(self.num_pages, dtype=np.int8)
+        self._ops: PageOps = select_page_ops(WalkImpl.AUTO)
         self.clear()
+
+    def use_page_ops(self, impl: WalkImpl) -> None:
+        """Run the page bookkeeping with ``impl`` (:func:`urc.pageops.select_page_ops`); both
+        implementations give the same results, so this only changes speed."""
+        self._ops = select_page_ops(impl)
 
     def clear(self) -> None:
         """Mark every slot free (drops all outstanding allocations)."""
@@ -135,26 +148,23 @@ class TokenSlotAllocator:
                 f"indices must be int64 on {self.device}, got {indices.dtype} on {indices.device}"
             )
         self.flush()  # a page still queued must count as free to catch a double free
-        pages = self._pages_of(indices)
-        state = self._state
-        try:
-            if pages.min() < 0:
-                raise IndexError
-            if np.count_nonzero(state[pages]) != pages.shape[0]:
-                raise DoubleFreeError("freeing a slot that is not allocated")
-        except IndexError:
-            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
-        if self._top + pages.shape[0] > self.num_pages:
+        host = _host(indices)
+        ps = self.page_size
+        ops = self._ops
+        held = ops.count_held(self._state, host, ps, self._shift, -1)
+        if held < 0:
+            raise InvalidIndicesError(f"indices outside [0, {self.size})")
+        n = (k + ps - 1) >> self._shift  # the pages of ``indices``: its every ps-th entry
+        if held != n:
+            raise DoubleFreeError("freeing a slot that is not allocated")
+        if self._top + n > self.num_pages:
             raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
-        self._release_pages(pages)
+        # A copy onto the stack: the caller may reuse its tensor.
+        self._top = ops.release(self._state, self._stack, self._top, host, ps, self._shift)
 
     def _release_pages(self, pages: np.ndarray) -> None:
         """Mark ``pages`` free and push them on the stack (no checks)."""
-        top = self._top
-        n = pages.shape[0]
-        self._state[pages] = 0
-        self._stack[top : top + n] = pages  # a copy: the caller may reuse its tensor
-        self._top = top + n
+        self._top = self._ops.release(self._state, self._stack, self._top, pages, 1, 0)
 
     def free_owned(self, indices: torch.Tensor) -> None:
         """Free whole pages the caller is known to own: slots the tree adopted after checking
@@ -209,17 +219,13 @@ class TokenSlotAllocator:
         if indices.shape[0] == 0:
             return
         self.flush()
-        host = _host(indices)
-        lo = int(host.min())
-        hi = int(host.max()) if self.page_size > 1 else 0  # page 1: the lookup catches it
-        if lo < 0 or hi >= self.size:
-            raise InvalidIndicesError(f"indices outside [0, {self.size}): min {lo}, max {hi}")
-        pages = host if self.page_size == 1 else host[:: self.page_size] >> self._shift
-        try:
-            held = int(np.count_nonzero(self._state[pages]))
-        except IndexError:
-            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
-        if held != pages.shape[0]:
+        ps = self.page_size
+        # Page 1: the page lookup is the range check; larger pages check every entry too.
+        bound = self.size if ps > 1 else -1
+        held = self._ops.count_held(self._state, _host(indices), ps, self._shift, bound)
+        if held < 0:
+            raise InvalidIndicesError(f"indices outside [0, {self.size})")
+        if held != (indices.shape[0] + ps - 1) >> self._shift:
             raise InvalidIndicesError("value holds slots that are not allocated")
 
     def check_consistency(self) -> None:
@@ -236,4 +242,7 @@ class TokenSlotAllocator:
 
 def _host(t: torch.Tensor) -> np.ndarray:
     """A numpy view of an index tensor (a copy only when it lives on an accelerator)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    try:
+        return t.numpy()  # CPU: a view (the common case, without asking for the device)
+    except TypeError:  # an accelerator's tensor
+        return t.cpu().numpy()
