@@ -18,8 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from urc.errors import ConfigError
-from urc.fastpath import WalkImpl
+from urc.fastpath import WalkImpl, choose_impl
 
 __all__ = [
     "PYTHON_OPS",
@@ -102,13 +101,4 @@ def native_pages_available() -> bool:
 def select_page_ops(impl: WalkImpl) -> PageOps:
     """The primitives ``impl`` names (:class:`~urc.errors.ConfigError` for ``NATIVE`` when the
     extension is absent)."""
-    if impl is WalkImpl.PYTHON:
-        return PYTHON_OPS
-    if _NATIVE is None:
-        if impl is WalkImpl.NATIVE:
-            raise ConfigError(
-                "walk_impl=NATIVE but urc._native._pages is not built "
-                "(reinstall with a C compiler and Python headers available)"
-            )
-        return PYTHON_OPS
-    return _NATIVE
+    return choose_impl(impl, _NATIVE, PYTHON_OPS, "urc._native._pages")
