@@ -42,6 +42,13 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     n = len(tokens)
     if n == 0:
         return empty_result(cache)
+    ck = tree.root_child_key(tokens, params.key.extra_key)
+    # The structural walk first (read-only, urc.fastpath: compiled when built), then the
+    # per-node steps; the node where the match ends inside its edge is split when the steps
+    # reach it, so stamps and splits happen in the order of a node-by-node walk.
+    walked, pos, partial, pm = tree.walk(tree.root, ck, tokens, 0, tree.page_size)
+    if not cache.hooks.validating and cache.host_tier is None:
+        return _match_device_only(cache, params, walked, pos, partial, pm, n)
     validators, host_validators = _match_validators(cache)
     tiered = host_validators is not None
     path: list[TreeNode] = []
@@ -49,29 +56,6 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     best = 0
     best_any = 0
     on_device = True
-    ck = tree.root_child_key(tokens, params.key.extra_key)
-    # The structural walk first (read-only, urc.fastpath: compiled when built), then the
-    # per-node steps; the node where the match ends inside its edge is split when the steps
-    # reach it, so stamps and splits happen in the order of a node-by-node walk.
-    walked, _, partial, pm = tree.walk(tree.root, ck, tokens, 0, tree.page_size)
-    if not validators and not tiered:
-        # Nothing to validate, device only: the hit is the walk down to the first node not
-        # on device (what the loop below computes, in fewer steps).
-        k = 0
-        for child in walked:
-            if child.full.value is None:  # type: ignore[union-attr]
-                break
-            pos += child.key_len
-            k += 1
-        else:
-            if partial is not None:
-                upper = tree.split(partial, pm)
-                if upper.full.value is not None:  # type: ignore[union-attr]
-                    walked.append(upper)
-                    pos += pm
-                    k += 1
-        del walked[k:]
-        return finish_match(cache, params, walked, k, k, pos, n)
     if partial is not None:
         walked.append(partial)
     last = len(walked) - 1
@@ -103,6 +87,65 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
             if ok:
                 best_any = len(path)
     return finish_match(cache, params, path, best, best_any if tiered else best, pos, n)
+
+
+def _match_device_only(
+    cache: UnifiedRadixCache,
+    params: MatchPrefixParams,
+    walked: list[TreeNode],
+    pos: int,
+    partial: TreeNode | None,
+    pm: int,
+    n: int,
+) -> MatchResult:
+    """:func:`match_prefix` when nothing validates and there is no host tier: the hit is the
+    walk down to the first node not on device (what the general loop computes, with the
+    stamps, counters and result of :func:`finish_match` inline: this is the hot path)."""
+    tree = cache.tree
+    values: list[torch.Tensor] = []
+    for child in walked:
+        v = child.full.value  # type: ignore[union-attr]
+        if v is None:
+            break
+        values.append(v)
+    else:
+        if partial is not None:
+            upper = tree.split(partial, pm)
+            v = upper.full.value  # type: ignore[union-attr]
+            if v is not None:
+                walked.append(upper)
+                values.append(v)
+                pos += pm
+    k = len(values)
+    if k < len(walked):  # a tombstone cut the walk
+        del walked[k:]
+        pos = 0
+        for child in walked:
+            pos += child.key_len
+    # finish_match(cache, params, walked, k, k, pos, n), inline.
+    clock = tree.clock
+    for child in walked:  # stamped root first: parent < child
+        clock += 1
+        child.last_access_time = clock
+    tree.clock = clock
+    counters = cache.counters
+    counters.match_requests += 1
+    counters.query_tokens += n
+    if k:
+        last = walked[-1]
+        indices = torch.cat(values)
+        result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST))
+    else:
+        result = empty_result(cache)
+    hooks = cache.hooks
+    for c in hooks.match_end:
+        c.on_match_end(walked, k)
+    for c in hooks.finalize:
+        result = c.finalize_match_result(result, params, walked, k, pos)
+    hits = counters.hit_tokens
+    hits[Tier.DEVICE] += result.device_indices.shape[0]
+    hits[Tier.HOST] += result.host_hit_length
+    return result
 
 
 def match_path(
