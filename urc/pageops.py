@@ -8,7 +8,8 @@ follows the cache's :attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page
 ``PYTHON`` is the twin everywhere, ``AUTO`` the compiled code where it was built.
 
 Arrays: ``state`` int8, one entry per page (non-zero = allocated); ``stack`` int64 (the
-free-page stack, ``stack[:top]`` free); ``idx`` int64 token indices, possibly strided.
+free-page stack, ``stack[:top]`` free); ``idx`` int64 token indices, possibly strided, of
+which ``idx[start:end]`` is used (slicing a host view is cheaper than slicing a tensor).
 """
 
 from __future__ import annotations
@@ -30,34 +31,46 @@ __all__ = [
 ]
 
 
-def _pages(idx: np.ndarray, step: int, shift: int) -> np.ndarray:
+def _pages(idx: np.ndarray, start: int, end: int, step: int, shift: int) -> np.ndarray:
+    h = idx[start:end]
     if step == 1 and shift == 0:
-        return idx
-    return idx[::step] >> shift
+        return h
+    return h[::step] >> shift
 
 
-def py_count_held(state: np.ndarray, idx: np.ndarray, step: int, shift: int, bound: int) -> int:
-    """How many of the pages ``idx[::step] >> shift`` are allocated (``state != 0``, repeats
-    counted each time); ``-1`` when one of them is outside ``[0, len(state))`` or, with
-    ``bound >= 0``, when any entry of ``idx`` is outside ``[0, bound)``.  Changes nothing."""
-    if idx.shape[0] == 0:
+def py_count_held(
+    state: np.ndarray, idx: np.ndarray, start: int, end: int, step: int, shift: int, bound: int
+) -> int:
+    """How many of the pages ``ix[::step] >> shift`` are allocated (``state != 0``, repeats
+    counted each time), where ``ix = idx[start:end]``;
+    ``-1`` when one of them is outside ``[0, len(state))`` or, with ``bound >= 0``, when any
+    entry of ``ix`` is outside ``[0, bound)``.  Changes nothing."""
+    h = _pages(idx, start, end, 1, 0)
+    if h.shape[0] == 0:
         return 0
-    if bound >= 0 and (int(idx.min()) < 0 or int(idx.max()) >= bound):
+    if bound >= 0 and (int(h.min()) < 0 or int(h.max()) >= bound):
         return -1
-    pages = _pages(idx, step, shift)
+    pages = _pages(h, 0, h.shape[0], step, shift)
     if int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]:
         return -1
     return int(np.count_nonzero(state[pages]))
 
 
 def py_release(
-    state: np.ndarray, stack: np.ndarray, top: int, idx: np.ndarray, step: int, shift: int
+    state: np.ndarray,
+    stack: np.ndarray,
+    top: int,
+    idx: np.ndarray,
+    start: int,
+    end: int,
+    step: int,
+    shift: int,
 ) -> int:
-    """Mark the pages ``idx[::step] >> shift`` free and push them on ``stack`` above ``top``
-    (copies: the caller may reuse ``idx``); returns the new top.  No allocation check (the
-    caller did it); ``ValueError`` when the stack would overflow, ``IndexError`` for a page
-    outside ``[0, len(state))`` -- raised before anything changes."""
-    pages = _pages(idx, step, shift)
+    """Mark the pages ``idx[start:end][::step] >> shift`` free and push them on ``stack``
+    above ``top`` (copies: the caller may reuse ``idx``); returns the new top.  No allocation
+    check (the caller did it); ``ValueError`` when the stack would overflow, ``IndexError``
+    for a page outside ``[0, len(state))`` -- raised before anything changes."""
+    pages = _pages(idx, start, end, step, shift)
     n = pages.shape[0]
     if top + n > stack.shape[0]:
         raise ValueError("release: more pages than the stack holds")
@@ -68,8 +81,8 @@ def py_release(
     return int(top + n)
 
 
-CountHeld = Callable[[np.ndarray, np.ndarray, int, int, int], int]
-Release = Callable[[np.ndarray, np.ndarray, int, np.ndarray, int, int], int]
+CountHeld = Callable[[np.ndarray, np.ndarray, int, int, int, int, int], int]
+Release = Callable[[np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
 
 
 class PageOps(NamedTuple):

@@ -143,28 +143,50 @@ class TokenSlotAllocator:
         k = indices.shape[0]
         if k == 0:
             return
-        if indices.dtype != torch.int64 or indices.device != self.device:
+        if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
-                f"indices must be int64 on {self.device}, got {indices.dtype} on {indices.device}"
+                f"indices must be 1-D int64 on {self.device}, "
+                f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
             )
         self.flush()  # a page still queued must count as free to catch a double free
-        host = _host(indices)
+        self._free_span(_host(indices), 0, k)
+
+    def free_span(self, indices: torch.Tensor, start: int, end: int) -> None:
+        """``free(indices[start:end])`` without slicing the tensor (``0 <= start <= end <=
+        len(indices)``); raises and frees like :meth:`free`."""
+        if type(self).free is not TokenSlotAllocator.free:  # a subclass frees more: its free
+            self.free(indices[start:end])
+            return
+        if start >= end:
+            return
+        if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
+            raise InvalidIndicesError(
+                f"indices must be 1-D int64 on {self.device}, "
+                f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
+            )
+        self.flush()
+        self._free_span(_host(indices), start, end)
+
+    def _free_span(self, host: np.ndarray, start: int, end: int) -> None:
         ps = self.page_size
         ops = self._ops
-        held = ops.count_held(self._state, host, ps, self._shift, -1)
+        held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
         if held < 0:
             raise InvalidIndicesError(f"indices outside [0, {self.size})")
-        n = (k + ps - 1) >> self._shift  # the pages of ``indices``: its every ps-th entry
+        n = (end - start + ps - 1) >> self._shift  # the pages: every ps-th entry
         if held != n:
             raise DoubleFreeError("freeing a slot that is not allocated")
         if self._top + n > self.num_pages:
             raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
         # A copy onto the stack: the caller may reuse its tensor.
-        self._top = ops.release(self._state, self._stack, self._top, host, ps, self._shift)
+        self._top = ops.release(
+            self._state, self._stack, self._top, host, start, end, ps, self._shift
+        )
 
     def _release_pages(self, pages: np.ndarray) -> None:
         """Mark ``pages`` free and push them on the stack (no checks)."""
-        self._top = self._ops.release(self._state, self._stack, self._top, pages, 1, 0)
+        n = pages.shape[0]
+        self._top = self._ops.release(self._state, self._stack, self._top, pages, 0, n, 1, 0)
 
     def free_owned(self, indices: torch.Tensor) -> None:
         """Free whole pages the caller is known to own: slots the tree adopted after checking
@@ -205,27 +227,29 @@ class TokenSlotAllocator:
         pages = self._pages_of(indices)
         return bool(int(np.count_nonzero(self._state[pages])) == pages.shape[0])
 
-    def check_owned(self, indices: torch.Tensor) -> None:
-        """Raise :class:`InvalidIndicesError` unless ``indices`` is a valid allocated span.
+    def check_owned(self, indices: torch.Tensor, start: int = 0) -> None:
+        """Raise :class:`InvalidIndicesError` unless ``indices[start:]`` is a valid allocated
+        span.
 
         Checks dtype, device, range and allocation state without changing anything (host
-        side: a handful of array operations, what ``insert`` pays to validate a value).
+        side: one pass over the indices, what ``insert`` pays to validate a value).
         """
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
                 f"value must be a 1-D int64 tensor on {self.device}, "
                 f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
             )
-        if indices.shape[0] == 0:
+        k = indices.shape[0]
+        if k <= start:
             return
         self.flush()
         ps = self.page_size
         # Page 1: the page lookup is the range check; larger pages check every entry too.
         bound = self.size if ps > 1 else -1
-        held = self._ops.count_held(self._state, _host(indices), ps, self._shift, bound)
+        held = self._ops.count_held(self._state, _host(indices), start, k, ps, self._shift, bound)
         if held < 0:
             raise InvalidIndicesError(f"indices outside [0, {self.size})")
-        if held != (indices.shape[0] + ps - 1) >> self._shift:
+        if held != (k - start + ps - 1) >> self._shift:
             raise InvalidIndicesError("value holds slots that are not allocated")
 
     def check_consistency(self) -> None:
