@@ -47,10 +47,10 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     # per-node steps; the node where the match ends inside its edge is split when the steps
     # reach it, so stamps and splits happen in the order of a node-by-node walk.
     walked, pos, partial, pm = tree.walk(tree.root, ck, tokens, 0, tree.page_size)
-    if not cache.hooks.validating and cache.host_tier is None:
+    if cache.host_tier is None:
         return _match_device_only(cache, params, walked, pos, partial, pm, n)
+    # With a host tier: one top-down pass finds the device hit and the hit on any tier.
     validators, host_validators = _match_validators(cache)
-    tiered = host_validators is not None
     path: list[TreeNode] = []
     pos = 0
     best = 0
@@ -67,7 +67,7 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
         fcd = child.full
         assert fcd is not None
         if fcd.value is None:
-            if not tiered or fcd.host_value is None:
+            if fcd.host_value is None:
                 break
             on_device = False  # the device hit ends above the first host-only node
         path.append(child)
@@ -79,14 +79,13 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
                     ok = False
             if ok:
                 best = len(path)
-        if host_validators is not None:
-            ok = True
-            for validate in host_validators:
-                if not validate(child):
-                    ok = False
-            if ok:
-                best_any = len(path)
-    return finish_match(cache, params, path, best, best_any if tiered else best, pos, n)
+        ok = True
+        for validate in host_validators:
+            if not validate(child):
+                ok = False
+        if ok:
+            best_any = len(path)
+    return finish_match(cache, params, path, best, best_any, pos, n)
 
 
 def _match_device_only(
@@ -98,9 +97,12 @@ def _match_device_only(
     pm: int,
     n: int,
 ) -> MatchResult:
-    """:func:`match_prefix` when nothing validates and there is no host tier: the hit is the
-    walk down to the first node not on device (what the general loop computes, with the
-    stamps, counters and result of :func:`finish_match` inline: this is the hot path)."""
+    """:func:`match_prefix` without a host tier: the device path is the walk down to the first
+    node not on device, the hit its deepest node every validator accepts (asked bottom-up
+    through the path validators, which answer what the top-down match validators would:
+    usually the deepest node is accepted at once, instead of one call per node and
+    component).  The stamps, counters and result of :func:`finish_match` are inline: this
+    is the hot path."""
     tree = cache.tree
     values: list[torch.Tensor] = []
     for child in walked:
@@ -122,9 +124,13 @@ def _match_device_only(
         pos = 0
         for child in walked:
             pos += child.key_len
+    if k and cache.hooks.validating:
+        k = _deepest_boundary(cache, walked, True)
+        if k < len(walked):
+            del values[k:]
     # finish_match(cache, params, walked, k, k, pos, n), inline.
     clock = tree.clock
-    for child in walked:  # stamped root first: parent < child
+    for child in walked if k == len(walked) else walked[:k]:  # root first: parent < child
         clock += 1
         child.last_access_time = clock
     tree.clock = clock
@@ -132,7 +138,7 @@ def _match_device_only(
     counters.match_requests += 1
     counters.query_tokens += n
     if k:
-        last = walked[-1]
+        last = walked[k - 1]
         indices = torch.cat(values)
         result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST))
     else:
@@ -187,17 +193,14 @@ def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_onl
 
 def _match_validators(
     cache: UnifiedRadixCache,
-) -> tuple[list[MatchValidator], list[MatchValidator] | None]:
-    """Fresh validators for one match: device-only, and (with a host tier) any-tier."""
+) -> tuple[list[MatchValidator], list[MatchValidator]]:
+    """Fresh validators for one tiered match: device-only, and any-tier."""
     validators: list[MatchValidator] = []
+    host_validators: list[MatchValidator] = []
     for c in cache.hooks.validating:
         v = c.create_match_validator(True)
         if v is not None:
             validators.append(v)
-    if cache.host_tier is None:
-        return validators, None
-    host_validators: list[MatchValidator] = []
-    for c in cache.hooks.validating:
         v = c.create_match_validator(False)
         if v is not None:
             host_validators.append(v)
