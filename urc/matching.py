@@ -185,6 +185,12 @@ def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_onl
         check = c.create_path_validator(path, device_only)
         if check is not None:
             checks.append(check)
+    if len(checks) == 1:  # one validating component (SWA or Mamba): no list per step
+        check = checks[0]
+        for i in range(len(path), 0, -1):
+            if check(i):
+                return i
+        return 0
     for i in range(len(path), 0, -1):
         if all([check(i) for check in checks]):
             return i
