@@ -11,8 +11,51 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <structmember.h>
 
 static PyObject *s_children, *s_key;
+
+/* Slot offsets of ``children`` and ``key`` on the last node type seen: reading a slot of
+ * that exact type is a load, not a generic attribute lookup (any other type, or a slot not
+ * set, takes PyObject_GetAttr). */
+static PyTypeObject *slot_type;
+static Py_ssize_t off_children, off_key;
+
+static Py_ssize_t
+member_offset(PyTypeObject *type, PyObject *name)
+{
+    PyObject *d = _PyType_Lookup(type, name); /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type))
+        return -1;
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    return m->type == T_OBJECT_EX ? m->offset : -1;
+}
+
+/* New reference to ``obj.<name>`` (NULL with an exception). */
+static inline PyObject *
+get_slot(PyObject *obj, PyObject *name, int which)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    if (type != slot_type) {
+        Py_ssize_t oc = member_offset(type, s_children), ok = member_offset(type, s_key);
+        if (oc >= 0 && ok >= 0) {
+            /* Held: a freed type's address could otherwise come back with another layout. */
+            Py_INCREF(type);
+            Py_XDECREF(slot_type);
+            slot_type = type;
+            off_children = oc;
+            off_key = ok;
+        }
+    }
+    if (type == slot_type) {
+        PyObject *v = *(PyObject **)((char *)obj + (which ? off_key : off_children));
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, name);
+}
 
 /* Exact ints of at most two 30-bit digits (CPython 3.11's layout: the sign in ob_size):
  * 1 equal, 0 different, -1 not decidable here.  Runs no Python code. */
@@ -172,7 +215,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t n = PyList_GET_SIZE(tokens);
         if (pos >= n)
             break;
-        PyObject *children = PyObject_GetAttr(node, s_children);
+        PyObject *children = get_slot(node, s_children, 0);
         if (children == NULL)
             goto fail;
         if (!PyDict_Check(children)) {
@@ -188,7 +231,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
             break;
         }
-        PyObject *edge = PyObject_GetAttr(child, s_key);
+        PyObject *edge = get_slot(child, s_key, 1);
         if (edge == NULL) {
             Py_DECREF(child);
             goto fail;
