@@ -143,11 +143,7 @@ class TokenSlotAllocator:
         k = indices.shape[0]
         if k == 0:
             return
-        if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
-            raise InvalidIndicesError(
-                f"indices must be 1-D int64 on {self.device}, "
-                f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
-            )
+        self._check_tensor(indices)
         self.flush()  # a page still queued must count as free to catch a double free
         self._free_span(_host(indices), 0, k)
 
@@ -159,13 +155,16 @@ class TokenSlotAllocator:
             return
         if start >= end:
             return
+        self._check_tensor(indices)
+        self.flush()
+        self._free_span(_host(indices), start, end)
+
+    def _check_tensor(self, indices: torch.Tensor) -> None:
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
                 f"indices must be 1-D int64 on {self.device}, "
                 f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
             )
-        self.flush()
-        self._free_span(_host(indices), start, end)
 
     def _free_span(self, host: np.ndarray, start: int, end: int) -> None:
         ps = self.page_size
