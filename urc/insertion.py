@@ -195,10 +195,14 @@ def insert(
     if free_ranges:
         # The allocator copies what it frees: the caller may overwrite its tensor
         # (cache_unfinished_req rewrites the req_to_token row it passed).
-        free_span = getattr(cache.token_to_kv_pool_allocator, "free_span", None)
+        alloc = cache.token_to_kv_pool_allocator
+        free_span = getattr(alloc, "free_span", None)
+        # check_owned validated [owned_from, n), which holds every free range, and no Full
+        # slot of the value was freed since: the allocator need not count them again.
+        checked = hasattr(alloc, "check_owned")
         for a, b in free_ranges:
             if free_span is not None:
-                free_span(value, a, b)  # no tensor slice
+                free_span(value, a, b, checked)  # no tensor slice
             else:
                 cache.free_request_kv(value[a:b])
     prefix_len = pos

@@ -40,6 +40,10 @@ __all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size"]
 #: amortize a merge's fixed cost, small enough that its temporaries stay small.
 MERGE_BATCH = 64
 
+# Up to this many queued pages a merge concatenates the spans first; beyond, it releases
+# them one by one (concatenating a million cold indices cost most of a long-context evict).
+_CAT_PAGES = 1 << 15
+
 
 def check_page_size(page_size: int) -> None:
     """Raise :class:`ConfigError` unless ``page_size`` is a positive power of two."""
@@ -147,9 +151,12 @@ class TokenSlotAllocator:
         self.flush()  # a page still queued must count as free to catch a double free
         self._free_span(_host(indices), 0, k)
 
-    def free_span(self, indices: torch.Tensor, start: int, end: int) -> None:
+    def free_span(self, indices: torch.Tensor, start: int, end: int, checked: bool = False) -> None:
         """``free(indices[start:end])`` without slicing the tensor (``0 <= start <= end <=
-        len(indices)``); raises and frees like :meth:`free`."""
+        len(indices)``); raises and frees like :meth:`free`.  ``checked``: the caller ran
+        :meth:`check_owned` on a span of ``indices`` that holds this one and freed nothing
+        since, so every page is known to be allocated and in range (the allocation count is
+        skipped: what a free costs is then the release alone)."""
         if type(self).free is not TokenSlotAllocator.free:  # a subclass frees more: its free
             self.free(indices[start:end])
             return
@@ -157,7 +164,7 @@ class TokenSlotAllocator:
             return
         self._check_tensor(indices)
         self.flush()
-        self._free_span(_host(indices), start, end)
+        self._free_span(_host(indices), start, end, checked)
 
     def _check_tensor(self, indices: torch.Tensor) -> None:
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
@@ -166,15 +173,16 @@ class TokenSlotAllocator:
                 f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
             )
 
-    def _free_span(self, host: np.ndarray, start: int, end: int) -> None:
+    def _free_span(self, host: np.ndarray, start: int, end: int, checked: bool = False) -> None:
         ps = self.page_size
         ops = self._ops
-        held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
-        if held < 0:
-            raise InvalidIndicesError(f"indices outside [0, {self.size})")
         n = (end - start + ps - 1) >> self._shift  # the pages: every ps-th entry
-        if held != n:
-            raise DoubleFreeError("freeing a slot that is not allocated")
+        if not checked:
+            held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
+            if held < 0:
+                raise InvalidIndicesError(f"indices outside [0, {self.size})")
+            if held != n:
+                raise DoubleFreeError("freeing a slot that is not allocated")
         if self._top + n > self.num_pages:
             raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
         # A copy onto the stack: the caller may reuse its tensor.
@@ -205,14 +213,19 @@ class TokenSlotAllocator:
         pending = self._pending
         if not pending:
             return
-        indices = pending[0] if len(pending) == 1 else torch.cat(pending)
+        n = self._pending_pages
         self._pending = []
         self._pending_pages = 0
-        pages = self._pages_of(indices)
-        assert self._top + pages.shape[0] <= self.num_pages, (
-            f"merging {pages.shape[0]} freed pages into {self._top} free of {self.num_pages}"
+        assert self._top + n <= self.num_pages, (
+            f"merging {n} freed pages into {self._top} free of {self.num_pages}"
         )
-        self._release_owned(pages)
+        if n <= _CAT_PAGES:  # small spans: one concatenation, one pass
+            self._release_owned(
+                self._pages_of(pending[0] if len(pending) == 1 else torch.cat(pending))
+            )
+        else:  # long spans: a pass each (the same order), no large temporary
+            for indices in pending:
+                self._release_owned(self._pages_of(indices))
 
     def _release_owned(self, pages: np.ndarray) -> None:
         """Release queued pages (subclasses release what they pair with them too)."""
