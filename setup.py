@@ -1,7 +1,8 @@
-"""Build of the optional C accelerator (``urc._native._walk``); metadata is in pyproject.toml.
+"""Build of the optional C accelerators (``urc._native._walk``, ``urc._native._pages``);
+metadata is in pyproject.toml.
 
 ``optional=True``: without a C compiler or Python headers the install still succeeds and
-``urc.fastpath`` falls back to its pure-Python twin.
+``urc.fastpath`` / ``urc.pageops`` fall back to their pure-Python twins.
 """
 
 from setuptools import Extension, setup
@@ -12,6 +13,7 @@ setup(
             "urc._native._walk",
             sources=["urc/_native/walk.c"],
             optional=True,
-        )
+        ),
+        Extension("urc._native._pages", sources=["urc/_native/pages.c"], optional=True),
     ]
 )

@@ -71,6 +71,9 @@ class UnifiedRadixCache:
         # Tree-owned slots were checked when the tree adopted them (insert): free them
         # without re-validating.  Allocators of callers' own pools may lack the fast path.
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
+        use_page_ops = getattr(alloc, "use_page_ops", None)
+        if use_page_ops is not None:  # the page bookkeeping follows the walk (urc.pageops)
+            use_page_ops(config.walk_impl)
         self.counters = CacheCounters()
         self._snapshots = StatsSnapshotter(self)
         # HiCache (``attach_host_tier``): nodes may then live on device, host, or both.

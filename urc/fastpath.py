@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from urc.errors import ConfigError
 
@@ -24,6 +24,7 @@ __all__ = [
     "WalkFn",
     "WalkImpl",
     "WalkResult",
+    "choose_impl",
     "common_len",
     "native_available",
     "py_walk",
@@ -33,6 +34,8 @@ __all__ = [
 #: ``(nodes, pos, partial, m)``: see :func:`py_walk`.
 WalkResult = tuple["list[TreeNode]", int, "TreeNode | None", int]
 WalkFn = Callable[["TreeNode", Any, list[Any], int, int], WalkResult]
+
+_T = TypeVar("_T")
 
 # Compare this many tokens per C-level slice comparison when locating a mismatch.
 _SCAN_STEP = 64
@@ -109,13 +112,19 @@ def native_available() -> bool:
 def select_walk(impl: WalkImpl) -> WalkFn:
     """The walk ``impl`` names (:class:`~urc.errors.ConfigError` for ``NATIVE`` when the
     extension is absent)."""
+    return choose_impl(impl, _NATIVE, py_walk, "urc._native._walk")
+
+
+def choose_impl(impl: WalkImpl, native: _T | None, python: _T, module: str) -> _T:
+    """``python`` for ``PYTHON``, else ``native`` when it was built (``module``: its name for
+    the :class:`~urc.errors.ConfigError` that ``NATIVE`` without it raises)."""
     if impl is WalkImpl.PYTHON:
-        return py_walk
-    if _NATIVE is None:
+        return python
+    if native is None:
         if impl is WalkImpl.NATIVE:
             raise ConfigError(
-                "walk_impl=NATIVE but urc._native._walk is not built "
+                f"walk_impl=NATIVE but {module} is not built "
                 "(reinstall with a C compiler and Python headers available)"
             )
-        return py_walk
-    return _NATIVE
+        return python
+    return native

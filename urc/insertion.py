@@ -67,8 +67,7 @@ def _check_value(
     if n_key > owned_from:
         check_owned = getattr(cache.token_to_kv_pool_allocator, "check_owned", None)
         if check_owned is not None:
-            # Range and allocation, host side (no slice when the whole value is checked).
-            check_owned(value[owned_from:] if owned_from else value)
+            check_owned(value, owned_from)  # range and allocation, host side
         else:
             lo, hi = torch.aminmax(value)
             size = cache.token_to_kv_pool_allocator.size
@@ -193,10 +192,19 @@ def insert(
         path.append(child)
         pos += m
         node = child
-    for a, b in free_ranges:
-        # A copy: the allocator keeps what it is given, and the caller may overwrite its
-        # tensor (cache_unfinished_req rewrites the req_to_token row it passed).
-        cache.free_request_kv(value[a:b])
+    if free_ranges:
+        # The allocator copies what it frees: the caller may overwrite its tensor
+        # (cache_unfinished_req rewrites the req_to_token row it passed).
+        alloc = cache.token_to_kv_pool_allocator
+        free_span = getattr(alloc, "free_span", None)
+        # check_owned validated [owned_from, n), which holds every free range, and no Full
+        # slot of the value was freed since: the allocator need not count them again.
+        checked = hasattr(alloc, "check_owned")
+        for a, b in free_ranges:
+            if free_span is not None:
+                free_span(value, a, b, checked)  # no tensor slice
+            else:
+                cache.free_request_kv(value[a:b])
     prefix_len = pos
     if pos < n:
         cache.counters.inserted_tokens += n - pos

@@ -42,36 +42,20 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     n = len(tokens)
     if n == 0:
         return empty_result(cache)
+    ck = tree.root_child_key(tokens, params.key.extra_key)
+    # The structural walk first (read-only, urc.fastpath: compiled when built), then the
+    # per-node steps; the node where the match ends inside its edge is split when the steps
+    # reach it, so stamps and splits happen in the order of a node-by-node walk.
+    walked, pos, partial, pm = tree.walk(tree.root, ck, tokens, 0, tree.page_size)
+    if cache.host_tier is None:
+        return _match_device_only(cache, params, walked, pos, partial, pm, n)
+    # With a host tier: one top-down pass finds the device hit and the hit on any tier.
     validators, host_validators = _match_validators(cache)
-    tiered = host_validators is not None
     path: list[TreeNode] = []
     pos = 0
     best = 0
     best_any = 0
     on_device = True
-    ck = tree.root_child_key(tokens, params.key.extra_key)
-    # The structural walk first (read-only, urc.fastpath: compiled when built), then the
-    # per-node steps; the node where the match ends inside its edge is split when the steps
-    # reach it, so stamps and splits happen in the order of a node-by-node walk.
-    walked, _, partial, pm = tree.walk(tree.root, ck, tokens, 0, tree.page_size)
-    if not validators and not tiered:
-        # Nothing to validate, device only: the hit is the walk down to the first node not
-        # on device (what the loop below computes, in fewer steps).
-        k = 0
-        for child in walked:
-            if child.full.value is None:  # type: ignore[union-attr]
-                break
-            pos += child.key_len
-            k += 1
-        else:
-            if partial is not None:
-                upper = tree.split(partial, pm)
-                if upper.full.value is not None:  # type: ignore[union-attr]
-                    walked.append(upper)
-                    pos += pm
-                    k += 1
-        del walked[k:]
-        return finish_match(cache, params, walked, k, k, pos, n)
     if partial is not None:
         walked.append(partial)
     last = len(walked) - 1
@@ -83,7 +67,7 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
         fcd = child.full
         assert fcd is not None
         if fcd.value is None:
-            if not tiered or fcd.host_value is None:
+            if fcd.host_value is None:
                 break
             on_device = False  # the device hit ends above the first host-only node
         path.append(child)
@@ -95,14 +79,79 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
                     ok = False
             if ok:
                 best = len(path)
-        if host_validators is not None:
-            ok = True
-            for validate in host_validators:
-                if not validate(child):
-                    ok = False
-            if ok:
-                best_any = len(path)
-    return finish_match(cache, params, path, best, best_any if tiered else best, pos, n)
+        ok = True
+        for validate in host_validators:
+            if not validate(child):
+                ok = False
+        if ok:
+            best_any = len(path)
+    return finish_match(cache, params, path, best, best_any, pos, n)
+
+
+def _match_device_only(
+    cache: UnifiedRadixCache,
+    params: MatchPrefixParams,
+    walked: list[TreeNode],
+    pos: int,
+    partial: TreeNode | None,
+    pm: int,
+    n: int,
+) -> MatchResult:
+    """:func:`match_prefix` without a host tier: the device path is the walk down to the first
+    node not on device, the hit its deepest node every validator accepts (asked bottom-up
+    through the path validators, which answer what the top-down match validators would:
+    usually the deepest node is accepted at once, instead of one call per node and
+    component).  The stamps, counters and result of :func:`finish_match` are inline: this
+    is the hot path."""
+    tree = cache.tree
+    values: list[torch.Tensor] = []
+    for child in walked:
+        v = child.full.value  # type: ignore[union-attr]
+        if v is None:
+            break
+        values.append(v)
+    else:
+        if partial is not None:
+            upper = tree.split(partial, pm)
+            v = upper.full.value  # type: ignore[union-attr]
+            if v is not None:
+                walked.append(upper)
+                values.append(v)
+                pos += pm
+    k = len(values)
+    if k < len(walked):  # a tombstone cut the walk
+        del walked[k:]
+        pos = 0
+        for child in walked:
+            pos += child.key_len
+    if k and cache.hooks.validating:
+        k = _deepest_boundary(cache, walked, True)
+        if k < len(walked):
+            del values[k:]
+    # finish_match(cache, params, walked, k, k, pos, n), inline.
+    clock = tree.clock
+    for child in walked if k == len(walked) else walked[:k]:  # root first: parent < child
+        clock += 1
+        child.last_access_time = clock
+    tree.clock = clock
+    counters = cache.counters
+    counters.match_requests += 1
+    counters.query_tokens += n
+    if k:
+        last = walked[k - 1]
+        indices = torch.cat(values)
+        result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST))
+    else:
+        result = empty_result(cache)
+    hooks = cache.hooks
+    for c in hooks.match_end:
+        c.on_match_end(walked, k)
+    for c in hooks.finalize:
+        result = c.finalize_match_result(result, params, walked, k, pos)
+    hits = counters.hit_tokens
+    hits[Tier.DEVICE] += result.device_indices.shape[0]
+    hits[Tier.HOST] += result.host_hit_length
+    return result
 
 
 def match_path(
@@ -136,6 +185,12 @@ def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_onl
         check = c.create_path_validator(path, device_only)
         if check is not None:
             checks.append(check)
+    if len(checks) == 1:  # one validating component (SWA or Mamba): no list per step
+        check = checks[0]
+        for i in range(len(path), 0, -1):
+            if check(i):
+                return i
+        return 0
     for i in range(len(path), 0, -1):
         if all([check(i) for check in checks]):
             return i
@@ -144,17 +199,14 @@ def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_onl
 
 def _match_validators(
     cache: UnifiedRadixCache,
-) -> tuple[list[MatchValidator], list[MatchValidator] | None]:
-    """Fresh validators for one match: device-only, and (with a host tier) any-tier."""
+) -> tuple[list[MatchValidator], list[MatchValidator]]:
+    """Fresh validators for one tiered match: device-only, and any-tier."""
     validators: list[MatchValidator] = []
+    host_validators: list[MatchValidator] = []
     for c in cache.hooks.validating:
         v = c.create_match_validator(True)
         if v is not None:
             validators.append(v)
-    if cache.host_tier is None:
-        return validators, None
-    host_validators: list[MatchValidator] = []
-    for c in cache.hooks.validating:
         v = c.create_match_validator(False)
         if v is not None:
             host_validators.append(v)

@@ -165,6 +165,37 @@ def test_native_walk_propagates_an_exception_from_a_token_comparison() -> None:
         py_walk(cache.root, toks[0], query, 0, 1)
 
 
+@needs_native
+def test_native_walk_reads_other_node_types_through_their_attributes() -> None:
+    """The compiled walk reads ``children`` and ``key`` of TreeNode slots directly; any other
+    node type (here a plain class, and a TreeNode subclass) is read like Python reads it,
+    also when the types alternate."""
+
+    class Plain:
+        def __init__(self, key: list[int]) -> None:
+            self.key = key
+            self.children: dict[int, Any] = {}
+
+    class Sub(TreeNode):
+        __slots__ = ("extra",)
+
+    native = select_walk(WalkImpl.NATIVE)
+    cache = build_cache(CacheConfig(kv_size=64, max_num_reqs=1, max_context_len=8))
+    value = cache.token_to_kv_pool_allocator.alloc(3)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=value))
+    proot, pa = Plain([]), Plain([1, 2])
+    proot.children[1] = pa
+    pa.children[3] = Plain([3, 4])
+    sroot = Sub([], None, [None], None, 0)
+    sroot.children[1] = Sub([1, 2, 3], sroot, [None], None, 0)
+    for _ in range(2):
+        for root in (cache.root, proot, sroot, cache.root):
+            for q in ([1, 2, 3, 4], [1, 2, 9], [1, 2]):
+                a = py_walk(root, 1, q, 0, 1)  # type: ignore[arg-type]
+                b = native(root, 1, q, 0, 1)  # type: ignore[arg-type]
+                assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+
+
 # ---------------------------------------------------------------- whole caches in lockstep
 def _build(components: tuple[ComponentType, ...], ps: int, impl: WalkImpl) -> UnifiedRadixCache:
     return build_cache(

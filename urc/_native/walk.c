@@ -10,15 +10,86 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
+#include <structmember.h>
 
 static PyObject *s_children, *s_key;
 
-/* 1 equal, 0 different, -1 error. */
+/* Slot offsets of ``children`` and ``key`` on the last node type seen: reading a slot of
+ * that exact type is a load, not a generic attribute lookup (any other type, or a slot not
+ * set, takes PyObject_GetAttr). */
+static PyTypeObject *slot_type;
+static Py_ssize_t off_children, off_key;
+
+static Py_ssize_t
+member_offset(PyTypeObject *type, PyObject *name)
+{
+    PyObject *d = _PyType_Lookup(type, name); /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type))
+        return -1;
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    return m->type == T_OBJECT_EX ? m->offset : -1;
+}
+
+/* New reference to ``obj.<name>`` (NULL with an exception). */
+static inline PyObject *
+get_slot(PyObject *obj, PyObject *name, int which)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    if (type != slot_type) {
+        Py_ssize_t oc = member_offset(type, s_children), ok = member_offset(type, s_key);
+        if (oc >= 0 && ok >= 0) {
+            /* Held: a freed type's address could otherwise come back with another layout. */
+            Py_INCREF(type);
+            Py_XDECREF(slot_type);
+            slot_type = type;
+            off_children = oc;
+            off_key = ok;
+        }
+    }
+    if (type == slot_type) {
+        PyObject *v = *(PyObject **)((char *)obj + (which ? off_key : off_children));
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
+/* Exact ints of at most two 30-bit digits (CPython 3.11's layout: the sign in ob_size):
+ * 1 equal, 0 different, -1 not decidable here.  Runs no Python code. */
 static inline int
+small_int_eq(PyObject *a, PyObject *b)
+{
+#if PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API)
+    if (Py_IS_TYPE(a, &PyLong_Type) && Py_IS_TYPE(b, &PyLong_Type)) {
+        Py_ssize_t sa = Py_SIZE(a);
+        if (sa != Py_SIZE(b))
+            return 0;
+        const digit *da = ((PyLongObject *)a)->ob_digit;
+        const digit *db = ((PyLongObject *)b)->ob_digit;
+        if (sa == 0)
+            return 1; /* both zero (no digit to read) */
+        if (sa >= -1 && sa <= 1)
+            return da[0] == db[0];
+        if (sa >= -2 && sa <= 2)
+            return da[0] == db[0] && da[1] == db[1];
+    }
+#endif
+    return -1;
+}
+
+/* 1 equal, 0 different, -1 error: Python ``==`` (identity, then ints by value, then
+ * ``__eq__``, which may run arbitrary code). */
+static int
 token_eq(PyObject *a, PyObject *b)
 {
     if (a == b)
         return 1;
+    int r = small_int_eq(a, b);
+    if (r >= 0)
+        return r;
     if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
         int oa, ob;
         long long va = PyLong_AsLongLongAndOverflow(a, &oa);
@@ -30,27 +101,62 @@ token_eq(PyObject *a, PyObject *b)
     }
     Py_INCREF(a);
     Py_INCREF(b);
-    int r = PyObject_RichCompareBool(a, b, Py_EQ);
+    r = PyObject_RichCompareBool(a, b, Py_EQ);
     Py_DECREF(a);
     Py_DECREF(b);
     return r;
+}
+
+/* Identical leading pointers of two item arrays, at most n: one memcmp per block (tokens a
+ * request shares with the tree are usually the very same objects). */
+static Py_ssize_t
+same_prefix(PyObject *const *a, PyObject *const *b, Py_ssize_t n)
+{
+    enum { BLOCK = 32 };
+    Py_ssize_t i = 0;
+    while (i + BLOCK <= n && memcmp(a + i, b + i, BLOCK * sizeof(PyObject *)) == 0)
+        i += BLOCK;
+    while (i < n && a[i] == b[i])
+        i++;
+    return i;
 }
 
 /* Common prefix length of edge[0:] and tokens[pos:], at most n; -1 on error. */
 static Py_ssize_t
 common_len(PyObject *edge, PyObject *tokens, Py_ssize_t pos, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        /* Re-read each time: a custom __eq__ may have resized either list. */
-        if (i >= PyList_GET_SIZE(edge) || pos + i >= PyList_GET_SIZE(tokens))
+    Py_ssize_t i = 0;
+    for (;;) {
+        /* (Re)read the lists: a custom __eq__ may have resized either. */
+        Py_ssize_t lim = n;
+        if (lim > PyList_GET_SIZE(edge))
+            lim = PyList_GET_SIZE(edge);
+        if (lim > PyList_GET_SIZE(tokens) - pos)
+            lim = PyList_GET_SIZE(tokens) - pos;
+        PyObject *const *e = ((PyListObject *)edge)->ob_item;
+        PyObject *const *t = ((PyListObject *)tokens)->ob_item + pos;
+        /* No Python code runs in this loop: the item arrays stay valid. */
+        while (i < lim) {
+            if (e[i] == t[i]) {
+                i += same_prefix(e + i, t + i, lim - i);
+                continue;
+            }
+            int r = small_int_eq(e[i], t[i]);
+            if (r < 0)
+                break;
+            if (!r)
+                return i;
+            i++;
+        }
+        if (i >= lim)
             return i;
-        int r = token_eq(PyList_GET_ITEM(edge, i), PyList_GET_ITEM(tokens, pos + i));
+        int r = token_eq(e[i], t[i]); /* may run Python code */
         if (r < 0)
             return -1;
         if (!r)
             return i;
+        i++;
     }
-    return n;
 }
 
 /* The child key of the page at ``pos``: the token itself (page 1) or a tuple of the page. */
@@ -109,7 +215,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t n = PyList_GET_SIZE(tokens);
         if (pos >= n)
             break;
-        PyObject *children = PyObject_GetAttr(node, s_children);
+        PyObject *children = get_slot(node, s_children, 0);
         if (children == NULL)
             goto fail;
         if (!PyDict_Check(children)) {
@@ -125,7 +231,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
             break;
         }
-        PyObject *edge = PyObject_GetAttr(child, s_key);
+        PyObject *edge = get_slot(child, s_key, 1);
         if (edge == NULL) {
             Py_DECREF(child);
             goto fail;

@@ -19,6 +19,10 @@ holds ``MERGE_BATCH`` spans -- so evictions pay for their frees, a few dozen at 
 fixed costs (a ``torch.cat``, a host view, two array updates: ~5 µs) would otherwise dominate
 a single small free -- and before anything allocates from a short stack or reads page states
 (a checked ``free``, ``is_allocated``, the consistency check).
+
+The per-page loops of ``free``, ``check_owned`` and the stack pushes are
+:mod:`urc.pageops` primitives: compiled where built, else their numpy twins
+(:meth:`TokenSlotAllocator.use_page_ops`; the cache selects them with its walk).
 """
 
 from __future__ import annotations
@@ -27,12 +31,18 @@ import numpy as np
 import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError
+from urc.fastpath import WalkImpl
+from urc.pageops import PageOps, select_page_ops
 
 __all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size"]
 
 #: Queued :meth:`TokenSlotAllocator.free_owned` spans merged in one pass.  Large enough to
 #: amortize a merge's fixed cost, small enough that its temporaries stay small.
 MERGE_BATCH = 64
+
+# Up to this many queued pages a merge concatenates the spans first; beyond, it releases
+# them one by one (concatenating a million cold indices cost most of a long-context evict).
+_CAT_PAGES = 1 << 15
 
 
 def check_page_size(page_size: int) -> None:
@@ -55,6 +65,7 @@ class TokenSlotAllocator:
 
     __slots__ = (
         "_arange",
+        "_ops",
         "_pending",
         "_pending_pages",
         "_shift",
@@ -79,7 +90,13 @@ class TokenSlotAllocator:
         self._arange = torch.arange(page_size, dtype=torch.int64, device=self.device)
         # Per page: 1 = allocated, 0 = free.
         self._state = np.zeros(self.num_pages, dtype=np.int8)
+        self._ops: PageOps = select_page_ops(WalkImpl.AUTO)
         self.clear()
+
+    def use_page_ops(self, impl: WalkImpl) -> None:
+        """Run the page bookkeeping with ``impl`` (:func:`urc.pageops.select_page_ops`); both
+        implementations give the same results, so this only changes speed."""
+        self._ops = select_page_ops(impl)
 
     def clear(self) -> None:
         """Mark every slot free (drops all outstanding allocations)."""
@@ -130,31 +147,53 @@ class TokenSlotAllocator:
         k = indices.shape[0]
         if k == 0:
             return
-        if indices.dtype != torch.int64 or indices.device != self.device:
-            raise InvalidIndicesError(
-                f"indices must be int64 on {self.device}, got {indices.dtype} on {indices.device}"
-            )
+        self._check_tensor(indices)
         self.flush()  # a page still queued must count as free to catch a double free
-        pages = self._pages_of(indices)
-        state = self._state
-        try:
-            if pages.min() < 0:
-                raise IndexError
-            if np.count_nonzero(state[pages]) != pages.shape[0]:
+        self._free_span(_host(indices), 0, k)
+
+    def free_span(self, indices: torch.Tensor, start: int, end: int, checked: bool = False) -> None:
+        """``free(indices[start:end])`` without slicing the tensor (``0 <= start <= end <=
+        len(indices)``); raises and frees like :meth:`free`.  ``checked``: the caller ran
+        :meth:`check_owned` on a span of ``indices`` that holds this one and freed nothing
+        since, so every page is known to be allocated and in range (the allocation count is
+        skipped: what a free costs is then the release alone)."""
+        if type(self).free is not TokenSlotAllocator.free:  # a subclass frees more: its free
+            self.free(indices[start:end])
+            return
+        if start >= end:
+            return
+        self._check_tensor(indices)
+        self.flush()
+        self._free_span(_host(indices), start, end, checked)
+
+    def _check_tensor(self, indices: torch.Tensor) -> None:
+        if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
+            raise InvalidIndicesError(
+                f"indices must be 1-D int64 on {self.device}, "
+                f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
+            )
+
+    def _free_span(self, host: np.ndarray, start: int, end: int, checked: bool = False) -> None:
+        ps = self.page_size
+        ops = self._ops
+        n = (end - start + ps - 1) >> self._shift  # the pages: every ps-th entry
+        if not checked:
+            held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
+            if held < 0:
+                raise InvalidIndicesError(f"indices outside [0, {self.size})")
+            if held != n:
                 raise DoubleFreeError("freeing a slot that is not allocated")
-        except IndexError:
-            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
-        if self._top + pages.shape[0] > self.num_pages:
+        if self._top + n > self.num_pages:
             raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
-        self._release_pages(pages)
+        # A copy onto the stack: the caller may reuse its tensor.
+        self._top = ops.release(
+            self._state, self._stack, self._top, host, start, end, ps, self._shift
+        )
 
     def _release_pages(self, pages: np.ndarray) -> None:
         """Mark ``pages`` free and push them on the stack (no checks)."""
-        top = self._top
         n = pages.shape[0]
-        self._state[pages] = 0
-        self._stack[top : top + n] = pages  # a copy: the caller may reuse its tensor
-        self._top = top + n
+        self._top = self._ops.release(self._state, self._stack, self._top, pages, 0, n, 1, 0)
 
     def free_owned(self, indices: torch.Tensor) -> None:
         """Free whole pages the caller is known to own: slots the tree adopted after checking
@@ -174,14 +213,19 @@ class TokenSlotAllocator:
         pending = self._pending
         if not pending:
             return
-        indices = pending[0] if len(pending) == 1 else torch.cat(pending)
+        n = self._pending_pages
         self._pending = []
         self._pending_pages = 0
-        pages = self._pages_of(indices)
-        assert self._top + pages.shape[0] <= self.num_pages, (
-            f"merging {pages.shape[0]} freed pages into {self._top} free of {self.num_pages}"
+        assert self._top + n <= self.num_pages, (
+            f"merging {n} freed pages into {self._top} free of {self.num_pages}"
         )
-        self._release_owned(pages)
+        if n <= _CAT_PAGES:  # small spans: one concatenation, one pass
+            self._release_owned(
+                self._pages_of(pending[0] if len(pending) == 1 else torch.cat(pending))
+            )
+        else:  # long spans: a pass each (the same order), no large temporary
+            for indices in pending:
+                self._release_owned(self._pages_of(indices))
 
     def _release_owned(self, pages: np.ndarray) -> None:
         """Release queued pages (subclasses release what they pair with them too)."""
@@ -195,31 +239,29 @@ class TokenSlotAllocator:
         pages = self._pages_of(indices)
         return bool(int(np.count_nonzero(self._state[pages])) == pages.shape[0])
 
-    def check_owned(self, indices: torch.Tensor) -> None:
-        """Raise :class:`InvalidIndicesError` unless ``indices`` is a valid allocated span.
+    def check_owned(self, indices: torch.Tensor, start: int = 0) -> None:
+        """Raise :class:`InvalidIndicesError` unless ``indices[start:]`` is a valid allocated
+        span.
 
         Checks dtype, device, range and allocation state without changing anything (host
-        side: a handful of array operations, what ``insert`` pays to validate a value).
+        side: one pass over the indices, what ``insert`` pays to validate a value).
         """
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
                 f"value must be a 1-D int64 tensor on {self.device}, "
                 f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
             )
-        if indices.shape[0] == 0:
+        k = indices.shape[0]
+        if k <= start:
             return
         self.flush()
-        host = _host(indices)
-        lo = int(host.min())
-        hi = int(host.max()) if self.page_size > 1 else 0  # page 1: the lookup catches it
-        if lo < 0 or hi >= self.size:
-            raise InvalidIndicesError(f"indices outside [0, {self.size}): min {lo}, max {hi}")
-        pages = host if self.page_size == 1 else host[:: self.page_size] >> self._shift
-        try:
-            held = int(np.count_nonzero(self._state[pages]))
-        except IndexError:
-            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
-        if held != pages.shape[0]:
+        ps = self.page_size
+        # Page 1: the page lookup is the range check; larger pages check every entry too.
+        bound = self.size if ps > 1 else -1
+        held = self._ops.count_held(self._state, _host(indices), start, k, ps, self._shift, bound)
+        if held < 0:
+            raise InvalidIndicesError(f"indices outside [0, {self.size})")
+        if held != (k - start + ps - 1) >> self._shift:
             raise InvalidIndicesError("value holds slots that are not allocated")
 
     def check_consistency(self) -> None:
@@ -236,4 +278,7 @@ class TokenSlotAllocator:
 
 def _host(t: torch.Tensor) -> np.ndarray:
     """A numpy view of an index tensor (a copy only when it lives on an accelerator)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    try:
+        return t.numpy()  # CPU: a view (the common case, without asking for the device)
+    except TypeError:  # an accelerator's tensor
+        return t.cpu().numpy()

@@ -1,0 +1,125 @@
+"""The allocator's page bookkeeping (``urc.pageops``): the compiled primitives return and
+change exactly what their numpy twins do, on random states, strided and out-of-range
+indices; and the allocator runs the implementation its cache's ``walk_impl`` names."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from urc import CacheConfig, build_cache
+from urc.errors import ConfigError
+from urc.fastpath import WalkImpl
+from urc.pageops import PYTHON_OPS, native_pages_available, select_page_ops
+
+needs_native = pytest.mark.skipif(not native_pages_available(), reason="_pages not built")
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(
+    state=st.lists(st.integers(0, 1), min_size=1, max_size=40),
+    idx=st.lists(st.integers(-3, 45), max_size=30),
+    step=st.sampled_from([1, 2, 4]),
+    shift=st.sampled_from([0, 1, 2]),
+    bound=st.sampled_from([-1, 0, 10, 40, 160]),
+    stride=st.sampled_from([1, 2]),
+    span=st.tuples(st.integers(0, 8), st.integers(0, 40)),
+    tensor=st.booleans(),
+)
+def test_native_count_held_is_the_twin(
+    state: list[int],
+    idx: list[int],
+    step: int,
+    shift: int,
+    bound: int,
+    stride: int,
+    span: tuple[int, int],
+    tensor: bool,
+) -> None:
+    native = select_page_ops(WalkImpl.NATIVE)
+    s = np.array(state, dtype=np.int8)
+    ix = _indices(idx, stride, tensor)
+    start, end = _span(ix, span)
+    args = (s, ix, start, end, step, shift, bound)
+    assert native.count_held(*args) == PYTHON_OPS.count_held(*args)
+
+
+def _indices(idx: list[int], stride: int, tensor: bool) -> np.ndarray:
+    """Strided views too; of a tensor (what the allocator passes) or not."""
+    if tensor:
+        return torch.tensor(idx, dtype=torch.int64)[::stride].numpy()
+    return np.array(idx, dtype=np.int64)[::stride]
+
+
+def _span(ix: np.ndarray, span: tuple[int, int]) -> tuple[int, int]:
+    n = ix.shape[0]
+    start = min(span[0], n)
+    return start, max(start, min(span[1], n))
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(
+    state=st.lists(st.integers(0, 1), min_size=1, max_size=40),
+    idx=st.lists(st.integers(-2, 44), max_size=20),
+    top=st.integers(0, 30),
+    step=st.sampled_from([1, 2, 4]),
+    shift=st.sampled_from([0, 1, 2]),
+    stride=st.sampled_from([1, 2]),
+    span=st.tuples(st.integers(0, 8), st.integers(0, 40)),
+    tensor=st.booleans(),
+)
+def test_native_release_is_the_twin(
+    state: list[int],
+    idx: list[int],
+    top: int,
+    step: int,
+    shift: int,
+    stride: int,
+    span: tuple[int, int],
+    tensor: bool,
+) -> None:
+    ix = _indices(idx, stride, tensor)
+    start, end = _span(ix, span)
+    outs = []
+    for ops in (select_page_ops(WalkImpl.NATIVE), PYTHON_OPS):
+        s = np.array(state, dtype=np.int8)
+        stack = np.full(40, -7, dtype=np.int64)
+        try:
+            res: object = ops.release(s, stack, top, ix, start, end, step, shift)
+        except (ValueError, IndexError) as e:
+            res = type(e)
+        outs.append((res, s.tolist(), stack.tolist()))
+    assert outs[0] == outs[1]
+
+
+def test_the_cache_runs_the_page_ops_its_walk_impl_names() -> None:
+    for impl in (WalkImpl.PYTHON, WalkImpl.AUTO):
+        cache = build_cache(CacheConfig(kv_size=64, walk_impl=impl))
+        assert cache.token_to_kv_pool_allocator._ops is select_page_ops(impl)
+    assert select_page_ops(WalkImpl.PYTHON) is PYTHON_OPS
+    assert (select_page_ops(WalkImpl.AUTO) is not PYTHON_OPS) == native_pages_available()
+
+
+def test_native_page_ops_without_the_extension_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import urc.pageops as po
+
+    monkeypatch.setattr(po, "_NATIVE", None)
+    with pytest.raises(ConfigError, match="not built"):
+        select_page_ops(WalkImpl.NATIVE)
+    assert select_page_ops(WalkImpl.AUTO) is PYTHON_OPS
+
+
+@needs_native
+def test_native_page_ops_refuse_what_they_cannot_read() -> None:
+    native = select_page_ops(WalkImpl.NATIVE)
+    s = np.zeros(4, dtype=np.int8)
+    for bad in (np.zeros((2, 2), dtype=np.int64), np.zeros(3, dtype=np.int32)):
+        with pytest.raises(TypeError):
+            native.count_held(s, bad, 0, 3, 1, 0, -1)

@@ -1,0 +1,206 @@
+/* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release (see their
+ * docstrings).  They work on numpy arrays through the buffer protocol: ``state`` int8 (one
+ * entry per page), ``stack`` and ``idx`` int64; ``idx`` may be strided (a sliced tensor's
+ * host view), and ``idx[start:end]`` is used.  No Python code runs inside them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+/* A 1-D buffer of ``itemsize``-byte items, or -1 with an exception set. */
+static int
+get_1d(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable, const char *name)
+{
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    if (view->ndim != 1 || view->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D array of %zd-byte items", name, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* An int64 index sequence: its first item and its stride in bytes. */
+typedef struct {
+    const char *base;
+    Py_ssize_t n;
+    Py_ssize_t stride;
+    Py_buffer view;
+} Idx;
+
+/* ``idx[start:end]`` of a 1-D int64 buffer; -1 with an exception. */
+static int
+get_idx(PyObject *obj, Py_ssize_t start, Py_ssize_t end, Idx *out)
+{
+    if (get_1d(obj, &out->view, 8, 0, "idx") < 0)
+        return -1;
+    out->base = (const char *)out->view.buf;
+    out->n = out->view.shape[0];
+    out->stride = out->view.strides[0];
+    if (end > out->n)
+        end = out->n;
+    if (start < 0 || start > end) {
+        PyErr_SetString(PyExc_ValueError, "idx: need 0 <= start <= end");
+        PyBuffer_Release(&out->view);
+        return -1;
+    }
+    out->base += start * out->stride;
+    out->n = end - start;
+    return 0;
+}
+
+static void
+release_idx(Idx *idx)
+{
+    PyBuffer_Release(&idx->view);
+}
+
+/* The shared arguments: idx, start, end, step, shift at args[0..4]. */
+static int
+parse_common(PyObject *const *args, Idx *idx, Py_ssize_t *step, Py_ssize_t *shift)
+{
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t end = PyLong_AsSsize_t(args[2]);
+    *step = PyLong_AsSsize_t(args[3]);
+    *shift = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return -1;
+    if (*step < 1 || *shift < 0 || *shift > 62) {
+        PyErr_SetString(PyExc_ValueError, "step >= 1 and 0 <= shift <= 62");
+        return -1;
+    }
+    return get_idx(args[0], start, end, idx);
+}
+
+/* count_held(state, idx, start, end, step, shift, bound) -> int */
+static PyObject *
+count_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "count_held(state, idx, start, end, step, shift, bound)");
+        return NULL;
+    }
+    long long bound = PyLong_AsLongLong(args[6]);
+    if (bound == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer st;
+    if (get_1d(args[0], &st, 1, 0, "state") < 0)
+        return NULL;
+    Idx ix;
+    Py_ssize_t step, shift;
+    if (parse_common(args + 1, &ix, &step, &shift) < 0) {
+        PyBuffer_Release(&st);
+        return NULL;
+    }
+    const signed char *const state = (const signed char *)st.buf;
+    const unsigned long long num_pages = (unsigned long long)st.shape[0];
+    const char *const ip = ix.base;
+    const Py_ssize_t stride = ix.stride;
+    const Py_ssize_t n = ix.n;
+    long long held = 0;
+    unsigned long long bad = 0;
+    if (bound >= 0) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            bad |= (unsigned long long)(*(const long long *)(ip + i * stride)) >=
+                   (unsigned long long)bound;
+    }
+    for (Py_ssize_t i = 0; i < n && !bad; i += step) {
+        unsigned long long p =
+            (unsigned long long)(*(const long long *)(ip + i * stride) >> shift);
+        if (p >= num_pages)
+            bad = 1;
+        else
+            held += state[p] != 0;
+    }
+    release_idx(&ix);
+    PyBuffer_Release(&st);
+    return PyLong_FromLongLong(bad ? -1 : held);
+}
+
+/* release(state, stack, top, idx, start, end, step, shift) -> new top */
+static PyObject *
+release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "release(state, stack, top, idx, start, end, step, shift)");
+        return NULL;
+    }
+    Py_ssize_t top = PyLong_AsSsize_t(args[2]);
+    if (top == -1 && PyErr_Occurred())
+        return NULL;
+    if (top < 0) {
+        PyErr_SetString(PyExc_ValueError, "release: top >= 0");
+        return NULL;
+    }
+    Py_buffer st, sk;
+    if (get_1d(args[0], &st, 1, 1, "state") < 0)
+        return NULL;
+    if (get_1d(args[1], &sk, 8, 1, "stack") < 0) {
+        PyBuffer_Release(&st);
+        return NULL;
+    }
+    Idx ix;
+    Py_ssize_t step, shift;
+    if (parse_common(args + 3, &ix, &step, &shift) < 0) {
+        PyBuffer_Release(&sk);
+        PyBuffer_Release(&st);
+        return NULL;
+    }
+    Py_ssize_t count = (ix.n + step - 1) / step;
+    PyObject *res = NULL;
+    if (sk.strides[0] != 8) {
+        PyErr_SetString(PyExc_TypeError, "release: stack must be contiguous");
+        goto done;
+    }
+    if (top + count > sk.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "release: more pages than the stack holds");
+        goto done;
+    }
+    /* Locals, not the buffer structs: a store through a char pointer could alias them, and
+     * the compiler would reload every field on every iteration. */
+    const char *ip = ix.base;
+    const Py_ssize_t istride = ix.stride * step;
+    const unsigned long long num_pages = (unsigned long long)st.shape[0];
+    /* Validate every page first: nothing changes when one is out of range. */
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < count; i++)
+        bad |= (unsigned long long)(*(const long long *)(ip + i * istride) >> shift) >= num_pages;
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "release: page out of range");
+        goto done;
+    }
+    signed char *const state = (signed char *)st.buf;
+    long long *const stack = (long long *)sk.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long long p = *(const long long *)(ip + i * istride) >> shift;
+        state[p] = 0;
+        stack[top + i] = p;
+    }
+    res = PyLong_FromSsize_t(top + count);
+done:
+    release_idx(&ix);
+    PyBuffer_Release(&sk);
+    PyBuffer_Release(&st);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"count_held", (PyCFunction)(void (*)(void))count_held, METH_FASTCALL,
+     "count_held(state, idx, start, end, step, shift, bound) -> int"},
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
+     "release(state, stack, top, idx, start, end, step, shift) -> int"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_pages", "Compiled page bookkeeping (see urc.pageops).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__pages(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,117 @@
+"""Page bookkeeping of the token allocator: a compiled implementation and its numpy twin.
+
+:func:`py_count_held` and :func:`py_release` are the reference; ``urc._native._pages`` (built
+from ``urc/_native/pages.c`` next to the compiled walk) computes exactly the same results in
+one pass over the indices, without the temporaries and dispatch of several numpy calls (a
+free or an insert's ownership check was a dozen of them).  Which pair an allocator runs
+follows the cache's :attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page_ops`):
+``PYTHON`` is the twin everywhere, ``AUTO`` the compiled code where it was built.
+
+Arrays: ``state`` int8, one entry per page (non-zero = allocated); ``stack`` int64 (the
+free-page stack, ``stack[:top]`` free); ``idx`` int64 token indices, possibly strided, of
+which ``idx[start:end]`` is used (slicing a host view is cheaper than slicing a tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from urc.fastpath import WalkImpl, choose_impl
+
+__all__ = [
+    "PYTHON_OPS",
+    "PageOps",
+    "native_pages_available",
+    "py_count_held",
+    "py_release",
+    "select_page_ops",
+]
+
+
+def _pages(idx: np.ndarray, start: int, end: int, step: int, shift: int) -> np.ndarray:
+    h = idx[start:end]
+    if step == 1 and shift == 0:
+        return h
+    return h[::step] >> shift
+
+
+def py_count_held(
+    state: np.ndarray, idx: np.ndarray, start: int, end: int, step: int, shift: int, bound: int
+) -> int:
+    """How many of the pages ``ix[::step] >> shift`` are allocated (``state != 0``, repeats
+    counted each time), where ``ix = idx[start:end]``;
+    ``-1`` when one of them is outside ``[0, len(state))`` or, with ``bound >= 0``, when any
+    entry of ``ix`` is outside ``[0, bound)``.  Changes nothing."""
+    h = _pages(idx, start, end, 1, 0)
+    if h.shape[0] == 0:
+        return 0
+    if bound >= 0 and (int(h.min()) < 0 or int(h.max()) >= bound):
+        return -1
+    pages = _pages(h, 0, h.shape[0], step, shift)
+    if int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]:
+        return -1
+    return int(np.count_nonzero(state[pages]))
+
+
+def py_release(
+    state: np.ndarray,
+    stack: np.ndarray,
+    top: int,
+    idx: np.ndarray,
+    start: int,
+    end: int,
+    step: int,
+    shift: int,
+) -> int:
+    """Mark the pages ``idx[start:end][::step] >> shift`` free and push them on ``stack``
+    above ``top`` (copies: the caller may reuse ``idx``); returns the new top.  No allocation
+    check (the caller did it); ``ValueError`` when the stack would overflow, ``IndexError``
+    for a page outside ``[0, len(state))`` -- raised before anything changes."""
+    pages = _pages(idx, start, end, step, shift)
+    n = pages.shape[0]
+    if top + n > stack.shape[0]:
+        raise ValueError("release: more pages than the stack holds")
+    if n and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
+        raise IndexError("release: page out of range")
+    state[pages] = 0
+    stack[top : top + n] = pages
+    return int(top + n)
+
+
+CountHeld = Callable[[np.ndarray, np.ndarray, int, int, int, int, int], int]
+Release = Callable[[np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
+
+
+class PageOps(NamedTuple):
+    """One implementation of the two primitives."""
+
+    count_held: CountHeld
+    release: Release
+
+
+PYTHON_OPS = PageOps(py_count_held, py_release)
+
+
+def _native() -> PageOps | None:
+    try:
+        from urc._native._pages import count_held, release
+    except ImportError:
+        return None
+    return PageOps(count_held, release)
+
+
+_NATIVE = _native()
+
+
+def native_pages_available() -> bool:
+    """Whether the compiled page bookkeeping was built and imports."""
+    return _NATIVE is not None
+
+
+def select_page_ops(impl: WalkImpl) -> PageOps:
+    """The primitives ``impl`` names (:class:`~urc.errors.ConfigError` for ``NATIVE`` when the
+    extension is absent)."""
+    return choose_impl(impl, _NATIVE, PYTHON_OPS, "urc._native._pages")
