@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from urc.cache import UnifiedRadixCache, build_cache
-from urc.config import CacheConfig
+from urc.config import CacheConfig, EvictionPolicy
 from urc.fastpath import common_len
 from urc.key import RadixKey
 from urc.params import EvictParams, InsertParams, MatchPrefixParams
@@ -196,9 +196,14 @@ def _noop(_: Any) -> None:
     return None
 
 
-def make_config(components: tuple[ComponentType, ...], page_size: int, kv_size: int) -> CacheConfig:
+def make_config(
+    components: tuple[ComponentType, ...], page_size: int, kv_size: int, **config: Any
+) -> CacheConfig:
+    """The bench's cache config (``config``: more ``CacheConfig`` fields, e.g. the eviction
+    policy)."""
     kv_size = -(-kv_size // page_size) * page_size
     return CacheConfig(
+        **config,
         components=components,
         page_size=page_size,
         kv_size=kv_size,
@@ -210,11 +215,12 @@ def make_config(components: tuple[ComponentType, ...], page_size: int, kv_size: 
 
 
 def run_phases(
-    components: tuple[ComponentType, ...], page_size: int, seqs: list[list[int]]
+    components: tuple[ComponentType, ...], page_size: int, seqs: list[list[int]], **config: Any
 ) -> dict[str, Any]:
-    """Run the four phases on a fresh cache; returns per-phase figures."""
+    """Run the four phases on a fresh cache (``config``: more ``CacheConfig`` fields);
+    returns per-phase figures."""
     total = sum(len(s) for s in seqs)
-    cache = build_cache(make_config(components, page_size, total + 1024))
+    cache = build_cache(make_config(components, page_size, total + 1024, **config))
     driver = _Driver(cache)
     _settle()  # the workload itself (lists of millions of ints) is not the cache's
     clock = time.perf_counter
@@ -456,11 +462,26 @@ def main(argv: list[str] | None = None) -> None:
         help="long-context: generate_long_context (--num-seqs prompts of 32k-128k tokens)",
     )
     ap.add_argument(
+        "--eviction-policy",
+        choices=[p.value for p in EvictionPolicy if p is not EvictionPolicy.BELADY],
+        default=EvictionPolicy.LRU.value,
+        help="the strategy the Full heaps order by (belady needs a workload's future)",
+    )
+    ap.add_argument(
+        "--partial-leaf-eviction",
+        action="store_true",
+        help="evict only the tail pages an eviction needs (the evict phase then splits leaves)",
+    )
+    ap.add_argument(
         "--scaling",
         action="store_true",
         help="also measure 1e4/1e5/1e6 trees and per-token cost at 1k vs 128k-token keys",
     )
     args = ap.parse_args(argv)
+    eviction = {
+        "eviction_policy": EvictionPolicy(args.eviction_policy),
+        "partial_leaf_eviction": args.partial_leaf_eviction,
+    }
     names = args.components or [n for n in COMPONENT_SETS if _available(COMPONENT_SETS[n])]
     torch.set_num_threads(1)
     if args.workload == "reference":
@@ -474,12 +495,14 @@ def main(argv: list[str] | None = None) -> None:
             "chunk_len": args.chunk_len,
             "seed": args.seed,
             "total_tokens": sum(len(s) for s in seqs),
+            "eviction_policy": args.eviction_policy,
+            "partial_leaf_eviction": args.partial_leaf_eviction,
         },
         "results": {},
     }
     for name in names:
         for ps in args.page_sizes:
-            entry = run_phases(COMPONENT_SETS[name], ps, seqs)
+            entry = run_phases(COMPONENT_SETS[name], ps, seqs, **eviction)
             if args.scaling:
                 entry["scaling"] = run_scaling(
                     COMPONENT_SETS[name], ps, args.chunk_len, [10**4, 10**5, 10**6]
