@@ -169,3 +169,19 @@ def test_belady_rekeys_the_lower_half_of_a_split() -> None:
     h.match([0, 1, 2, 3, 99])  # splits [0, 8) at 4: the lower half starts with token 4
     assert _evict(h, 4) == 4
     assert h.match_len(list(range(8))) == 4 and h.match_len(seq(100, 4, 1)) == 4
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_fork_aware_partial_eviction_keeps_taking_the_left_branch(ps: int) -> None:
+    """A left branch evicted a page at a time stays first in line until it is gone."""
+    h = Harness(ps, eviction_policy=EvictionPolicy.FORK_AWARE, partial_leaf_eviction=True)
+    other = seq(5000, 3, ps)
+    turn1 = seq(0, 2, ps) + seq(100, 3, ps)
+    turn2 = seq(0, 2, ps) + seq(200, 3, ps)
+    h.insert(other)
+    h.insert(turn1)
+    h.insert(turn2)
+    for _ in range(3):  # (no match in between: a match is a use, and unmarks the branch)
+        assert _evict(h, ps) == ps
+    assert h.match_len(turn1) == 2 * ps  # the whole left tail, and nothing else
+    assert h.match_len(other) == 3 * ps and h.match_len(turn2) == 5 * ps

@@ -146,7 +146,11 @@ class FullComponent(TreeComponent):
         while first and tracker[_FULL] < target:
             node = first.popleft()
             if self._goes_first(node):
+                above = node.parent
                 self._evict_leaf(node, target - tracker[_FULL], tracker)
+                rest = node.parent  # the head a partial eviction split off, if any
+                if rest is not above and rest is not None and self._goes_first(rest):
+                    first.appendleft(rest)
         heap = self._heap
         key = self._key
         skipped: dict[int, TreeNode] = {}
