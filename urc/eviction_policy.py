@@ -38,12 +38,10 @@ from urc.node import TreeNode
 __all__ = [
     "BeladyStrategy",
     "EvictionStrategy",
-    "FifoStrategy",
     "ForkAwareStrategy",
-    "LfuStrategy",
     "LruStrategy",
     "NextUseOracle",
-    "PriorityStrategy",
+    "OrderByStrategy",
     "make_strategy",
 ]
 
@@ -65,6 +63,8 @@ class EvictionStrategy(ABC):
     # Whether a leaf needs a fresh heap entry whenever it is used (its key may have dropped).
     # False for every policy whose keys only grow.
     rekey_on_release: bool = False
+    # Whether :meth:`superseded` is worth asking at each fork (off: no call on the insert path).
+    marks_forks: bool = False
 
     @abstractmethod
     def key_function(self) -> HeapKey:
@@ -79,40 +79,26 @@ class EvictionStrategy(ABC):
         return False
 
 
-class LruStrategy(EvictionStrategy):
+class OrderByStrategy(EvictionStrategy):
+    """Leaves in the order of node attributes (compared as a tuple, first name first): SGLang's
+    LRU, LFU, FIFO and priority orders."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, *fields: str) -> None:
+        self._fields = fields
+
+    def key_function(self) -> HeapKey:
+        return attrgetter(*self._fields)
+
+
+class LruStrategy(OrderByStrategy):
     """Least recently used first: SGLang's order."""
 
     __slots__ = ()
 
-    def key_function(self) -> HeapKey:
-        return attrgetter("last_access_time")
-
-
-class LfuStrategy(EvictionStrategy):
-    """Fewest hits first, then least recently used."""
-
-    __slots__ = ()
-
-    def key_function(self) -> HeapKey:
-        return attrgetter("hit_count", "last_access_time")
-
-
-class FifoStrategy(EvictionStrategy):
-    """Oldest inserted first."""
-
-    __slots__ = ()
-
-    def key_function(self) -> HeapKey:
-        return attrgetter("creation_time")
-
-
-class PriorityStrategy(EvictionStrategy):
-    """Lowest insert priority first, then least recently used."""
-
-    __slots__ = ()
-
-    def key_function(self) -> HeapKey:
-        return attrgetter("priority", "last_access_time")
+    def __init__(self) -> None:
+        super().__init__("last_access_time")
 
 
 class ForkAwareStrategy(LruStrategy):
@@ -132,6 +118,8 @@ class ForkAwareStrategy(LruStrategy):
     """
 
     __slots__ = ()
+
+    marks_forks = True
 
     def superseded(self, parent: TreeNode) -> TreeNode | None:
         if parent.parent is None or len(parent.children) != 2:
@@ -167,11 +155,11 @@ class BeladyStrategy(EvictionStrategy):
         return lambda node: -next_use(node)
 
 
-_SIMPLE: dict[EvictionPolicy, type[EvictionStrategy]] = {
+_SIMPLE: dict[EvictionPolicy, Callable[[], EvictionStrategy]] = {
     EvictionPolicy.LRU: LruStrategy,
-    EvictionPolicy.LFU: LfuStrategy,
-    EvictionPolicy.FIFO: FifoStrategy,
-    EvictionPolicy.PRIORITY: PriorityStrategy,
+    EvictionPolicy.LFU: lambda: OrderByStrategy("hit_count", "last_access_time"),
+    EvictionPolicy.FIFO: lambda: OrderByStrategy("creation_time"),
+    EvictionPolicy.PRIORITY: lambda: OrderByStrategy("priority", "last_access_time"),
     EvictionPolicy.FORK_AWARE: ForkAwareStrategy,
 }
 

@@ -72,18 +72,11 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
             on_device = False  # the device hit ends above the first host-only node
         path.append(child)
         pos += m
-        if on_device:
-            ok = True
-            for validate in validators:
-                if not validate(child):
-                    ok = False
-            if ok:
-                best = len(path)
-        ok = True
-        for validate in host_validators:
-            if not validate(child):
-                ok = False
-        if ok:
+        # Every validator sees every node it is walked over (they are stateful): a list,
+        # not a short-circuiting generator.
+        if on_device and all([validate(child) for validate in validators]):
+            best = len(path)
+        if all([validate(child) for validate in host_validators]):
             best_any = len(path)
     return finish_match(cache, params, path, best, best_any, pos, n)
 

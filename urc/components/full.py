@@ -61,6 +61,7 @@ class FullComponent(TreeComponent):
         self.strategy = make_strategy(config.eviction_policy, config.next_use)
         self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release
+        self._marks_forks = self.strategy.marks_forks
         self._first: deque[TreeNode] = deque()
         self._partial = config.partial_leaf_eviction
         self._heap: list[tuple[Any, int, TreeNode]] = []
@@ -82,9 +83,10 @@ class FullComponent(TreeComponent):
     def note_child(self, parent: TreeNode) -> None:
         """``parent`` just got a child on device: if it was a leaf with a heap entry, that
         entry is dead now.  Once dead entries are half the heap, compact it: one pass over
-        the heap costs less than popping each dead entry during an eviction."""
+        the heap costs less than popping each dead entry during an eviction.  A second child
+        is a fork: the strategy may queue the branch left behind to be evicted first."""
         n = len(parent.children)
-        if n == 2:
+        if n == 2 and self._marks_forks:
             older = self.strategy.superseded(parent)  # a fork: a branch left behind?
             if older is not None:
                 self._first.append(older)
