@@ -32,3 +32,9 @@ def mode(request: pytest.FixtureRequest) -> ExportMode:
     """Both write paths: scrape-time collection (default) and direct writes (multiprocess)."""
     m: ExportMode = request.param
     return m
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Tests marked ``pytest.mark.anyio`` run once under each event loop anyio supports."""
+    return str(request.param)

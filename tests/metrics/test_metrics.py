@@ -568,13 +568,11 @@ async def scenario_scrapes_pull_exact_figures(registry: CollectorRegistry) -> No
     assert value(registry, "urc_service_queued_commands") == 0
 
 
-@pytest.mark.asyncio
-async def test_scrapes_pull_exact_figures_from_the_service(registry: CollectorRegistry) -> None:
+@pytest.mark.anyio
+async def test_scrapes_pull_exact_figures_from_the_service(
+    anyio_backend: str, registry: CollectorRegistry
+) -> None:
     await scenario_scrapes_pull_exact_figures(registry)
-
-
-def test_scrapes_pull_exact_figures_from_the_service_trio(registry: CollectorRegistry) -> None:
-    anyio.run(scenario_scrapes_pull_exact_figures, registry, backend="trio")
 
 
 @pytest.mark.asyncio

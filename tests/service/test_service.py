@@ -2,7 +2,7 @@
 256-client random workload checked against a sequential replay of the recorded history.
 
 Every async test is bounded by ``anyio.fail_after``; nothing synchronises with sleeps.  A few
-scenarios also run under trio (``anyio.run(..., backend="trio")`` in a sync test).
+scenarios also run under trio (``pytest.mark.anyio``: once per backend of ``anyio_backend``).
 """
 
 from __future__ import annotations
@@ -365,15 +365,13 @@ async def scenario_round_trip() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_round_trip() -> None:
-    """match/insert/lock/release/evict/stats/call work and leave the cache clean."""
+@pytest.mark.anyio
+async def test_round_trip(anyio_backend: str) -> None:
+    """match/insert/lock/release/evict/stats/call work and leave the cache clean.
+
+    The same round trip under trio.
+    """
     await scenario_round_trip()
-
-
-def test_round_trip_trio() -> None:
-    """The same round trip under trio."""
-    anyio.run(scenario_round_trip, backend="trio")
 
 
 @pytest.mark.asyncio
@@ -462,14 +460,10 @@ async def scenario_close_releases_leases() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_close_releases_outstanding_leases() -> None:
+@pytest.mark.anyio
+async def test_close_releases_outstanding_leases(anyio_backend: str) -> None:
     """aclose releases (and counts) leases still held; the tree ends unlocked."""
     await scenario_close_releases_leases()
-
-
-def test_close_releases_outstanding_leases_trio() -> None:
-    anyio.run(scenario_close_releases_leases, backend="trio")
 
 
 @pytest.mark.asyncio
@@ -520,15 +514,11 @@ async def scenario_actor_failure() -> None:
         assert all(isinstance(o.__cause__, AssertionError) for o in outcomes)
 
 
-@pytest.mark.asyncio
-async def test_actor_failure_fails_waiting_callers() -> None:
+@pytest.mark.anyio
+async def test_actor_failure_fails_waiting_callers(anyio_backend: str) -> None:
     """An unexpected exception in the actor fails the caller, every queued or blocked caller
     and every later call with ServiceFailedError (cause chained); nothing hangs."""
     await scenario_actor_failure()
-
-
-def test_actor_failure_fails_waiting_callers_trio() -> None:
-    anyio.run(scenario_actor_failure, backend="trio")
 
 
 @pytest.mark.asyncio

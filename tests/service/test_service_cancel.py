@@ -98,15 +98,13 @@ async def scenario_cancelled_while_queued(strict_order: bool) -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_cancelled_while_queued_is_skipped() -> None:
-    """A caller cancelled before the actor took its command: the command never runs."""
-    await scenario_cancelled_while_queued(strict_order=True)
+@pytest.mark.anyio
+async def test_cancelled_while_queued_is_skipped(anyio_backend: str) -> None:
+    """A caller cancelled before the actor took its command: the command never runs.
 
-
-def test_cancelled_while_queued_is_skipped_trio() -> None:
-    """Under trio (no FIFO guarantee) the lease is skipped or released: never leaked."""
-    anyio.run(scenario_cancelled_while_queued, False, backend="trio")
+    Under trio (no FIFO guarantee) the lease is skipped or released: never leaked.
+    """
+    await scenario_cancelled_while_queued(strict_order=anyio_backend == "asyncio")
 
 
 async def scenario_cancel_between_lock_and_reply() -> None:
@@ -128,14 +126,10 @@ async def scenario_cancel_between_lock_and_reply() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_cancel_between_lock_and_reply_releases_lease() -> None:
+@pytest.mark.anyio
+async def test_cancel_between_lock_and_reply_releases_lease(anyio_backend: str) -> None:
     """The actor took a lock for a caller cancelled before it got the reply: released."""
     await scenario_cancel_between_lock_and_reply()
-
-
-def test_cancel_between_lock_and_reply_releases_lease_trio() -> None:
-    anyio.run(scenario_cancel_between_lock_and_reply, backend="trio")
 
 
 @pytest.mark.asyncio
@@ -193,15 +187,11 @@ async def scenario_cancel_during_ownership_move() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_cancel_during_ownership_move_completes_it() -> None:
+@pytest.mark.anyio
+async def test_cancel_during_ownership_move_completes_it(anyio_backend: str) -> None:
     """A caller cancelled while its insert is applied still gets the outcome (the tree took
     the slots); the cancellation lands at its next checkpoint."""
     await scenario_cancel_during_ownership_move()
-
-
-def test_cancel_during_ownership_move_completes_it_trio() -> None:
-    anyio.run(scenario_cancel_during_ownership_move, backend="trio")
 
 
 @pytest.mark.asyncio
@@ -315,14 +305,10 @@ async def scenario_host_scope_cancelled() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_host_scope_cancelled_closes_cleanly() -> None:
+@pytest.mark.anyio
+async def test_host_scope_cancelled_closes_cleanly(anyio_backend: str) -> None:
     """Cancelling the scope around ``async with`` stops the actor and releases leases."""
     await scenario_host_scope_cancelled()
-
-
-def test_host_scope_cancelled_closes_cleanly_trio() -> None:
-    anyio.run(scenario_host_scope_cancelled, backend="trio")
 
 
 # ====================================================================== transport paths
@@ -366,13 +352,9 @@ async def scenario_cancelled_while_queued_fast_path(strict_order: bool) -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_cancelled_while_queued_is_skipped_without_hooks() -> None:
-    await scenario_cancelled_while_queued_fast_path(strict_order=True)
-
-
-def test_cancelled_while_queued_is_skipped_without_hooks_trio() -> None:
-    anyio.run(scenario_cancelled_while_queued_fast_path, False, backend="trio")
+@pytest.mark.anyio
+async def test_cancelled_while_queued_is_skipped_without_hooks(anyio_backend: str) -> None:
+    await scenario_cancelled_while_queued_fast_path(strict_order=anyio_backend == "asyncio")
 
 
 async def scenario_ownership_move_cancelled_while_queued(strict_order: bool) -> None:
@@ -407,13 +389,9 @@ async def scenario_ownership_move_cancelled_while_queued(strict_order: bool) -> 
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_ownership_move_cancelled_while_queued_completes() -> None:
-    await scenario_ownership_move_cancelled_while_queued(strict_order=True)
-
-
-def test_ownership_move_cancelled_while_queued_completes_trio() -> None:
-    anyio.run(scenario_ownership_move_cancelled_while_queued, False, backend="trio")
+@pytest.mark.anyio
+async def test_ownership_move_cancelled_while_queued_completes(anyio_backend: str) -> None:
+    await scenario_ownership_move_cancelled_while_queued(strict_order=anyio_backend == "asyncio")
 
 
 @pytest.mark.asyncio
@@ -526,14 +504,10 @@ async def scenario_close_applies_callers_waiting_for_room() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_close_applies_callers_waiting_for_room() -> None:
+@pytest.mark.anyio
+async def test_close_applies_callers_waiting_for_room(anyio_backend: str) -> None:
     """Callers still waiting for room in a full stream when close begins are applied."""
     await scenario_close_applies_callers_waiting_for_room()
-
-
-def test_close_applies_callers_waiting_for_room_trio() -> None:
-    anyio.run(scenario_close_applies_callers_waiting_for_room, backend="trio")
 
 
 async def scenario_cancelled_while_waiting_for_room(strict_order: bool) -> None:
@@ -585,15 +559,11 @@ async def scenario_cancelled_while_waiting_for_room(strict_order: bool) -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_cancelled_while_waiting_for_room() -> None:
+@pytest.mark.anyio
+async def test_cancelled_while_waiting_for_room(anyio_backend: str) -> None:
     """A match cancelled while it waits for room is withdrawn (or skipped); a release
     cancelled there is still applied; nothing leaks and the queue count recovers."""
-    await scenario_cancelled_while_waiting_for_room(strict_order=True)
-
-
-def test_cancelled_while_waiting_for_room_trio() -> None:
-    anyio.run(scenario_cancelled_while_waiting_for_room, False, backend="trio")
+    await scenario_cancelled_while_waiting_for_room(strict_order=anyio_backend == "asyncio")
 
 
 @pytest.mark.asyncio

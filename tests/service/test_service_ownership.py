@@ -205,14 +205,10 @@ async def scenario_lease_exit_in_cancelled_scope() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_lease_context_releases_in_a_cancelled_scope() -> None:
+@pytest.mark.anyio
+async def test_lease_context_releases_in_a_cancelled_scope(anyio_backend: str) -> None:
     """``async with hit.lease:`` exited by a cancellation still releases the lock."""
     await scenario_lease_exit_in_cancelled_scope()
-
-
-def test_lease_context_releases_in_a_cancelled_scope_trio() -> None:
-    anyio.run(scenario_lease_exit_in_cancelled_scope, backend="trio")
 
 
 # ====================================================================== defect 3
@@ -241,15 +237,11 @@ async def scenario_alloc_short_of_swa() -> None:
         check_clean(svc.cache)
 
 
-@pytest.mark.asyncio
-async def test_alloc_evicts_swa_when_only_swa_is_short() -> None:
+@pytest.mark.anyio
+async def test_alloc_evicts_swa_when_only_swa_is_short(anyio_backend: str) -> None:
     """(FULL, SWA) with the SWA pool full and Full not: ``alloc`` evicts SWA and succeeds,
     and a request no eviction can meet raises ``OutOfMemoryError``."""
     await scenario_alloc_short_of_swa()
-
-
-def test_alloc_evicts_swa_when_only_swa_is_short_trio() -> None:
-    anyio.run(scenario_alloc_short_of_swa, backend="trio")
 
 
 # ====================================================================== defect 4
