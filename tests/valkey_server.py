@@ -96,7 +96,10 @@ def _command(port: int, *args: str, timeout: float = 2.0) -> bytes:
         return reply
 
 
-def _wait_until(predicate: object, what: str, deadline_s: float = _READY_DEADLINE_S) -> None:
+def wait_until(predicate: object, what: str, deadline_s: float = _READY_DEADLINE_S) -> None:
+    """Poll ``predicate`` (an ``OSError`` counts as not yet) until it is true; raise
+    ``TimeoutError`` after ``deadline_s``.  For external processes coming up, which give
+    nothing to wait on."""
     assert callable(predicate)
     deadline = time.monotonic() + deadline_s
     while True:
@@ -162,7 +165,7 @@ class ValkeyNode:
         self._process = subprocess.Popen(
             self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        _wait_until(self.ping, f"valkey on port {self.port}")
+        wait_until(self.ping, f"valkey on port {self.port}")
 
     @property
     def pid(self) -> int | None:
@@ -224,7 +227,7 @@ class ValkeyCluster:
         for node in self.nodes[1:]:
             reply = self.nodes[0].command("CLUSTER", "MEET", "127.0.0.1", str(node.port))
             assert reply.startswith(b"+OK"), reply
-        _wait_until(self._healthy, "cluster_state:ok on every node")
+        wait_until(self._healthy, "cluster_state:ok on every node")
 
     def _healthy(self) -> bool:
         for node in self.nodes:
@@ -238,7 +241,7 @@ class ValkeyCluster:
     def restart(self, index: int) -> None:
         """Start a killed node again and wait until the cluster is whole."""
         self.nodes[index].start()
-        _wait_until(self._healthy, "the cluster to heal")
+        wait_until(self._healthy, "the cluster to heal")
 
     def kill_all(self) -> list[int]:
         """SIGKILL every node by PID (a whole-cluster crash); returns the PIDs killed."""
@@ -255,7 +258,7 @@ class ValkeyCluster:
         for node in self.nodes:
             if not node.is_running:
                 node.start()
-        _wait_until(self._healthy, "the cluster to heal")
+        wait_until(self._healthy, "the cluster to heal")
 
     def wait_failed(self) -> None:
         """Wait until the surviving nodes mark the cluster as failed (a node is gone)."""
@@ -264,7 +267,7 @@ class ValkeyCluster:
             alive = [node for node in self.nodes if node.is_running]
             return all(b"cluster_state:fail" in node.command("CLUSTER", "INFO") for node in alive)
 
-        _wait_until(failed, "cluster_state:fail")
+        wait_until(failed, "cluster_state:fail")
 
     def stop(self) -> None:
         for node in self.nodes:

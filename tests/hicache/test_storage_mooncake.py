@@ -9,13 +9,12 @@ from __future__ import annotations
 import secrets
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from valkey_server import free_port
+from valkey_server import free_port, wait_until
 
 from hicache.storage.codec import HEADER_SIZE
 from hicache.storage.keys import StorageComponent, page_keys
@@ -51,16 +50,15 @@ def master_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+
+    def accepts() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError("mooncake_master exited before it accepted connections")
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+
     try:
-        deadline = time.monotonic() + 15
-        while True:  # poll until the RPC port accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("mooncake_master did not start") from None
-                time.sleep(0.05)
+        wait_until(accepts, f"mooncake_master on port {port}", deadline_s=15)
         yield f"127.0.0.1:{port}"
     finally:
         process.kill()
