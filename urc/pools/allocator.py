@@ -157,19 +157,16 @@ class TokenSlotAllocator:
         :meth:`check_owned` on a span of ``indices`` that holds this one and freed nothing
         since, so every page is known to be allocated and in range (the allocation count is
         skipped: what a free costs is then the release alone)."""
-        if type(self).free is not TokenSlotAllocator.free:  # a subclass frees more: its free
-            self.free(indices[start:end])
-            return
         if start >= end:
             return
         self._check_tensor(indices)
         self.flush()
         self._free_span(_host(indices), start, end, checked)
 
-    def _check_tensor(self, indices: torch.Tensor) -> None:
+    def _check_tensor(self, indices: torch.Tensor, what: str = "indices") -> None:
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
-                f"indices must be 1-D int64 on {self.device}, "
+                f"{what} must be a 1-D int64 tensor on {self.device}, "
                 f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
             )
 
@@ -246,11 +243,7 @@ class TokenSlotAllocator:
         Checks dtype, device, range and allocation state without changing anything (host
         side: one pass over the indices, what ``insert`` pays to validate a value).
         """
-        if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
-            raise InvalidIndicesError(
-                f"value must be a 1-D int64 tensor on {self.device}, "
-                f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
-            )
+        self._check_tensor(indices, "value")
         k = indices.shape[0]
         if k <= start:
             return

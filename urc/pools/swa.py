@@ -207,6 +207,10 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         super().free(indices)
         self._release_swa(self._pages(indices))
 
+    def free_span(self, indices: torch.Tensor, start: int, end: int, checked: bool = False) -> None:
+        """``free(indices[start:end])``: the SWA pages go with the Full slots."""
+        self.free(indices[start:end])
+
     def _release_owned(self, pages: np.ndarray) -> None:
         super()._release_owned(pages)
         self._release_swa(pages)
