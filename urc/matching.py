@@ -94,8 +94,8 @@ def _match_device_only(
     node not on device, the hit its deepest node every validator accepts (asked bottom-up
     through the path validators, which answer what the top-down match validators would:
     usually the deepest node is accepted at once, instead of one call per node and
-    component).  The stamps, counters and result of :func:`finish_match` are inline: this
-    is the hot path."""
+    component).  The stamps and result of :func:`finish_match` are inline (this is the hot
+    path); both end in :func:`_end_match`."""
     tree = cache.tree
     values: list[torch.Tensor] = []
     for child in walked:
@@ -121,30 +121,19 @@ def _match_device_only(
         k = _deepest_boundary(cache, walked, True)
         if k < len(walked):
             del values[k:]
-    # finish_match(cache, params, walked, k, k, pos, n), inline.
+    # finish_match(cache, params, walked, k, k, pos, n), inline up to its end.
     clock = tree.clock
     for child in walked if k == len(walked) else walked[:k]:  # root first: parent < child
         clock += 1
         child.last_access_time = clock
     tree.clock = clock
-    counters = cache.counters
-    counters.match_requests += 1
-    counters.query_tokens += n
     if k:
         last = walked[k - 1]
         indices = torch.cat(values)
         result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST))
     else:
         result = empty_result(cache)
-    hooks = cache.hooks
-    for c in hooks.match_end:
-        c.on_match_end(walked, k)
-    for c in hooks.finalize:
-        result = c.finalize_match_result(result, params, walked, k, pos)
-    hits = counters.hit_tokens
-    hits[Tier.DEVICE] += result.device_indices.shape[0]
-    hits[Tier.HOST] += result.host_hit_length
-    return result
+    return _end_match(cache, params, walked, k, k, pos, n, result)
 
 
 def match_path(
@@ -223,9 +212,6 @@ def finish_match(
     # Only the best match and its ancestors are stamped, after the walk, parent < child
     # (SGLang's order); nodes walked past the best keep their age.
     cache.tree.stamp_path(path[:matched] if matched < len(path) else path)
-    counters = cache.counters
-    counters.match_requests += 1
-    counters.query_tokens += n
     if best == 0:
         result = empty_result(cache)
     else:
@@ -241,6 +227,24 @@ def finish_match(
         result = result._replace(
             last_host_node=host_node, best_match_node=host_node, host_hit_length=host_len
         )
+    return _end_match(cache, params, path, best, matched, pos, n, result)
+
+
+def _end_match(
+    cache: UnifiedRadixCache,
+    params: MatchPrefixParams,
+    path: list[TreeNode],
+    best: int,
+    matched: int,
+    pos: int,
+    n: int,
+    result: MatchResult,
+) -> MatchResult:
+    """What every match ends with, once stamped and with its result built: the counters,
+    the components' match-end and finalize hooks, the hit counts; returns the result."""
+    counters = cache.counters
+    counters.match_requests += 1
+    counters.query_tokens += n
     for c in cache.hooks.match_end:
         c.on_match_end(path, matched)
     for c in cache.hooks.finalize:
