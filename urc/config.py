@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
 from urc.specs import SPEC_TYPES, ComponentSpec
 from urc.tree import ComponentType
+
+if TYPE_CHECKING:
+    from urc.eviction_policy import NextUseOracle
 
 __all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_pools"]
 
@@ -69,7 +72,7 @@ class CacheConfig:
     partial_leaf_eviction: bool = False
     # The future, for ``EvictionPolicy.BELADY`` only (an ``urc.eviction_policy.NextUseOracle``
     # such as ``urc replay`` builds from a whole trace).
-    next_use: Any = field(default=None, compare=False)
+    next_use: NextUseOracle | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
