@@ -9,10 +9,11 @@ Reference workload (seeded): a root of ``chunk_len // 4`` random tokens; the fir
 root + ``chunk_len`` fresh tokens; then repeatedly, with probability 1/2, a random earlier
 sequence + ``chunk_len`` fresh tokens, otherwise 2-10 children of a random earlier sequence,
 each + ``chunk_len`` fresh tokens.  Phases: insert every sequence (freshly allocated values),
-match every sequence, lock and unlock every matched node, evict until empty (one call per
-sequence's worth of tokens).  Lock and unlock throughput comes from back-to-back passes, their
-percentiles from a per-call timed one (see ``_lock_phases``); the other phases time each
-call (their calls cost tens of microseconds, the clock reads well under one).
+match every sequence (``match_prefix``; then again without building the indices,
+``match_prefix_without_indices``), lock and unlock every matched node, evict until empty (one
+call per sequence's worth of tokens).  Lock and unlock throughput comes from back-to-back
+passes, their percentiles from a per-call timed one (see ``_lock_phases``); the other phases
+time each call (their calls cost tens of microseconds, the clock reads well under one).
 ``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6 cached tokens, and per-token
 cost of match and insert at 1k- and 128k-token keys (``run_key_scaling``).
 ``--workload long-context`` runs the phases on :func:`generate_long_context` instead.
@@ -217,7 +218,7 @@ def make_config(
 def run_phases(
     components: tuple[ComponentType, ...], page_size: int, seqs: list[list[int]], **config: Any
 ) -> dict[str, Any]:
-    """Run the four phases on a fresh cache (``config``: more ``CacheConfig`` fields);
+    """Run the phases on a fresh cache (``config``: more ``CacheConfig`` fields);
     returns per-phase figures."""
     total = sum(len(s) for s in seqs)
     cache = build_cache(make_config(components, page_size, total + 1024, **config))
@@ -244,8 +245,18 @@ def run_phases(
         m = cache.match_prefix(mp)
         lat.append(clock() - t0)
         nodes.append(m.last_device_node)
-        hit += m.device_indices.shape[0]
+        hit += m.device_prefix_len
     match = _phase(lat, total)
+
+    # The same matches without building the indices (SGLang 0.5.23's match_prefix).
+    _settle()
+    lat = []
+    for seq in seqs:
+        mp = MatchPrefixParams(key=RadixKey(seq), with_indices=False)
+        t0 = clock()
+        cache.match_prefix(mp)
+        lat.append(clock() - t0)
+    match_len = _phase(lat, total)
 
     _settle()
     lock, unlock = _lock_phases(cache, nodes)
@@ -271,6 +282,7 @@ def run_phases(
         "match_hit_tokens": hit,
         "insert": insert.as_dict(),
         "match_prefix": match.as_dict(),
+        "match_prefix_without_indices": match_len.as_dict(),
         "lock": lock.as_dict(),
         "unlock": unlock.as_dict(),
         "evict": evict.as_dict(),

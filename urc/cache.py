@@ -63,6 +63,8 @@ class UnifiedRadixCache:
         self.pools = pools
         self.page_size = config.page_size
         self.device = torch.device(config.device)
+        #: Index tensors live in host memory (numpy views of them are free).
+        self.on_cpu = self.device.type == "cpu"
         self.is_eagle = config.is_eagle
         self.req_to_token_pool = pools.req_to_token_pool
         self.token_to_kv_pool_allocator = pools.token_allocator
@@ -177,6 +179,14 @@ class UnifiedRadixCache:
         :class:`~urc.errors.InvalidInputError` (nothing changed) for invalid params.
         """
         return matching.match_prefix(self, params)
+
+    def path_device_indices(self, node: TreeNode) -> torch.Tensor:
+        """The Full device indices on the path from the root down to ``node`` (SGLang
+        0.5.23): what ``device_indices`` of a match ending at ``node`` holds, as a fresh
+        tensor.  Changes nothing; valid until the next eviction unless the path is locked.
+        Raises :class:`~urc.errors.InvalidInputError` when ``node`` was evicted or part of
+        its path is not on device."""
+        return matching.path_device_indices(self, node)
 
     def match_path(
         self,

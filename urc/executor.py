@@ -133,10 +133,10 @@ class CommandExecutor:
     def _match(self, cmd: Match) -> MatchOutcome:
         res = self.cache.match_prefix(MatchPrefixParams(cmd.key, cmd.cow_mamba, cmd.req))
         node = res.last_device_node
-        n = int(res.device_indices.shape[0])
+        n = int(res.indices.shape[0])
         lease = self._new_lease(node, n) if cmd.lock else None
         return MatchOutcome(
-            res.device_indices,
+            res.indices,
             n,
             res.host_hit_length,
             NodeHandle(node),
@@ -161,7 +161,7 @@ class CommandExecutor:
             return None
         # What the longer hit gained is the host span first (what a concurrent insert added
         # past it counts as device).
-        gained = max(0, int(res.device_indices.shape[0]) - load.prefix_len)
+        gained = max(0, int(res.indices.shape[0]) - load.prefix_len)
         return _req_outcome(res, None, min(gained, load.host_hit_length))
 
     def _alloc_req_row(self, cmd: AllocReqRow) -> int:
@@ -287,9 +287,9 @@ class CommandExecutor:
 def _req_outcome(
     res: MatchResult, load: request_ops.PendingLoad | None, host_loaded: int = 0
 ) -> MatchOutcome:
-    n = int(res.device_indices.shape[0])
+    n = int(res.indices.shape[0])
     return MatchOutcome(
-        res.device_indices, n, res.host_hit_length, NodeHandle(res.last_device_node), None,
+        res.indices, n, res.host_hit_length, NodeHandle(res.last_device_node), None,
         res.mamba_branching_seqlen, host_loaded, load,
     )  # fmt: skip
 

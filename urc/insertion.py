@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from urc import host_transfers
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["insert"]
 
 _FULL = ComponentType.FULL
+_new_object = object.__new__
 
 
 def _add_leaf(
@@ -55,7 +57,10 @@ def _add_leaf(
 
 def _check_value(
     cache: UnifiedRadixCache, n_key: int, value: torch.Tensor | None, owned_from: int = 0
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """``value`` once it is known to be valid, and the allocator's host view of it (``None``
+    when the allocator has no ``check_owned`` or nothing was checked); raises the insert's
+    typed errors."""
     if value is None:
         raise InvalidInputError("insert needs a value tensor of device indices")
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
@@ -67,13 +72,12 @@ def _check_value(
     if n_key > owned_from:
         check_owned = getattr(cache.token_to_kv_pool_allocator, "check_owned", None)
         if check_owned is not None:
-            check_owned(value, owned_from)  # range and allocation, host side
-        else:
-            lo, hi = torch.aminmax(value)
-            size = cache.token_to_kv_pool_allocator.size
-            if int(lo) < 0 or int(hi) >= size:
-                raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
-    return value
+            return value, check_owned(value, owned_from)  # range and allocation, host side
+        lo, hi = torch.aminmax(value)
+        size = cache.token_to_kv_pool_allocator.size
+        if int(lo) < 0 or int(hi) >= size:
+            raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
+    return value, None
 
 
 def insert(
@@ -112,7 +116,7 @@ def insert(
                 f"resume_from node {resume_from.id} must be locked and end at or before "
                 f"prev_prefix_len {prev} (it ends at {start_len})"
             )
-    value = _check_value(cache, n_key, params.value, prev if resumed else 0)
+    value, host = _check_value(cache, n_key, params.value, prev if resumed else 0)
     for c in cache.hooks.validate_insert:
         c.validate_insert(params, n_key)
     tree = cache.tree
@@ -199,22 +203,34 @@ def insert(
         free_span = getattr(alloc, "free_span", None)
         # check_owned validated [owned_from, n), which holds every free range, and no Full
         # slot of the value was freed since: the allocator need not count them again.
-        checked = hasattr(alloc, "check_owned")
+        checked = host is not None
         for a, b in free_ranges:
             if free_span is not None:
-                free_span(value, a, b, checked)  # no tensor slice
+                free_span(value, a, b, checked, host)  # no tensor slice
             else:
                 cache.free_request_kv(value[a:b])
     prefix_len = pos
     if pos < n:
         cache.counters.inserted_tokens += n - pos
-        target = _add_leaf(cache, node, tokens[pos:], value[pos:n].clone(), ns, priority)
+        # The leaf keeps a copy (the caller may reuse its tensor); on CPU through the host
+        # view: one numpy copy costs a third of a torch slice and clone.
+        if host is not None and cache.on_cpu:
+            own = torch.from_numpy(host[pos:n].copy())
+        else:
+            own = value[pos:n].clone()
+        target = _add_leaf(cache, node, tokens[pos:], own, ns, priority)
         path.append(target)
         is_new_leaf = True
     else:
         target = node
         is_new_leaf = False
-    result = InsertResult(prefix_len=prefix_len, total_len=n, last_device_node=target)
+    # InsertResult(prefix_len, n, target) without the dataclass's keyword handling.
+    result = _new_object(InsertResult)
+    result.prefix_len = prefix_len
+    result.total_len = n
+    result.last_device_node = target
+    result.mamba_exist = False
+    result.inserted_host_node = None
     for c in cache.hooks.commit:
         target = c.commit_insert_component_data(target, is_new_leaf, params, result)
     result.last_device_node = target

@@ -15,17 +15,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from urc.components.base import MatchValidator
+from urc.errors import InvalidInputError
 from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams, MatchResult
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
 
-__all__ = ["empty_result", "finish_match", "match_path", "match_prefix"]
+__all__ = ["empty_result", "finish_match", "match_path", "match_prefix", "path_device_indices"]
 
 _new_tuple = tuple.__new__
-# MatchResult's defaulted fields (a match with no host hit), in field order.
-_NO_HOST = tuple(MatchResult._field_defaults[f] for f in MatchResult._fields[4:])
+# MatchResult's defaulted fields (a match with no host hit) up to ``device_len``, in order.
+_NO_HOST = tuple(MatchResult._field_defaults[f] for f in MatchResult._fields[4:-1])
+assert MatchResult._fields[-1] == "device_len", MatchResult._fields
 
 
 def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchResult:
@@ -41,7 +43,7 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     tokens = tree.tokens_of(params.key)
     n = len(tokens)
     if n == 0:
-        return empty_result(cache)
+        return empty_result(cache, params.with_indices)
     ck = tree.root_child_key(tokens, params.key.extra_key)
     # The structural walk first (read-only, urc.fastpath: compiled when built), then the
     # per-node steps; the node where the match ends inside its edge is split when the steps
@@ -117,10 +119,12 @@ def _match_device_only(
         pos = 0
         for child in walked:
             pos += child.key_len
+    hit = pos
     if k and cache.hooks.validating:
         k = _deepest_boundary(cache, walked, True)
         if k < len(walked):
             del values[k:]
+            hit = sum([child.key_len for child in walked[:k]])
     # finish_match(cache, params, walked, k, k, pos, n), inline up to its end.
     clock = tree.clock
     for child in walked if k == len(walked) else walked[:k]:  # root first: parent < child
@@ -129,10 +133,10 @@ def _match_device_only(
     tree.clock = clock
     if k:
         last = walked[k - 1]
-        indices = torch.cat(values)
-        result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST))
+        indices = torch.cat(values) if params.with_indices else None
+        result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST, hit))
     else:
-        result = empty_result(cache)
+        result = empty_result(cache, params.with_indices)
     return _end_match(cache, params, walked, k, k, pos, n, result)
 
 
@@ -152,7 +156,7 @@ def match_path(
     for check in cache.hooks.match_checks:
         check.validate_match(params)
     if not path:
-        return empty_result(cache)
+        return empty_result(cache, params.with_indices)
     pos = sum([node.key_len for node in path])
     best = _deepest_boundary(cache, path, True)
     matched = best if cache.host_tier is None else _deepest_boundary(cache, path, False)
@@ -213,12 +217,13 @@ def finish_match(
     # (SGLang's order); nodes walked past the best keep their age.
     cache.tree.stamp_path(path[:matched] if matched < len(path) else path)
     if best == 0:
-        result = empty_result(cache)
+        result = empty_result(cache, params.with_indices)
     else:
         last = path[best - 1]
-        indices = _device_indices(path, best, known)
-        # MatchResult(indices, last, last, last) without the keyword-default handling.
-        result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST))
+        hit = sum([p.key_len for p in path[:best]])
+        indices = _device_indices(path, best, known, hit) if params.with_indices else None
+        # MatchResult(indices, last, last, last, device_len=hit) without keyword handling.
+        result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST, hit))
     if matched > best:
         host_node = path[matched - 1]
         host_len = 0
@@ -250,31 +255,51 @@ def _end_match(
     for c in cache.hooks.finalize:
         result = c.finalize_match_result(result, params, path, best, pos)
     hits = counters.hit_tokens
-    hits[Tier.DEVICE] += result.device_indices.shape[0]
+    hits[Tier.DEVICE] += result.device_prefix_len
     hits[Tier.HOST] += result.host_hit_length
     return result
 
 
 def _device_indices(
-    path: list[TreeNode], best: int, known: tuple[int, torch.Tensor] | None
+    path: list[TreeNode], best: int, known: tuple[int, torch.Tensor] | None, hit: int
 ) -> torch.Tensor:
-    """The Full device indices of ``path[:best]``: a fresh tensor, or (``known`` covers
-    ``path[:k]`` with ``k >= best``) a view of the caller's ``known`` tensor."""
+    """The Full device indices of ``path[:best]`` (``hit`` tokens): a fresh tensor, or
+    (``known`` covers ``path[:k]`` with ``k >= best``) a view of the caller's ``known``
+    tensor."""
     if known is None:
         k, values = 0, []
     else:
         k, held = known
         if k >= best:
-            if k == best:
-                return held
-            return held[: sum([p.key_len for p in path[:best]])]
+            return held if k == best else held[:hit]
         values = [held]
     values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
     return torch.cat(values)
 
 
-def empty_result(cache: UnifiedRadixCache) -> MatchResult:
-    """A miss: no device indices, every node the root."""
-    empty = torch.empty(0, dtype=torch.int64, device=cache.device)
+def empty_result(cache: UnifiedRadixCache, with_indices: bool = True) -> MatchResult:
+    """A miss: no device indices (an empty tensor, or ``None`` without indices), every node
+    the root."""
+    empty = torch.empty(0, dtype=torch.int64, device=cache.device) if with_indices else None
     root = cache.tree.root
-    return MatchResult(empty, root, root, root)
+    return MatchResult(empty, root, root, root, device_len=0)
+
+
+def path_device_indices(cache: UnifiedRadixCache, node: TreeNode) -> torch.Tensor:
+    """The Full device indices on the path from the root down to ``node`` (a fresh tensor;
+    empty for the root).  Changes nothing.  Raises
+    :class:`~urc.errors.InvalidInputError` when ``node`` was evicted or a node of its path
+    is not on device."""
+    if node.deleted:
+        raise InvalidInputError(f"path_device_indices of node {node.id}, which was evicted")
+    values: list[torch.Tensor] = []
+    while node.parent is not None:
+        v = node.full.value  # type: ignore[union-attr]
+        if v is None:
+            raise InvalidInputError(f"node {node.id} on the path is not on device")
+        values.append(v)
+        node = node.parent
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=cache.device)
+    values.reverse()
+    return torch.cat(values)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from urc.errors import InvalidInputError
 from urc.key import RadixKey
 from urc.tree import ComponentType, TreeNode
 
@@ -29,24 +30,35 @@ __all__ = [
 @dataclass(slots=True)
 class MatchPrefixParams:
     """What to match.  ``cow_mamba`` with a ``req`` copies the matched Mamba state into the
-    request's own slot (copy-on-write)."""
+    request's own slot (copy-on-write).
+
+    ``with_indices=False`` skips concatenating the hit's device indices (SGLang 0.5.23's
+    match): the result's ``device_indices`` is ``None`` and ``device_prefix_len`` tells the
+    hit's length; :meth:`~urc.cache.UnifiedRadixCache.path_device_indices` of its
+    ``last_device_node`` gives the indices when they are needed.  Everything else (splits,
+    stamps, LRUs, copy-on-write, counters) is the same.  For callers that only want the
+    length (a scheduler ranking its queue by cached prefix) or that fetch indices later.
+    """
 
     key: RadixKey
     cow_mamba: bool = False
     req: Req | None = None
+    with_indices: bool = True
 
 
 class MatchResult(NamedTuple):
     """Outcome of ``match_prefix``.
 
     ``device_indices`` concatenates the Full device indices of the matched prefix (length ==
-    device hit).  ``last_device_node`` ends the device hit; ``best_match_node`` is the deepest
-    node every validator accepts, on device or host (the load-back anchor); without HiCache
-    ``last_host_node`` equals ``last_device_node``.  ``host_hit_length`` counts the tokens past
-    the device hit that are on host.
+    device hit; ``None`` for a match with ``with_indices=False``).  ``last_device_node`` ends
+    the device hit; ``best_match_node`` is the deepest node every validator accepts, on device
+    or host (the load-back anchor); without HiCache ``last_host_node`` equals
+    ``last_device_node``.  ``host_hit_length`` counts the tokens past the device hit that are
+    on host.  ``device_len`` is the device hit's length as ``match_prefix`` stored it (``None``
+    in a result built by hand); read it as ``device_prefix_len``, which works for both.
     """
 
-    device_indices: torch.Tensor
+    device_indices: torch.Tensor | None
     last_device_node: TreeNode
     last_host_node: TreeNode
     best_match_node: TreeNode
@@ -55,11 +67,26 @@ class MatchResult(NamedTuple):
     mamba_host_hit_length: int = 0
     mamba_branching_seqlen: int | None = None
     cache_protected_len: int | None = None
+    device_len: int | None = None
 
     @property
     def device_prefix_len(self) -> int:
         """Tokens of the device hit (SGLang 0.5.23's name for ``len(device_indices)``)."""
+        if self.device_len is not None:
+            return self.device_len
+        assert self.device_indices is not None, "a result without indices stores device_len"
         return int(self.device_indices.shape[0])
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """``device_indices``, which must have been built (``with_indices=True``, the
+        default); :class:`~urc.errors.InvalidInputError` otherwise."""
+        v = self.device_indices
+        if v is None:
+            raise InvalidInputError(
+                "this match ran with_indices=False: use path_device_indices(last_device_node)"
+            )
+        return v
 
 
 @dataclass(slots=True)

@@ -172,11 +172,11 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
             held = None
             hit = cache.match_path(MatchPrefixParams(key=key), path)
         last: TreeNode | None = hit.last_device_node
-        indices = hit.device_indices
+        indices = hit.indices
         if indices.shape[0] != aligned:
             last = result.last_device_node  # see the docstring
             assert last is not None
-            indices = _path_indices(cache, last) if held is None else held
+            indices = cache.path_device_indices(last) if held is None else held
         assert last is not None
         assert indices.shape[0] == aligned, f"path holds {indices.shape[0]} != {aligned}"
         if k is None and aligned > protected:
@@ -204,20 +204,6 @@ def _nodes_below(path: list[TreeNode], resume: TreeNode | None) -> int | None:
     while k and path[k - 1] is not resume:
         k -= 1
     return k or None
-
-
-def _path_indices(cache: UnifiedRadixCache, node: TreeNode) -> torch.Tensor:
-    """Full device indices from the root down to ``node`` (all must be on device)."""
-    values = []
-    while node.parent is not None:
-        v = node.full.value  # type: ignore[union-attr]
-        assert v is not None, f"node {node.id} on the path has no device value"
-        values.append(v)
-        node = node.parent
-    if not values:
-        return torch.empty(0, dtype=torch.int64, device=cache.device)
-    values.reverse()
-    return torch.cat(values)
 
 
 def release_req_lock(cache: UnifiedRadixCache, req: Req) -> None:

@@ -96,8 +96,8 @@ def _lock(cache: UnifiedRadixCache, req: Req, res: MatchResult) -> int:
         cache.dec_lock_ref(old, old_receipt.to_dec_params())
     req.last_node = node
     req.lock_receipt = receipt
-    req.prefix_indices = res.device_indices
-    n = int(res.device_indices.shape[0])
+    req.prefix_indices = res.indices
+    n = int(res.indices.shape[0])
     req.cache_protected_len = n
     req.mamba_branching_seqlen = res.mamba_branching_seqlen
     return n
@@ -110,7 +110,7 @@ def _start(cache: UnifiedRadixCache, res: MatchResult, threshold: int | None) ->
     ticket = host_transfers.start_load_back(cache, res.best_match_node, threshold)
     if ticket is None:
         return None
-    n = int(res.device_indices.shape[0])
+    n = int(res.indices.shape[0])
     kv = cache.pools.kv_pool
     nbytes = ticket.tokens * kv.shape.bytes_per_token if kv is not None else 0
     return PendingLoad(ticket, tier, n, res.host_hit_length, nbytes)

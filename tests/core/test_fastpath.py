@@ -12,29 +12,22 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from cache_harness import start_request
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from lockstep_harness import LOCKSTEP_SETTINGS, SETS, Lockstep, Side
 from test_cache_properties import ops
 
 from urc import (
     CacheConfig,
     ComponentType,
-    EvictParams,
-    IncLockRefResult,
     InsertParams,
-    MatchPrefixParams,
     RadixKey,
     TreeNode,
-    UnifiedRadixCache,
     build_cache,
 )
 from urc.errors import ConfigError
 from urc.fastpath import WalkImpl, native_available, py_walk, select_walk
 
-FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
-SETS = [(FULL,), (FULL, SWA), (FULL, MAMBA), (FULL, SWA, MAMBA)]
 needs_native = pytest.mark.skipif(not native_available(), reason="urc._native._walk not built")
 
 
@@ -197,175 +190,19 @@ def test_native_walk_reads_other_node_types_through_their_attributes() -> None:
 
 
 # ---------------------------------------------------------------- whole caches in lockstep
-def _build(components: tuple[ComponentType, ...], ps: int, impl: WalkImpl) -> UnifiedRadixCache:
-    return build_cache(
-        CacheConfig(
-            components=components,
-            page_size=ps,
-            kv_size=48 * ps,
-            sliding_window_size=3 * ps if SWA in components else None,
-            mamba_size=12 if MAMBA in components else 0,
-            mamba_chunk_size=2 * ps,
-            max_num_reqs=4,
-            max_context_len=32 * ps,
-            walk_impl=impl,
-        )
-    )
-
-
-def _tree(cache: UnifiedRadixCache) -> list[tuple[Any, ...]]:
-    """Everything the walk could influence, with node ids replaced by creation rank."""
-    nodes = sorted(cache.iter_nodes(), key=lambda n: n.id)
-    rank = {n.id: i for i, n in enumerate(nodes)}
-    rank[cache.root.id] = -1
-    out = []
-    for n in nodes:
-        assert n.parent is not None
-        data = []
-        for cd in n.data:
-            if cd is None:
-                data.append(None)
-                continue
-            v = None if cd.value is None else cd.value.tolist()
-            data.append((v, cd.lock_ref))
-        out.append(
-            (rank[n.id], rank[n.parent.id], list(n.key), data, n.last_access_time, n.hit_count)
-        )
-    return out
-
-
-def _sizes(cache: UnifiedRadixCache) -> tuple[int, ...]:
-    sizes = [
-        f(ct)
-        for ct in ComponentType
-        for f in (cache.component_evictable_size, cache.component_protected_size)
-    ]
-    return (*sizes, cache.num_nodes, cache.token_to_kv_pool_allocator.available_size())
-
-
-class Lockstep:
-    """One cache per walk implementation, driven identically and compared after each step."""
-
-    def __init__(self, components: tuple[ComponentType, ...], ps: int) -> None:
-        self.ps = ps
-        self.mamba = MAMBA in components
-        self.caches = [_build(components, ps, WalkImpl.PYTHON), _build(components, ps, impl)]
-        self.locks: list[list[tuple[TreeNode, IncLockRefResult]]] = [[], []]
-
-    def key(self, blocks: list[int], tail: int) -> list[int]:
-        return [b * 1000 + i for b in blocks for i in range(self.ps)] + [7] * tail
-
-    def each(self, op: Any) -> list[Any]:
-        out = [op(i, c) for i, c in enumerate(self.caches)]
-        a, b = self.caches
-        assert _sizes(a) == _sizes(b)
-        assert _tree(a) == _tree(b)
-        return out
-
-    def match(self, tokens: list[int]) -> None:
-        def run(i: int, c: UnifiedRadixCache) -> tuple[Any, ...]:
-            m = c.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
-            return (m.device_indices.tolist(), c.path_to(m.last_device_node).__len__())
-
-        a, b = self.each(run)
-        assert a == b
-
-    def insert(self, tokens: list[int], with_prefix: bool) -> None:
-        if self.mamba:  # a Mamba state sits on a page-aligned key
-            tokens = tokens[: len(tokens) // self.ps * self.ps]
-
-        def run(i: int, c: UnifiedRadixCache) -> tuple[Any, ...]:
-            m = c.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
-            prefix = m.device_indices if with_prefix else m.device_indices[:0]
-            own = c.token_to_kv_pool_allocator.alloc(len(tokens) - prefix.shape[0])
-            if own is None:
-                return (None,)
-            p = InsertParams(
-                key=RadixKey(list(tokens)),
-                value=torch.cat([prefix, own]),
-                prev_prefix_len=prefix.shape[0],
-            )
-            slot = None
-            if self.mamba:
-                slot = c.pools.mamba.alloc(1)
-                p.mamba_value = slot
-            r = c.insert(p)
-            if slot is not None and r.mamba_exist:
-                c.pools.mamba.free(slot)
-            node = r.last_device_node
-            return (r.prefix_len, r.mamba_exist, None if node is None else len(c.path_to(node)))
-
-        a, b = self.each(run)
-        assert a == b
-
-    def lock(self, tokens: list[int]) -> None:
-        def run(i: int, c: UnifiedRadixCache) -> int:
-            m = c.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
-            r = c.inc_lock_ref(m.last_device_node)
-            self.locks[i].append((m.last_device_node, r))
-            return r.delta
-
-        a, b = self.each(run)
-        assert a == b
-
-    def unlock(self, k: int) -> None:
-        if not self.locks[0]:
-            return
-
-        def run(i: int, c: UnifiedRadixCache) -> int:
-            node, r = self.locks[i].pop(k % len(self.locks[i]))
-            return c.dec_lock_ref(node, r.to_dec_params()).delta
-
-        a, b = self.each(run)
-        assert a == b
-
-    def evict(self, n: int) -> None:
-        ps = self.ps
-        a, b = self.each(
-            lambda i, c: tuple(
-                c.evict(EvictParams(num_tokens=n * ps, swa_num_tokens=n * ps, mamba_num=n % 3))
-            )
-        )
-        assert a == b
-
-    def request(self, tokens: list[int], out_len: int, unfinished_first: bool) -> None:
-        def run(i: int, c: UnifiedRadixCache) -> bool:
-            req = start_request(c, list(tokens), out_len)
-            if req is None:
-                return False
-            if unfinished_first:
-                req.kv_committed_len = req.kv_allocated_len = len(tokens)
-                c.cache_unfinished_req(req)
-            req.kv_committed_len = req.kv_allocated_len = len(tokens) + out_len
-            c.cache_finished_req(req)
-            return True
-
-        a, b = self.each(run)
-        assert a == b
-
-
 impl = WalkImpl.NATIVE if native_available() else WalkImpl.PYTHON
 
 
 @needs_native
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("components", SETS, ids=lambda s: "+".join(c.name for c in s))
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@LOCKSTEP_SETTINGS
 @given(ops=ops)  # the FULL property test's programs, on every component set
 def test_python_and_native_caches_agree_after_every_step(
     ps: int, components: tuple[ComponentType, ...], ops: list[tuple[Any, ...]]
 ) -> None:
-    m = Lockstep(components, ps)
+    m = Lockstep(components, ps, (Side(WalkImpl.PYTHON), Side(impl)))
     for op in ops:
-        name = op[0]
-        if name in ("insert", "match", "lock", "request"):
-            tokens = m.key(*op[1])
-            getattr(m, name)(tokens, *op[2:])
-        else:
-            getattr(m, name)(op[1])
+        m.run(op)
     for c in m.caches:
         c.sanity_check()

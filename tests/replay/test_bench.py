@@ -23,7 +23,14 @@ def test_bench_prints_json_for_every_phase(capsys: pytest.CaptureFixture[str]) -
     report = json.loads(out[out.index("{\n") :])
     for name in ("full/page1", "full/page4"):
         entry = report["results"][name]
-        for phase in ("insert", "match_prefix", "lock", "unlock", "evict"):
+        for phase in (
+            "insert",
+            "match_prefix",
+            "match_prefix_without_indices",
+            "lock",
+            "unlock",
+            "evict",
+        ):
             assert entry[phase]["ops"] > 0 and entry[phase]["p99_us"] >= entry[phase]["p50_us"]
         assert entry["evict"]["tokens_per_s"] > 0
 

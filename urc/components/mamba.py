@@ -106,11 +106,11 @@ class MambaComponent(TreeComponent):
         self.lru = LRUList()
         # node id -> slot of its state (saves a tensor read on every evict and copy).
         self._slot_of: dict[int, int] = {}
-        # One 1-element index tensor per slot, stored as node values: a view of ``_ids``
-        # made on first use (a slice costs half a ``torch.tensor`` call).  Never handed to
-        # callers, who might modify them in place.
-        self._ids = torch.arange(pool.size, dtype=torch.int64, device=self.device)
-        self._values: list[torch.Tensor | None] = [None] * pool.size
+        # One 1-element index tensor per slot, stored as node values: views of one arange,
+        # made in one ``unbind`` (a slice per insert would cost a torch call each).  Never
+        # handed to callers, who might modify them in place.
+        ids = torch.arange(pool.size, dtype=torch.int64, device=self.device)
+        self._values: tuple[torch.Tensor, ...] = ids.view(-1, 1).unbind(0)
         # Auxiliary components above Mamba in the lock order (SWA); see _may_lock.
         self._above = tuple(
             ct for ct in config.components if ComponentType.FULL < ct < ComponentType.MAMBA
@@ -130,13 +130,6 @@ class MambaComponent(TreeComponent):
     def state_slot(self, node: TreeNode) -> int | None:
         """The pool slot of ``node``'s state, or ``None`` (no state on device)."""
         return self._slot_of.get(node.id)
-
-    def _slot_value(self, slot: int) -> torch.Tensor:
-        v = self._values[slot]
-        if v is None:
-            v = self._ids[slot : slot + 1]
-            self._values[slot] = v
-        return v
 
     # ------------------------------------------------------------------ match
     def validate_match(self, params: MatchPrefixParams) -> None:
@@ -218,9 +211,18 @@ class MambaComponent(TreeComponent):
                     dst = self._alloc_slot(node)
                     if dst is None:
                         root = self.tree.root
-                        empty = torch.empty(0, dtype=torch.int64, device=self.tree.device)
+                        empty = (
+                            torch.empty(0, dtype=torch.int64, device=self.tree.device)
+                            if params.with_indices
+                            else None
+                        )
                         return MatchResult(
-                            empty, root, root, root, mamba_branching_seqlen=branching
+                            empty,
+                            root,
+                            root,
+                            root,
+                            mamba_branching_seqlen=branching,
+                            device_len=0,
                         )
                     req.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
                 else:
@@ -275,7 +277,7 @@ class MambaComponent(TreeComponent):
             slot = int(mv.item())
         self._pending = (None, -1)
         assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
-        cd.value = self._slot_value(slot)
+        cd.value = self._values[slot]
         self._slot_of[node.id] = slot
         self.pool.adopt(slot)
         self.lru.insert_mru(node)
@@ -376,7 +378,7 @@ class MambaComponent(TreeComponent):
         slot = self._alloc_slot(None)
         if slot is None:
             return None
-        return TransferItem(ComponentType.MAMBA, self._slot_value(slot), cd.host_value)
+        return TransferItem(ComponentType.MAMBA, self._values[slot], cd.host_value)
 
     def commit_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
         """The loaded slot becomes the tree's, on the bottom piece; if that piece got a
@@ -390,7 +392,7 @@ class MambaComponent(TreeComponent):
             return
         assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
         self.pool.adopt(slot)
-        cd.value = self._slot_value(slot)
+        cd.value = self._values[slot]
         self._slot_of[node.id] = slot
         self.lru.insert_mru(node)
         self.evictable_size += 1

@@ -151,17 +151,27 @@ class TokenSlotAllocator:
         self.flush()  # a page still queued must count as free to catch a double free
         self._free_span(_host(indices), 0, k)
 
-    def free_span(self, indices: torch.Tensor, start: int, end: int, checked: bool = False) -> None:
+    def free_span(
+        self,
+        indices: torch.Tensor,
+        start: int,
+        end: int,
+        checked: bool = False,
+        host: np.ndarray | None = None,
+    ) -> None:
         """``free(indices[start:end])`` without slicing the tensor (``0 <= start <= end <=
         len(indices)``); raises and frees like :meth:`free`.  ``checked``: the caller ran
         :meth:`check_owned` on a span of ``indices`` that holds this one and freed nothing
         since, so every page is known to be allocated and in range (the allocation count is
-        skipped: what a free costs is then the release alone)."""
+        skipped: what a free costs is then the release alone).  ``host``: the view that
+        :meth:`check_owned` returned for ``indices`` (the tensor is not checked again)."""
         if start >= end:
             return
-        self._check_tensor(indices)
+        if host is None:
+            self._check_tensor(indices)
+            host = _host(indices)
         self.flush()
-        self._free_span(_host(indices), start, end, checked)
+        self._free_span(host, start, end, checked)
 
     def _check_tensor(self, indices: torch.Tensor, what: str = "indices") -> None:
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
@@ -236,26 +246,29 @@ class TokenSlotAllocator:
         pages = self._pages_of(indices)
         return bool(int(np.count_nonzero(self._state[pages])) == pages.shape[0])
 
-    def check_owned(self, indices: torch.Tensor, start: int = 0) -> None:
+    def check_owned(self, indices: torch.Tensor, start: int = 0) -> np.ndarray:
         """Raise :class:`InvalidIndicesError` unless ``indices[start:]`` is a valid allocated
-        span.
+        span; returns the host (numpy) view of ``indices`` it checked, for
+        :meth:`free_span`'s ``host``.
 
         Checks dtype, device, range and allocation state without changing anything (host
         side: one pass over the indices, what ``insert`` pays to validate a value).
         """
         self._check_tensor(indices, "value")
-        k = indices.shape[0]
+        host = _host(indices)
+        k = host.shape[0]
         if k <= start:
-            return
+            return host
         self.flush()
         ps = self.page_size
         # Page 1: the page lookup is the range check; larger pages check every entry too.
         bound = self.size if ps > 1 else -1
-        held = self._ops.count_held(self._state, _host(indices), start, k, ps, self._shift, bound)
+        held = self._ops.count_held(self._state, host, start, k, ps, self._shift, bound)
         if held < 0:
             raise InvalidIndicesError(f"indices outside [0, {self.size})")
         if held != (k - start + ps - 1) >> self._shift:
             raise InvalidIndicesError("value holds slots that are not allocated")
+        return host
 
     def check_consistency(self) -> None:
         """Assert that the free stack and the page states agree (O(size); for sanity checks).

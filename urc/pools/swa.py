@@ -207,7 +207,14 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         super().free(indices)
         self._release_swa(self._pages(indices))
 
-    def free_span(self, indices: torch.Tensor, start: int, end: int, checked: bool = False) -> None:
+    def free_span(
+        self,
+        indices: torch.Tensor,
+        start: int,
+        end: int,
+        checked: bool = False,
+        host: np.ndarray | None = None,
+    ) -> None:
         """``free(indices[start:end])``: the SWA pages go with the Full slots."""
         self.free(indices[start:end])
 
