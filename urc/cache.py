@@ -175,7 +175,8 @@ class UnifiedRadixCache:
 
         Mutates: may split the node where the match ends; refreshes access times (parent <
         child along the path) and component LRUs; Mamba may copy state into ``params.req``.
-        Returns the device hit (concatenated indices) and the nodes that end it.  Raises
+        Returns the device hit (concatenated indices; only its length with
+        ``params.with_indices=False``) and the nodes that end it.  Raises
         :class:`~urc.errors.InvalidInputError` (nothing changed) for invalid params.
         """
         return matching.match_prefix(self, params)

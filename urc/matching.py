@@ -4,8 +4,9 @@ re-match of a path the caller knows (``match_path``).
 A walk descends the tree page by page (splitting the node where a match ends inside it),
 asks each validating component whether a node may end the match (SWA: a whole window of KV
 above it; Mamba: a state on it), then stamps the best match and its ancestors, counts, and
-lets components refresh their LRUs and finish the result.  See the cache's docstring for
-costs.
+lets components refresh their LRUs and finish the result.  The result's device indices are
+one ``torch.cat`` of the hit's node values, skipped for ``MatchPrefixParams.with_indices=False``
+(then :func:`path_device_indices` gives them).  See the cache's docstring for costs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
 
     Mutates: may split the node where the match ends; refreshes access times (parent <
     child along the path) and component LRUs; Mamba may copy state into ``params.req``.
-    Returns the device hit (concatenated indices) and the nodes that end it.
+    Returns the device hit (concatenated indices, or ``None`` and its length with
+    ``params.with_indices=False``) and the nodes that end it.
     """
     for check in cache.hooks.match_checks:
         check.validate_match(params)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mamba_harness as mamba
 import pytest
 import torch
 from cache_harness import Harness, seq
@@ -20,7 +21,7 @@ from hypothesis import given
 from lockstep_harness import LOCKSTEP_SETTINGS, SETS, Lockstep, Side
 from test_cache_properties import ops
 
-from urc import ComponentType, EvictParams, MatchPrefixParams, RadixKey
+from urc import ComponentType, EvictParams, MatchPrefixParams, RadixKey, Req
 from urc.errors import InvalidInputError
 from urc.fastpath import WalkImpl
 
@@ -108,3 +109,24 @@ def test_a_match_without_indices_reports_a_host_hit_as_one_with_them(
     assert lazy.host_hit_length == len(tokens)
     with pytest.raises(InvalidInputError, match="not on device"):
         cache.path_device_indices(lazy.best_match_node)
+
+
+def test_copy_on_write_without_indices_copies_the_state_and_degrades_the_same() -> None:
+    cache = mamba.make(1, mamba_size=2)
+    seq = [1, 2, 3]
+    mamba.insert_state(cache, seq)
+    req = Req("a", seq)
+    r = cache.match_prefix(
+        MatchPrefixParams(RadixKey(seq), cow_mamba=True, req=req, with_indices=False)
+    )
+    assert r.device_indices is None and r.device_prefix_len == 3
+    assert req.mamba_pool_idx is not None and mamba.state_is(cache, req.mamba_pool_idx, seq)
+    mamba.check(cache, (req,))
+    # No slot left for a second request: the match degrades to a miss, still without a tensor.
+    other = Req("b", seq)
+    r = cache.match_prefix(
+        MatchPrefixParams(RadixKey(seq), cow_mamba=True, req=other, with_indices=False)
+    )
+    assert r.device_indices is None and r.device_prefix_len == 0
+    assert r.last_device_node is cache.root and other.mamba_pool_idx is None
+    mamba.check(cache, (req,))
