@@ -52,8 +52,9 @@ class WalkImpl(Enum):
 def py_walk(node: TreeNode, ck: Any, tokens: list[Any], pos: int, page_size: int) -> WalkResult:
     """Follow ``tokens[pos:]`` down from ``node``; changes nothing.
 
-    The first child is looked up under ``ck`` (the caller knows the root's namespaced key),
-    each later one under ``tokens[pos]`` (page 1) or the tuple of the next page.  Returns
+    The first child is looked up under ``ck`` (the caller knows the root's namespaced key;
+    ``None``: the page key at ``pos``, as for every later one), each later one under
+    ``tokens[pos]`` (page 1) or the tuple of the next page.  Returns
     ``(nodes, pos, partial, m)``: the children whose whole edge matched, in order; the
     position after them; the child where the match ends inside its edge (``None`` when the
     walk ended at a node boundary, at a missing child or at a mismatch in the edge's first
@@ -62,6 +63,8 @@ def py_walk(node: TreeNode, ck: Any, tokens: list[Any], pos: int, page_size: int
     """
     nodes: list[TreeNode] = []
     n = len(tokens)
+    if ck is None and pos < n:
+        ck = tokens[pos] if page_size == 1 else tuple(tokens[pos : pos + page_size])
     while pos < n:
         child = node.children.get(ck)
         if child is None:

@@ -134,7 +134,8 @@ def insert(
     node = tree.root
     pos = 0
     ns = key.extra_key
-    ck = tree.root_child_key(tokens, ns) if not resumed else None
+    # None: the walk looks the first child up under the page key where it starts.
+    ck = tree.root_child_key(tokens, ns) if not resumed and ns is not None else None
     for below in resumed:
         # What the walk below does to a locked node wholly below ``prev``: stamp, raise
         # the priority, count the hit (the overlap hooks and frees have nothing to do).
@@ -148,8 +149,6 @@ def insert(
         path.append(below)
         pos += below.key_len
         node = below
-    if resumed and pos < n:
-        ck = tree.page_key(tokens, pos)
     # The structural walk first (read-only, urc.fastpath: compiled when built), then the
     # per-node steps; hooks that split a node keep it as the lower piece, so the walked path
     # stays valid.

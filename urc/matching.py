@@ -46,7 +46,8 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     n = len(tokens)
     if n == 0:
         return empty_result(cache, params.with_indices)
-    ck = tree.root_child_key(tokens, params.key.extra_key)
+    ns = params.key.extra_key
+    ck = None if ns is None else tree.root_child_key(tokens, ns)  # None: the walk's page key
     # The structural walk first (read-only, urc.fastpath: compiled when built), then the
     # per-node steps; the node where the match ends inside its edge is split when the steps
     # reach it, so stamps and splits happen in the order of a node-by-node walk.

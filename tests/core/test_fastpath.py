@@ -121,20 +121,29 @@ def test_native_walk_returns_what_the_python_walk_returns(
             toks[-1 - (cut - 1) % ps] = _token(kind, 999)
         return toks
 
-    for blocks in stored:
+    for i, blocks in enumerate(stored):
         toks = key(blocks)
         value = cache.token_to_kv_pool_allocator.alloc(len(toks))
         if value is None:
             break
-        cache.insert(InsertParams(key=RadixKey(toks), value=value))
+        # Every other key also in a namespace: the root then holds children whose first page
+        # is not their child key.
+        extra = ("tenant", 1) if i % 2 else None
+        cache.insert(InsertParams(key=RadixKey(toks, extra), value=value))
     for blocks, cut in queries:
         toks = _fresh(key(blocks, cut))
         ck = cache.tree.root_child_key(toks, None)
         for pos in range(0, len(toks), ps):
-            a = py_walk(cache.root, ck, toks, pos, ps)
-            b = native(cache.root, ck, toks, pos, ps)
-            assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+            # ``None``: the walk takes the page key at ``pos`` itself.
+            for first in (ck, None):
+                a = py_walk(cache.root, first, toks, pos, ps)
+                b = native(cache.root, first, toks, pos, ps)
+                assert a[0] == b[0] and a[1:] == b[1:], (a, b)
             ck = toks[pos] if ps == 1 else tuple(toks[pos : pos + ps])
+        for node in cache.iter_nodes():  # from below the root: later lookups may scan
+            a = py_walk(node, None, toks, 0, ps)
+            b = native(node, None, toks, 0, ps)
+            assert a[0] == b[0] and a[1:] == b[1:], (a, b)
 
 
 @needs_native

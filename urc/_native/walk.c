@@ -2,6 +2,9 @@
  *
  * walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)
  *
+ * ``ck`` None: the first child is looked up under the page key at ``pos``, like every later
+ * one.
+ *
  * Read-only: it follows ``tokens[pos:]`` down the radix tree from ``node`` (first child key
  * ``ck``, then ``tokens[pos]`` or the tuple of the next page) and changes nothing.  Tokens are
  * compared with Python ``==`` semantics: identity first, exact ints by value, anything else
@@ -182,6 +185,52 @@ child_key(PyObject *tokens, Py_ssize_t pos, Py_ssize_t page_size)
     return t;
 }
 
+/* Up to this many children, a page-keyed lookup compares each child's first page instead of
+ * building and hashing the tuple of the page: most first pages differ at their first token,
+ * so a scan of a few children costs less than the tuple. */
+enum { SCAN_CHILDREN = 16 };
+
+/* The child of ``children`` whose key starts with the page ``tokens[pos:pos + ps]`` (ps > 1),
+ * found without building the page's tuple: every child is held under the tuple of its key's
+ * first page (``Tree.child_key_of``, checked by ``sanity_check``), so the child whose first
+ * page equals the page is the one ``children[tuple(page)]`` gives.  1: decided (``*out`` the
+ * child, borrowed, or NULL for none); 0: not decidable here (too many children, a short edge
+ * or tokens that are neither identical objects nor small exact ints): build the tuple.  Runs
+ * no Python code, so the dict cannot change under the iteration. */
+static int
+scan_children(PyObject *children, PyObject *tokens, Py_ssize_t pos, Py_ssize_t ps, PyObject **out)
+{
+    *out = NULL;
+    if (PyDict_GET_SIZE(children) > SCAN_CHILDREN || PyList_GET_SIZE(tokens) - pos < ps)
+        return 0;
+    PyObject *const *t = ((PyListObject *)tokens)->ob_item + pos;
+    Py_ssize_t it = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(children, &it, &k, &v)) {
+        if (Py_TYPE(v) != slot_type)
+            return 0;
+        PyObject *edge = *(PyObject **)((char *)v + off_key);
+        if (edge == NULL || !PyList_CheckExact(edge) || PyList_GET_SIZE(edge) < ps)
+            return 0;
+        PyObject *const *e = ((PyListObject *)edge)->ob_item;
+        Py_ssize_t j = 0;
+        for (; j < ps; j++) {
+            if (e[j] == t[j])
+                continue;
+            int r = small_int_eq(e[j], t[j]);
+            if (r < 0)
+                return 0;
+            if (!r)
+                break;
+        }
+        if (j == ps) {
+            *out = v;
+            return 1;
+        }
+    }
+    return 1;
+}
+
 static PyObject *
 walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -206,8 +255,8 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *nodes = PyList_New(0);
     if (nodes == NULL)
         return NULL;
-    PyObject *ck = args[1];
-    Py_INCREF(ck);
+    PyObject *ck = args[1] == Py_None ? NULL : args[1]; /* NULL: the page key at pos */
+    Py_XINCREF(ck);
     Py_INCREF(node);
     PyObject *partial = Py_None;
     Py_ssize_t pm = 0;
@@ -223,7 +272,19 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "walk: node.children must be a dict");
             goto fail;
         }
-        PyObject *child = PyDict_GetItemWithError(children, ck); /* borrowed */
+        PyObject *child; /* borrowed */
+        /* The first lookup never scans: the root also holds namespaced children, whose
+         * first page is not their key. */
+        if (ck == NULL &&
+            (ps == 1 || node == args[0] || scan_children(children, tokens, pos, ps, &child) == 0)) {
+            ck = child_key(tokens, pos, ps);
+            if (ck == NULL) {
+                Py_DECREF(children);
+                goto fail;
+            }
+        }
+        if (ck != NULL)
+            child = PyDict_GetItemWithError(children, ck);
         Py_XINCREF(child);
         Py_DECREF(children);
         if (child == NULL) {
@@ -261,12 +322,13 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             pos += klen;
             if (pos >= PyList_GET_SIZE(tokens))
                 break;
-            Py_DECREF(ck);
-            ck = child_key(tokens, pos, ps);
-            if (ck == NULL) {
-                Py_INCREF(Py_None);
-                ck = Py_None;
-                goto fail;
+            Py_CLEAR(ck);
+            /* Page 1: the token is the key.  Larger pages: the next lookup scans the
+             * children first (ck NULL), building the page's tuple only if it must. */
+            if (ps == 1) {
+                ck = child_key(tokens, pos, ps);
+                if (ck == NULL)
+                    goto fail;
             }
             continue;
         }
@@ -280,14 +342,14 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         break;
     }
-    Py_DECREF(ck);
+    Py_XDECREF(ck);
     Py_DECREF(node);
     if (partial == Py_None)
         Py_INCREF(Py_None);
     PyObject *res = Py_BuildValue("(NnNn)", nodes, pos, partial, pm);
     return res;
 fail:
-    Py_DECREF(ck);
+    Py_XDECREF(ck);
     Py_DECREF(node);
     Py_DECREF(nodes);
     return NULL;
