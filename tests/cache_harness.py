@@ -162,6 +162,10 @@ def assert_path_validators_agree(cache: UnifiedRadixCache) -> None:
                 expected = [walk(n) for n in path]
                 got = [check(i) for i in range(len(path), 0, -1)][::-1]
                 assert got == expected, f"{ct.name} device_only={device_only}: {got} != {expected}"
+                # A component's own deepest_boundary answers what the validator does.
+                deepest = max([i + 1 for i, ok in enumerate(expected) if ok], default=0)
+                got_deepest = component.deepest_boundary(path, device_only)
+                assert got_deepest == deepest, f"{ct.name}: {got_deepest} != {deepest}"
 
 
 class _FirstTokenOracle:

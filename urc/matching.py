@@ -169,17 +169,14 @@ def match_path(
 def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_only: bool) -> int:
     """The deepest ``i`` where a walk of ``path`` would accept ``path[:i]`` (0: none),
     asked from the deepest node up: usually the first answer is yes."""
+    validating = cache.hooks.validating
+    if len(validating) == 1:  # one validating component (SWA or Mamba) answers itself
+        return validating[0].deepest_boundary(path, device_only)
     checks = []
-    for c in cache.hooks.validating:
+    for c in validating:
         check = c.create_path_validator(path, device_only)
         if check is not None:
             checks.append(check)
-    if len(checks) == 1:  # one validating component (SWA or Mamba): no list per step
-        check = checks[0]
-        for i in range(len(path), 0, -1):
-            if check(i):
-                return i
-        return 0
     for i in range(len(path), 0, -1):
         if all([check(i) for check in checks]):
             return i

@@ -126,6 +126,20 @@ class TreeComponent(ABC):
         answers = [True, *[validate(node) for node in path]]
         return answers.__getitem__
 
+    def deepest_boundary(self, path: Sequence[TreeNode], match_device_only: bool) -> int:
+        """The largest ``i`` (``0 <= i <= len(path)``) at which this component's path validator
+        accepts ``path[:i]`` (``i = 0`` always counts), asked from the deepest node up; for a
+        component without validators, ``len(path)``.  The default asks
+        :meth:`create_path_validator`; a component may answer directly (a match with one
+        validating component asks this instead, saving the validator's construction)."""
+        check = self.create_path_validator(path, match_device_only)
+        if check is None:
+            return len(path)
+        for i in range(len(path), 0, -1):
+            if check(i):
+                return i
+        return 0
+
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         """Refresh eviction order after a match; ``path[:best_len]`` is the accepted part."""
 

@@ -151,6 +151,14 @@ class MambaComponent(TreeComponent):
         has = _has_state if match_device_only else _has_state_any_tier
         return lambda i: has(path[i - 1])
 
+    def deepest_boundary(self, path: Sequence[TreeNode], match_device_only: bool) -> int:
+        # The deepest node with a state (the path validator's answer, without building it).
+        has = _has_state if match_device_only else _has_state_any_tier
+        for i in range(len(path), 0, -1):
+            if has(path[i - 1]):
+                return i
+        return 0
+
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         # Only the state the match ends on is used; ancestors' checkpoints keep their age.
         if best_len:

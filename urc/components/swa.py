@@ -53,6 +53,7 @@ import torch
 from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
 from urc.components.swa_data import SWAData
 from urc.components.swa_window import (
+    deepest_window_boundary,
     free_out_of_window,
     window_match_validator,
     window_path_validator,
@@ -149,6 +150,9 @@ class SWAComponent(TreeComponent):
         self, path: Sequence[TreeNode], match_device_only: bool
     ) -> PathValidator:
         return window_path_validator(path, self.window, match_device_only)
+
+    def deepest_boundary(self, path: Sequence[TreeNode], match_device_only: bool) -> int:
+        return deepest_window_boundary(path, self.window, match_device_only)
 
     def _refresh(self, node: TreeNode) -> None:
         """Move the nodes covering one window plus one page above ``node`` (inclusive) to the

@@ -25,7 +25,12 @@ if TYPE_CHECKING:
     from urc.pools.swa import SWATokenSlotAllocator
     from urc.req import Req
 
-__all__ = ["free_out_of_window", "window_match_validator", "window_path_validator"]
+__all__ = [
+    "deepest_window_boundary",
+    "free_out_of_window",
+    "window_match_validator",
+    "window_path_validator",
+]
 
 _FULL = ComponentType.FULL
 _SWA = ComponentType.SWA
@@ -84,6 +89,26 @@ def window_path_validator(
         return True
 
     return validate
+
+
+def deepest_window_boundary(path: Sequence[TreeNode], window: int, device_only: bool) -> int:
+    """The first ``i`` that :func:`window_path_validator` accepts, asked from ``len(path)``
+    down (0: none), without building the validator."""
+    has = _has_window_kv if device_only else _has_window_kv_any_tier
+    for i in range(len(path), 0, -1):
+        if not has(path[i - 1]):
+            continue
+        acc = 0
+        for j in range(i - 1, -1, -1):
+            node = path[j]
+            if not has(node):
+                break  # a tombstone within the window above: not a boundary
+            acc += node.key_len
+            if acc >= window:
+                return i
+        else:
+            return i  # SWA data all the way up from the root
+    return 0
 
 
 def free_out_of_window(
