@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["insert"]
 
 _FULL = ComponentType.FULL
-_new_object = object.__new__
 
 
 def _add_leaf(
@@ -201,11 +200,10 @@ def insert(
         alloc = cache.token_to_kv_pool_allocator
         free_span = getattr(alloc, "free_span", None)
         # check_owned validated [owned_from, n), which holds every free range, and no Full
-        # slot of the value was freed since: the allocator need not count them again.
-        checked = host is not None
+        # slot of the value was freed since: its host view lets the allocator skip the checks.
         for a, b in free_ranges:
             if free_span is not None:
-                free_span(value, a, b, checked, host)  # no tensor slice
+                free_span(value, a, b, host)  # no tensor slice
             else:
                 cache.free_request_kv(value[a:b])
     prefix_len = pos
@@ -223,13 +221,7 @@ def insert(
     else:
         target = node
         is_new_leaf = False
-    # InsertResult(prefix_len, n, target) without the dataclass's keyword handling.
-    result = _new_object(InsertResult)
-    result.prefix_len = prefix_len
-    result.total_len = n
-    result.last_device_node = target
-    result.mamba_exist = False
-    result.inserted_host_node = None
+    result = InsertResult(prefix_len, n, target)
     for c in cache.hooks.commit:
         target = c.commit_insert_component_data(target, is_new_leaf, params, result)
     result.last_device_node = target

@@ -292,14 +292,9 @@ def path_device_indices(cache: UnifiedRadixCache, node: TreeNode) -> torch.Tenso
     is not on device."""
     if node.deleted:
         raise InvalidInputError(f"path_device_indices of node {node.id}, which was evicted")
-    values: list[torch.Tensor] = []
-    while node.parent is not None:
-        v = node.full.value  # type: ignore[union-attr]
-        if v is None:
-            raise InvalidInputError(f"node {node.id} on the path is not on device")
-        values.append(v)
-        node = node.parent
+    values = [p.full.value for p in cache.tree.path_to(node)]  # type: ignore[union-attr]
     if not values:
         return torch.empty(0, dtype=torch.int64, device=cache.device)
-    values.reverse()
-    return torch.cat(values)
+    if any(v is None for v in values):
+        raise InvalidInputError(f"a node on the path to node {node.id} is not on device")
+    return torch.cat(values)  # type: ignore[arg-type]

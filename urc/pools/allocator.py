@@ -152,26 +152,23 @@ class TokenSlotAllocator:
         self._free_span(_host(indices), 0, k)
 
     def free_span(
-        self,
-        indices: torch.Tensor,
-        start: int,
-        end: int,
-        checked: bool = False,
-        host: np.ndarray | None = None,
+        self, indices: torch.Tensor, start: int, end: int, checked: np.ndarray | None = None
     ) -> None:
         """``free(indices[start:end])`` without slicing the tensor (``0 <= start <= end <=
-        len(indices)``); raises and frees like :meth:`free`.  ``checked``: the caller ran
-        :meth:`check_owned` on a span of ``indices`` that holds this one and freed nothing
-        since, so every page is known to be allocated and in range (the allocation count is
-        skipped: what a free costs is then the release alone).  ``host``: the view that
-        :meth:`check_owned` returned for ``indices`` (the tensor is not checked again)."""
+        len(indices)``); raises and frees like :meth:`free`.  ``checked``: the host view that
+        :meth:`check_owned` returned for ``indices``, when it checked a span that holds this
+        one and nothing was freed since: every page is then known to be allocated and in
+        range, so neither the tensor nor the allocation count is checked again (what the
+        free costs is the release alone)."""
         if start >= end:
             return
-        if host is None:
+        if checked is None:
             self._check_tensor(indices)
-            host = _host(indices)
-        self.flush()
-        self._free_span(host, start, end, checked)
+            self.flush()
+            self._free_span(_host(indices), start, end)
+        else:
+            self.flush()
+            self._free_span(checked, start, end, True)
 
     def _check_tensor(self, indices: torch.Tensor, what: str = "indices") -> None:
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:

@@ -208,12 +208,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         self._release_swa(self._pages(indices))
 
     def free_span(
-        self,
-        indices: torch.Tensor,
-        start: int,
-        end: int,
-        checked: bool = False,
-        host: np.ndarray | None = None,
+        self, indices: torch.Tensor, start: int, end: int, checked: np.ndarray | None = None
     ) -> None:
         """``free(indices[start:end])``: the SWA pages go with the Full slots."""
         self.free(indices[start:end])
