@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from urc import ConfigError, DoubleFreeError, InvalidIndicesError
-from urc.pools.allocator import TokenSlotAllocator
+from urc.pools.allocator import _CAT_SLOTS, MERGE_BATCH, TokenSlotAllocator, merged_groups
 
 
 @pytest.mark.parametrize("ps", [1, 2, 4, 16, 64])
@@ -134,3 +134,45 @@ def test_consistency_check_catches_an_owned_page_freed_twice() -> None:
     a.free_owned(x[:2])  # a tree bug: the fast path trusts its caller
     with pytest.raises(AssertionError):
         a.check_consistency()
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 3], [40_000], [3, 40_000, 5, 30_000, 3_000, 7]])
+def test_merged_groups_keep_the_queue_order_and_group_small_spans(sizes: list[int]) -> None:
+    spans = [torch.arange(n, dtype=torch.int64) + 10 * i for i, n in enumerate(sizes)]
+    groups = list(merged_groups(spans))
+    assert torch.equal(torch.cat(groups), torch.cat(spans))
+    # Every group but the last reaches the threshold; no group holds a span past it.
+    assert all(g.shape[0] >= _CAT_SLOTS for g in groups[:-1])
+    assert len(groups) <= len(spans)
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_queued_frees_stay_queued_until_needed_and_merge_in_queue_order(ps: int) -> None:
+    n = 64
+    a, b = TokenSlotAllocator(n * ps, ps), TokenSlotAllocator(n * ps, ps)
+    spans = [a.alloc(ps * k) for k in (1, 3, 2, 5)]
+    for s in spans:
+        assert s is not None and torch.equal(s, b.alloc(s.shape[0]))  # type: ignore[arg-type]
+    for s in spans:
+        a.free_owned(s)  # queued: nothing released yet
+        b.free(s)  # released now
+    assert a.available_size() == b.available_size()
+    assert len(a._pending) == len(spans)
+    x, y = a.alloc(n * ps), b.alloc(n * ps)  # a merges because its stack is short
+    assert x is not None and y is not None and torch.equal(x, y)
+    a.check_consistency()
+
+
+def test_a_full_queue_merges_at_merge_batch_spans() -> None:
+    a = TokenSlotAllocator(2 * MERGE_BATCH, 1)
+    for _ in range(MERGE_BATCH - 1):
+        x = a.alloc(1)
+        assert x is not None
+        a.free_owned(x)
+    assert len(a._pending) == MERGE_BATCH - 1
+    x = a.alloc(1)
+    assert x is not None
+    a.free_owned(x)
+    assert not a._pending
+    assert a.available_size() == 2 * MERGE_BATCH
+    a.check_consistency()

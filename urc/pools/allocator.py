@@ -14,11 +14,12 @@ costs more than the bookkeeping itself; a slot repeated inside one ``free`` call
 
 Slots the tree frees (evicted nodes) go through :meth:`TokenSlotAllocator.free_owned`, which
 only queues the tensor, unchecked: the tree validated those slots when it adopted them.  The
-queue is merged into the free stack in one pass (:meth:`TokenSlotAllocator.flush`) once it
-holds ``MERGE_BATCH`` spans -- so evictions pay for their frees, a few dozen at a time, whose
-fixed costs (a ``torch.cat``, a host view, two array updates: ~5 µs) would otherwise dominate
-a single small free -- and before anything allocates from a short stack or reads page states
-(a checked ``free``, ``is_allocated``, the consistency check).
+queue is merged into the free stack (:meth:`TokenSlotAllocator.flush`) when something needs
+it -- an allocation the stack is short for, anything that reads page states (a checked
+``free``, ``check_owned`` at insert, ``is_allocated``, the consistency check) -- or once it
+holds ``MERGE_BATCH`` spans, which bounds the tensors it keeps alive.  An eviction thus only
+queues its frees; the release of their pages (about 1.5 ns each) is paid once, by the merge,
+in groups of up to ``_CAT_SLOTS`` slots (:func:`merged_groups`: one ``torch.cat`` each).
 
 The per-page loops of ``free``, ``check_owned`` and the stack pushes are
 :mod:`urc.pageops` primitives: compiled where built, else their numpy twins
@@ -27,6 +28,8 @@ The per-page loops of ``free``, ``check_owned`` and the stack pushes are
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -34,15 +37,17 @@ from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError
 from urc.fastpath import WalkImpl
 from urc.pageops import PageOps, select_page_ops
 
-__all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size"]
+__all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size", "merged_groups"]
 
-#: Queued :meth:`TokenSlotAllocator.free_owned` spans merged in one pass.  Large enough to
-#: amortize a merge's fixed cost, small enough that its temporaries stay small.
-MERGE_BATCH = 64
+#: At most this many :meth:`TokenSlotAllocator.free_owned` spans stay queued (the tensors a
+#: queue keeps alive: a few hundred KiB of headers at most).
+MERGE_BATCH = 1024
 
-# Up to this many queued pages a merge concatenates the spans first; beyond, it releases
-# them one by one (concatenating a million cold indices cost most of a long-context evict).
-_CAT_PAGES = 1 << 15
+# A merge concatenates queued spans in groups of up to this many slots and releases each
+# group in one pass: one torch.cat per group amortizes its fixed cost over small spans,
+# while a long span is released on its own (concatenating a million cold indices would
+# cost more than releasing them).
+_CAT_SLOTS = 1 << 15
 
 
 def check_page_size(page_size: int) -> None:
@@ -223,13 +228,8 @@ class TokenSlotAllocator:
         assert self._top + n <= self.num_pages, (
             f"merging {n} freed pages into {self._top} free of {self.num_pages}"
         )
-        if n <= _CAT_PAGES:  # small spans: one concatenation, one pass
-            self._release_owned(
-                self._pages_of(pending[0] if len(pending) == 1 else torch.cat(pending))
-            )
-        else:  # long spans: a pass each (the same order), no large temporary
-            for indices in pending:
-                self._release_owned(self._pages_of(indices))
+        for indices in merged_groups(pending):
+            self._release_owned(self._pages_of(indices))
 
     def _release_owned(self, pages: np.ndarray) -> None:
         """Release queued pages (subclasses release what they pair with them too)."""
@@ -277,6 +277,22 @@ class TokenSlotAllocator:
         assert n_state_free == self._top, f"{n_state_free} pages marked free, {self._top} listed"
         assert (self._state[free] == 0).all(), "a listed free page is marked allocated"
         assert np.unique(free).shape[0] == self._top, "a page is listed free twice"
+
+
+def merged_groups(spans: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``spans`` in order, concatenated in groups of at least ``_CAT_SLOTS`` slots (the last
+    group may be smaller; a long span is a group of its own)."""
+    group: list[torch.Tensor] = []
+    slots = 0
+    for t in spans:
+        group.append(t)
+        slots += t.shape[0]
+        if slots >= _CAT_SLOTS:
+            yield group[0] if len(group) == 1 else torch.cat(group)
+            group = []
+            slots = 0
+    if group:
+        yield group[0] if len(group) == 1 else torch.cat(group)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

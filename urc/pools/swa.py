@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from urc.errors import ConfigError, InvalidIndicesError
-from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator
+from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
 from urc.pools.kv_pool import KVPool, KVShape
 
 if TYPE_CHECKING:
@@ -169,7 +169,8 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         pending = self._pending_swa
         if pending:
             self._pending_swa = []
-            self._release_swa(self._pages(pending[0] if len(pending) == 1 else torch.cat(pending)))
+            for full_idx in merged_groups(pending):
+                self._release_swa(self._pages(full_idx))
         super().flush()
 
     def _pages(self, full_idx: torch.Tensor) -> np.ndarray:
