@@ -1,14 +1,16 @@
 """Page bookkeeping of the token allocator: a compiled implementation and its numpy twin.
 
-:func:`py_count_held` and :func:`py_release` are the reference; ``urc._native._pages`` (built
-from ``urc/_native/pages.c`` next to the compiled walk) computes exactly the same results in
-one pass over the indices, without the temporaries and dispatch of several numpy calls (a
-free or an insert's ownership check was a dozen of them).  Which pair an allocator runs
+:func:`py_count_held`, :func:`py_release` and :func:`py_unmap` (the SWA side of a free) are
+the reference; ``urc._native._pages`` (built from ``urc/_native/pages.c`` next to the compiled
+walk) computes exactly the same results in one pass over the indices, without the
+temporaries and dispatch of several numpy calls (a free or an insert's ownership check was a
+dozen of them).  Which set an allocator runs
 follows the cache's :attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page_ops`):
 ``PYTHON`` is the twin everywhere, ``AUTO`` the compiled code where it was built.
 
 Arrays: ``state`` int8, one entry per page (non-zero = allocated); ``stack`` int64 (the
-free-page stack, ``stack[:top]`` free); ``idx`` int64 token indices, possibly strided, of
+free-page stack, ``stack[:top]`` free); ``page_map`` int64 (a page's page in another pool,
+-1 for none); ``idx`` int64 token indices, possibly strided, of
 which ``idx[start:end]`` is used (slicing a host view is cheaper than slicing a tensor).
 """
 
@@ -24,9 +26,11 @@ from urc.fastpath import WalkImpl, choose_impl
 __all__ = [
     "PYTHON_OPS",
     "PageOps",
+    "Unmap",
     "native_pages_available",
     "py_count_held",
     "py_release",
+    "py_unmap",
     "select_page_ops",
 ]
 
@@ -81,26 +85,65 @@ def py_release(
     return int(top + n)
 
 
+def py_unmap(
+    page_map: np.ndarray,
+    state: np.ndarray,
+    stack: np.ndarray,
+    top: int,
+    idx: np.ndarray,
+    start: int,
+    end: int,
+    step: int,
+    shift: int,
+) -> int:
+    """Clear the map entries of the pages ``idx[start:end][::step] >> shift`` and release the
+    pages of another pool they named: every entry ``s >= 0`` marks page ``s`` free in
+    ``state`` and is pushed on ``stack`` above ``top``, in order; returns the new top (entries
+    already -1 release nothing).  The pages must be distinct (the allocator's contract; a
+    repeat is a bug that ``check_consistency`` reports).  ``IndexError`` for a page outside the map or a named page
+    outside ``state``, ``ValueError`` when the stack would overflow -- before anything
+    changes."""
+    pages = _pages(idx, start, end, step, shift)
+    if pages.shape[0] == 0:
+        return top
+    if int(pages.min()) < 0 or int(pages.max()) >= page_map.shape[0]:
+        raise IndexError("unmap: page out of range")
+    named = page_map[pages]
+    if int(named.min()) < 0:
+        named = named[named >= 0]
+    n = named.shape[0]
+    if n and int(named.max()) >= state.shape[0]:
+        raise IndexError("unmap: page out of range")
+    if top + n > stack.shape[0]:
+        raise ValueError("unmap: more pages than the stack holds")
+    page_map[pages] = -1
+    state[named] = 0
+    stack[top : top + n] = named
+    return int(top + n)
+
+
 CountHeld = Callable[[np.ndarray, np.ndarray, int, int, int, int, int], int]
 Release = Callable[[np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
+Unmap = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
 
 
 class PageOps(NamedTuple):
-    """One implementation of the two primitives."""
+    """One implementation of the primitives."""
 
     count_held: CountHeld
     release: Release
+    unmap: Unmap
 
 
-PYTHON_OPS = PageOps(py_count_held, py_release)
+PYTHON_OPS = PageOps(py_count_held, py_release, py_unmap)
 
 
 def _native() -> PageOps | None:
     try:
-        from urc._native._pages import count_held, release
+        from urc._native._pages import count_held, release, unmap
     except ImportError:
         return None
-    return PageOps(count_held, release)
+    return PageOps(count_held, release, unmap)
 
 
 _NATIVE = _native()

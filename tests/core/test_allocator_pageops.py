@@ -97,6 +97,58 @@ def test_native_release_is_the_twin(
     assert outs[0] == outs[1]
 
 
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(
+    page_map=st.lists(st.integers(-2, 24), min_size=1, max_size=40),
+    state=st.lists(st.integers(0, 1), min_size=1, max_size=20),
+    # Distinct pages at every shift (the contract: a page repeated is a caller's bug).
+    idx=st.lists(st.integers(-2, 44), max_size=20, unique_by=lambda x: x >> 2),
+    top=st.integers(0, 30),
+    step=st.sampled_from([1, 2, 4]),
+    shift=st.sampled_from([0, 1, 2]),
+    stride=st.sampled_from([1, 2]),
+    span=st.tuples(st.integers(0, 8), st.integers(0, 40)),
+    tensor=st.booleans(),
+)
+def test_native_unmap_is_the_twin(
+    page_map: list[int],
+    state: list[int],
+    idx: list[int],
+    top: int,
+    step: int,
+    shift: int,
+    stride: int,
+    span: tuple[int, int],
+    tensor: bool,
+) -> None:
+    ix = _indices(idx, stride, tensor)
+    start, end = _span(ix, span)
+    outs = []
+    for ops in (select_page_ops(WalkImpl.NATIVE), PYTHON_OPS):
+        m = np.array(page_map, dtype=np.int64)
+        s = np.array(state, dtype=np.int8)
+        stack = np.full(32, -7, dtype=np.int64)
+        try:
+            res: object = ops.unmap(m, s, stack, top, ix, start, end, step, shift)
+        except (ValueError, IndexError) as e:
+            res = type(e)
+        outs.append((res, m.tolist(), s.tolist(), stack.tolist()))
+    assert outs[0] == outs[1]
+
+
+def test_unmap_releases_what_the_map_names_once() -> None:
+    page_map = np.array([2, -1, 0, 1, -1], dtype=np.int64)
+    state = np.ones(3, dtype=np.int8)
+    stack = np.zeros(3, dtype=np.int64)
+    # Full pages 0, 2 and 1 (tokens 0, 4, 2 at shift 1): 2 and 0 are named, 1 is not.
+    top = PYTHON_OPS.unmap(page_map, state, stack, 0, np.array([0, 4, 2]), 0, 3, 1, 1)
+    assert top == 2 and stack[:2].tolist() == [2, 0]
+    assert page_map.tolist() == [-1, -1, -1, 1, -1] and state.tolist() == [0, 1, 0]
+    # Again: the entries are cleared, nothing more is released.
+    assert PYTHON_OPS.unmap(page_map, state, stack, 2, np.array([0, 4]), 0, 2, 1, 1) == 2
+
+
 def test_the_cache_runs_the_page_ops_its_walk_impl_names() -> None:
     for impl in (WalkImpl.PYTHON, WalkImpl.AUTO):
         cache = build_cache(CacheConfig(kv_size=64, walk_impl=impl))

@@ -1,5 +1,5 @@
-/* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release (see their
- * docstrings).  They work on numpy arrays through the buffer protocol: ``state`` int8 (one
+/* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release /
+ * py_unmap (see their docstrings).  They work on numpy arrays through the buffer protocol: ``state`` int8 (one
  * entry per page), ``stack`` and ``idx`` int64; ``idx`` may be strided (a sliced tensor's
  * host view), and ``idx[start:end]`` is used.  No Python code runs inside them.
  */
@@ -217,11 +217,107 @@ done:
     return res;
 }
 
+/* unmap(map, state, stack, top, idx, start, end, step, shift) -> new top
+ * For every page p = idx[start:end][::step] >> shift: s = map[p]; map[p] = -1; and when
+ * s >= 0, page s of the other pool is marked free (state[s] = 0) and pushed on its stack. */
+static PyObject *
+unmap(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "unmap(map, state, stack, top, idx, start, end, step, shift)");
+        return NULL;
+    }
+    Py_ssize_t top = PyLong_AsSsize_t(args[3]);
+    if (top == -1 && PyErr_Occurred())
+        return NULL;
+    if (top < 0) {
+        PyErr_SetString(PyExc_ValueError, "unmap: top >= 0");
+        return NULL;
+    }
+    Py_buffer mp, st, sk;
+    if (get_1d(args[0], &mp, 8, 1, "map") < 0)
+        return NULL;
+    if (get_1d(args[1], &st, 1, 1, "state") < 0) {
+        PyBuffer_Release(&mp);
+        return NULL;
+    }
+    if (get_1d(args[2], &sk, 8, 1, "stack") < 0) {
+        PyBuffer_Release(&st);
+        PyBuffer_Release(&mp);
+        return NULL;
+    }
+    Idx ix;
+    Py_ssize_t step, shift;
+    if (parse_common(args + 4, &ix, &step, &shift) < 0) {
+        PyBuffer_Release(&sk);
+        PyBuffer_Release(&st);
+        PyBuffer_Release(&mp);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    if (mp.strides[0] != 8 || sk.strides[0] != 8) {
+        PyErr_SetString(PyExc_TypeError, "unmap: map and stack must be contiguous");
+        goto done;
+    }
+    const Py_ssize_t count = (ix.n + step - 1) / step;
+    const char *ip = ix.base;
+    const Py_ssize_t istride = ix.stride * step;
+    const unsigned long long map_len = (unsigned long long)mp.shape[0];
+    const unsigned long long num_pages = (unsigned long long)st.shape[0];
+    long long *const map = (long long *)mp.buf;
+    signed char *const state = (signed char *)st.buf;
+    long long *const stack = (long long *)sk.buf;
+    /* Validate first (nothing changes on an error): pages in range, mapped targets in
+     * range, and room on the stack for every mapped target. */
+    Py_ssize_t mapped = 0;
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned long long p =
+            (unsigned long long)(*(const long long *)(ip + i * istride) >> shift);
+        if (p >= map_len) {
+            bad = 1;
+            break;
+        }
+        long long s = map[p];
+        if (s >= 0) {
+            bad |= (unsigned long long)s >= num_pages;
+            mapped++;
+        }
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "unmap: page out of range");
+        goto done;
+    }
+    if (top + mapped > sk.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "unmap: more pages than the stack holds");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long long p = *(const long long *)(ip + i * istride) >> shift;
+        long long s = map[p];
+        map[p] = -1;
+        if (s >= 0) {
+            state[s] = 0;
+            stack[top++] = s;
+        }
+    }
+    res = PyLong_FromSsize_t(top);
+done:
+    release_idx(&ix);
+    PyBuffer_Release(&sk);
+    PyBuffer_Release(&st);
+    PyBuffer_Release(&mp);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"count_held", (PyCFunction)(void (*)(void))count_held, METH_FASTCALL,
      "count_held(state, idx, start, end, step, shift, bound) -> int"},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
      "release(state, stack, top, idx, start, end, step, shift) -> int"},
+    {"unmap", (PyCFunction)(void (*)(void))unmap, METH_FASTCALL,
+     "unmap(map, state, stack, top, idx, start, end, step, shift) -> int"},
     {NULL, NULL, 0, NULL},
 };
 

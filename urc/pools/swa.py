@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from urc.errors import ConfigError, InvalidIndicesError
+from urc.pageops import Unmap
 from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
 from urc.pools.kv_pool import KVPool, KVShape
 
@@ -92,17 +93,22 @@ class SWAPagePool:
         self.state[pages] = 1
         return pages
 
-    def free(self, pages: np.ndarray) -> None:
-        """Return ``pages``, which the page map names, so they are allocated and distinct (the
-        map is a bijection onto allocated SWA pages: no per-call check, ``check_consistency``
-        verifies it)."""
-        k = pages.shape[0]
-        if k == 0:
-            return
-        self.state[pages] = 0
+    def release_mapped(
+        self,
+        unmap: Unmap,
+        page_map: np.ndarray,
+        idx: np.ndarray,
+        start: int,
+        end: int,
+        step: int,
+        shift: int,
+    ) -> int:
+        """Release the pages ``page_map`` names for the Full pages ``idx[start:end][::step] >>
+        shift`` and clear those entries (:func:`urc.pageops.py_unmap`); returns how many
+        pages were released (cleared entries release nothing)."""
         top = self._top
-        self._stack[top : top + k] = pages
-        self._top = top + k
+        self._top = unmap(page_map, self.state, self._stack, top, idx, start, end, step, shift)
+        return self._top - top
 
     def check_consistency(self) -> None:
         """Assert that the free stack and the page states agree (O(pages))."""
@@ -123,7 +129,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     (numpy); :meth:`translate` returns a tensor on the allocator's device.
     """
 
-    __slots__ = ("_map", "_map_t", "_pending_swa", "_shift", "swa_pages", "swa_size")
+    __slots__ = ("_map", "_pending_swa", "_shift", "swa_pages", "swa_size")
 
     def __init__(
         self,
@@ -143,7 +149,6 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         # One entry per Full page plus a trailing -1, so that translating -1 (padding) gives -1.
         self._map = np.full(size // page_size + 1, -1, dtype=np.int64)
         # A tensor view of the same memory for translation on CPU (None on an accelerator).
-        self._map_t = torch.from_numpy(self._map) if torch.device(device).type == "cpu" else None
         super().__init__(size, page_size, device)
 
     # ------------------------------------------------------------------ sizes
@@ -170,7 +175,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         if pending:
             self._pending_swa = []
             for full_idx in merged_groups(pending):
-                self._release_swa(self._pages(full_idx))
+                self._release_swa_of(full_idx)
         super().flush()
 
     def _pages(self, full_idx: torch.Tensor) -> np.ndarray:
@@ -206,17 +211,22 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         if indices.shape[0] == 0:
             return
         super().free(indices)
-        self._release_swa(self._pages(indices))
+        self._release_swa_of(indices)
 
     def free_span(
         self, indices: torch.Tensor, start: int, end: int, checked: np.ndarray | None = None
     ) -> None:
-        """``free(indices[start:end])``: the SWA pages go with the Full slots."""
-        self.free(indices[start:end])
+        """``free(indices[start:end])``: the SWA pages go with the Full slots (see
+        :meth:`TokenSlotAllocator.free_span` for ``checked``)."""
+        if checked is None:
+            self.free(indices[start:end])
+            return
+        super().free_span(indices, start, end, checked)
+        self._release_swa(checked, start, end, self.page_size, self._shift)
 
     def _release_owned(self, pages: np.ndarray) -> None:
         super()._release_owned(pages)
-        self._release_swa(pages)
+        self._release_swa(pages, 0, pages.shape[0], 1, 0)
 
     def free_swa_owned(self, full_idx: torch.Tensor) -> None:
         """:meth:`free_swa` for a span the tree owns (an SWA tombstone in the making), queued
@@ -235,19 +245,20 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         if full_idx.dtype != torch.int64 or full_idx.device != self.device:
             raise InvalidIndicesError(f"indices must be int64 on {self.device}")
         self.flush()
-        return self._release_swa(self._pages(full_idx)) * self.page_size
+        return self._release_swa_of(full_idx) * self.page_size
 
-    def _release_swa(self, pages: np.ndarray) -> int:
-        page_map = self._map
-        swa = page_map[pages]
-        page_map[pages] = -1
-        if swa.min() < 0:
-            # Some (usually all) pages were already released (tombstoned or slid out).
-            if swa.max() < 0:
-                return 0
-            swa = swa[swa >= 0]
-        self.swa_pages.free(swa)
-        return int(swa.shape[0])
+    def _release_swa(self, idx: np.ndarray, start: int, end: int, step: int, shift: int) -> int:
+        """Release the SWA pages of the Full pages ``idx[start:end][::step] >> shift`` and
+        clear their map entries (pages already tombstoned or slid out release nothing);
+        returns the SWA pages released."""
+        return self.swa_pages.release_mapped(
+            self._ops.unmap, self._map, idx, start, end, step, shift
+        )
+
+    def _release_swa_of(self, full_idx: torch.Tensor) -> int:
+        """:meth:`_release_swa` of the page runs of the Full slots ``full_idx``."""
+        host = _host(full_idx)
+        return self._release_swa(host, 0, host.shape[0], self.page_size, self._shift)
 
     def move_swa(self, dst_full: torch.Tensor, src_full: torch.Tensor) -> None:
         """Give ``src_full``'s SWA pages to ``dst_full`` (same length, page-aligned runs) and
@@ -269,11 +280,14 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     def translate(self, full_idx: torch.Tensor) -> torch.Tensor:
         """SWA slot of every Full slot in ``full_idx`` (-1 where no SWA page is mapped)."""
         self.flush()
-        if self._shift == 0 and self._map_t is not None:
-            return self._map_t[full_idx]
         host = _host(full_idx)
-        pages = self._map[host >> self._shift]
-        out = np.where(pages >= 0, (pages << self._shift) | (host & (self.page_size - 1)), -1)
+        # numpy's take, not torch's advanced indexing: 1 ms against 25 µs for 16k indices
+        # on CPU (torch 2.13), and the trailing -1 entry still translates -1 to -1.
+        if self._shift == 0:
+            out = self._map.take(host)
+        else:
+            pages = self._map.take(host >> self._shift)
+            out = np.where(pages >= 0, (pages << self._shift) | (host & (self.page_size - 1)), -1)
         return torch.from_numpy(out).to(self.device)
 
     def swa_mapped(self, full_idx: torch.Tensor) -> bool:
