@@ -73,7 +73,9 @@ def py_release(
     """Mark the pages ``idx[start:end][::step] >> shift`` free and push them on ``stack``
     above ``top`` (copies: the caller may reuse ``idx``); returns the new top.  No allocation
     check (the caller did it); ``ValueError`` when the stack would overflow, ``IndexError``
-    for a page outside ``[0, len(state))`` -- raised before anything changes."""
+    for a page outside ``[0, len(state))`` -- raised before anything changes (``stack``
+    above ``top`` is free space: an implementation may use it as scratch, so ``idx`` must not
+    be a view of it)."""
     pages = _pages(idx, start, end, step, shift)
     n = pages.shape[0]
     if top + n > stack.shape[0]:
@@ -100,9 +102,9 @@ def py_unmap(
     pages of another pool they named: every entry ``s >= 0`` marks page ``s`` free in
     ``state`` and is pushed on ``stack`` above ``top``, in order; returns the new top (entries
     already -1 release nothing).  The pages must be distinct (the allocator's contract; a
-    repeat is a bug that ``check_consistency`` reports).  ``IndexError`` for a page outside the map or a named page
-    outside ``state``, ``ValueError`` when the stack would overflow -- before anything
-    changes."""
+    repeat is a bug that ``check_consistency`` reports).  ``IndexError`` for a page outside
+    the map or a named page outside ``state``, ``ValueError`` when the stack would overflow
+    -- before anything changes."""
     pages = _pages(idx, start, end, step, shift)
     if pages.shape[0] == 0:
         return top
