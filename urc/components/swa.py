@@ -83,6 +83,7 @@ __all__ = ["SWAComponent", "SWAData"]
 
 _FULL = 0
 _SWA = 1
+_SWA_TYPE = ComponentType.SWA  # a module constant: an Enum attribute load costs ~0.1 µs
 # Candidates taken from the LRU end per scan while evicting (rescanned only if all locked).
 _EVICT_BATCH = 64
 
@@ -387,7 +388,7 @@ class SWAComponent(TreeComponent):
             cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
             if cd.value is None:
                 if skipped is None:
-                    skipped = result.skip_lock_node_ids.setdefault(ComponentType.SWA, set())
+                    skipped = result.skip_lock_node_ids.setdefault(_SWA_TYPE, set())
                 skipped.add(node.id)
             else:
                 if cd.lock_ref == 0:
@@ -409,46 +410,60 @@ class SWAComponent(TreeComponent):
     # acquire, and was not recovered after the acquire (restore stamp newer than the epoch).
 
     def _walk_release(
-        self, node: TreeNode, params: DecLockRefParams | None, check: bool
-    ) -> list[TreeNode]:
-        """The nodes releasing ``params`` from ``node`` unlocks, bottom-up.  With ``check``,
-        raise :class:`InvalidLockError` unless the walk meets locked nodes only and ends at
-        the receipt's boundary (or, for a lock that reached the root without filling the
-        window, at the root)."""
+        self, node: TreeNode, params: DecLockRefParams | None, apply: bool
+    ) -> tuple[list[TreeNode], int]:
+        """The nodes releasing ``params`` from ``node`` unlocks, bottom-up, and the tokens
+        that become evictable.  Raises :class:`InvalidLockError` unless the walk meets
+        locked nodes only and ends at the receipt's boundary (or, for a lock that reached
+        the root without filling the window, at the root).  With ``apply``, releases them
+        on the way (one pass); a raise first restores the counts it lowered."""
         if params is None:
             uuid = skip = epoch = None
         else:
             uuid = params.swa_uuid_for_lock
-            skip = params.skip_lock_node_ids.get(ComponentType.SWA)
+            skip = params.skip_lock_node_ids.get(_SWA_TYPE)
             epoch = params.swa_lock_epoch
         window = self.window
         acc = 0
+        delta = 0
         locked: list[TreeNode] = []
-        while node.parent is not None:
-            cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
-            if (
-                cd.value is not None
-                and (skip is None or node.id not in skip)
-                and (epoch is None or cd.restored <= epoch)
-            ):
-                locked.append(node)
-                if check and cd.lock_ref <= 0:
-                    raise InvalidLockError(f"SWA release on node {node.id}, which is not locked")
-                if uuid is None:
-                    acc += node.key_len
-                    if check and acc >= window:
-                        # Acquire would have stamped a boundary here: the receipt is missing.
+        try:
+            while node.parent is not None:
+                cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
+                if (
+                    cd.value is not None
+                    and (skip is None or node.id not in skip)
+                    and (epoch is None or cd.restored <= epoch)
+                ):
+                    if cd.lock_ref <= 0:
                         raise InvalidLockError(
-                            "SWA release without the lock's swa_uuid_for_lock receipt"
+                            f"SWA release on node {node.id}, which is not locked"
                         )
-                elif cd.uuid == uuid:
-                    return locked
-            node = node.parent
-        if check and uuid is not None:
-            raise InvalidLockError(
-                f"SWA lock receipt {uuid} does not name a window boundary on this path"
-            )
-        return locked
+                    locked.append(node)
+                    if apply:
+                        cd.lock_ref -= 1
+                        if cd.lock_ref == 0:
+                            delta += node.key_len
+                    if uuid is None:
+                        acc += node.key_len
+                        if acc >= window:
+                            # Acquire would have stamped a boundary here: no receipt.
+                            raise InvalidLockError(
+                                "SWA release without the lock's swa_uuid_for_lock receipt"
+                            )
+                    elif cd.uuid == uuid:
+                        return locked, delta
+                node = node.parent
+            if uuid is not None:
+                raise InvalidLockError(
+                    f"SWA lock receipt {uuid} does not name a window boundary on this path"
+                )
+        except InvalidLockError:
+            if apply:
+                for n in locked:
+                    n.data[_SWA].lock_ref += 1  # type: ignore[union-attr]
+            raise
+        return locked, delta
 
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Validate the release (see ``_walk_release``) and keep the walk as the plan of the
@@ -456,15 +471,15 @@ class SWAComponent(TreeComponent):
         self._plan = None
         if params is not None and params.skip_swa:
             return
-        locked = self._walk_release(node, params, True)
+        locked = self._walk_release(node, params, False)[0]
         # Valid until the tree changes: every walk that can split or recover a node ticks
         # the cache clock.
         self._plan = (params, node, self.tree.clock, locked)
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Undo the window lock of receipt ``params``.  Uses the walk of the ``check_release``
-        just before it when there was one; otherwise walks checked itself (raising, nothing
-        released, for a receipt that does not fit)."""
+        just before it when there was one; otherwise walks checked itself, releasing as it
+        goes (raising, nothing released, for a receipt that does not fit)."""
         if params is not None and params.skip_swa:
             return
         plan = self._plan
@@ -475,16 +490,15 @@ class SWAComponent(TreeComponent):
             and plan[1] is node
             and plan[2] == self.tree.clock
         ):
-            locked = plan[3]
+            delta = 0
+            for n in plan[3]:
+                cd = n.data[_SWA]
+                assert cd is not None and cd.lock_ref > 0, f"SWA release on unlocked node {n.id}"
+                cd.lock_ref -= 1
+                if cd.lock_ref == 0:
+                    delta += n.key_len
         else:
-            locked = self._walk_release(node, params, True)
-        delta = 0
-        for n in locked:
-            cd = n.data[_SWA]
-            assert cd is not None and cd.lock_ref > 0, f"SWA release on unlocked node {n.id}"
-            cd.lock_ref -= 1
-            if cd.lock_ref == 0:
-                delta += n.key_len
+            delta = self._walk_release(node, params, True)[1]
         self.evictable_size += delta
         self.protected_size -= delta
 
