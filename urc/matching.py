@@ -109,13 +109,14 @@ def _match_device_only(
         walked.append(tree.split(partial, pm))
         pos += pm
     k = len(walked)
+    hits = walked
     hit = pos
     if k and cache.hooks.validating:
         k = _deepest_boundary(cache, walked, True)
         if k < len(walked):
-            hit = sum([child.key_len for child in walked[:k]])
+            hits = walked[:k]
+            hit = sum([child.key_len for child in hits])
     # finish_match(cache, params, walked, k, k, pos, n), inline up to its end.
-    hits = walked if k == len(walked) else walked[:k]
     clock = tree.clock
     for child in hits:  # root first: parent < child
         clock += 1
