@@ -63,6 +63,8 @@ class UnifiedRadixCache:
         self.pools = pools
         self.page_size = config.page_size
         self.device = torch.device(config.device)
+        #: A miss's pending indices concatenate this (a fresh empty tensor each read).
+        self.no_indices = torch.empty(0, dtype=torch.int64, device=self.device)
         #: Index tensors live in host memory (numpy views of them are free).
         self.on_cpu = self.device.type == "cpu"
         self.is_eagle = config.is_eagle

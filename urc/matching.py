@@ -18,7 +18,7 @@ import torch
 from urc.components.base import MatchValidator
 from urc.errors import InvalidInputError
 from urc.node import Tier, TreeNode
-from urc.params import MatchPrefixParams, MatchResult
+from urc.params import MatchPrefixParams, MatchResult, PendingIndices
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
@@ -126,7 +126,7 @@ def _match_device_only(
         last = hits[-1]
         indices = None
         if params.with_indices:
-            indices = torch.cat([c.full.value for c in hits])  # type: ignore[misc,union-attr]
+            indices = PendingIndices([c.full.value for c in hits])  # type: ignore[misc,union-attr]
         result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST, hit))
     else:
         result = empty_result(cache, params.with_indices)
@@ -252,10 +252,10 @@ def _end_match(
 
 def _device_indices(
     path: list[TreeNode], best: int, known: tuple[int, torch.Tensor] | None, hit: int
-) -> torch.Tensor:
-    """The Full device indices of ``path[:best]`` (``hit`` tokens): a fresh tensor, or
-    (``known`` covers ``path[:k]`` with ``k >= best``) a view of the caller's ``known``
-    tensor."""
+) -> torch.Tensor | PendingIndices:
+    """The Full device indices of ``path[:best]`` (``hit`` tokens): pending (concatenated
+    when read), or (``known`` covers ``path[:k]`` with ``k >= best``) a view of the
+    caller's ``known`` tensor."""
     if known is None:
         k, values = 0, []
     else:
@@ -264,15 +264,15 @@ def _device_indices(
             return held if k == best else held[:hit]
         values = [held]
     values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
-    return torch.cat(values)
+    return PendingIndices(values)
 
 
 def empty_result(cache: UnifiedRadixCache, with_indices: bool = True) -> MatchResult:
-    """A miss: no device indices (an empty tensor, or ``None`` without indices), every node
-    the root."""
-    empty = torch.empty(0, dtype=torch.int64, device=cache.device) if with_indices else None
+    """A miss: no device indices (an empty tensor, built when read; ``None`` without
+    indices), every node the root."""
+    empty = PendingIndices([cache.no_indices]) if with_indices else None
     root = cache.tree.root
-    return MatchResult(empty, root, root, root, device_len=0)
+    return _new_tuple(MatchResult, (empty, root, root, root, *_NO_HOST, 0))
 
 
 def path_device_indices(cache: UnifiedRadixCache, node: TreeNode) -> torch.Tensor:

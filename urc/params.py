@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -24,6 +25,7 @@ __all__ = [
     "InsertResult",
     "MatchPrefixParams",
     "MatchResult",
+    "PendingIndices",
 ]
 
 
@@ -46,19 +48,41 @@ class MatchPrefixParams:
     with_indices: bool = True
 
 
-class MatchResult(NamedTuple):
-    """Outcome of ``match_prefix``.
+class PendingIndices:
+    """The device indices of a match, concatenated when first read.
 
-    ``device_indices`` concatenates the Full device indices of the matched prefix (length ==
-    device hit; ``None`` for a match with ``with_indices=False``).  ``last_device_node`` ends
-    the device hit; ``best_match_node`` is the deepest node every validator accepts, on device
-    or host (the load-back anchor); without HiCache ``last_host_node`` equals
-    ``last_device_node``.  ``host_hit_length`` counts the tokens past the device hit that are
-    on host.  ``device_len`` is the device hit's length as ``match_prefix`` stored it (``None``
-    in a result built by hand); read it as ``device_prefix_len``, which works for both.
+    Holds the hit's per-node Full values as they stood at the match (a later split or
+    eviction replaces node values, never these tensors), so the concatenation read at
+    any time equals the one the match would have built eagerly.  A caller that reads only
+    the hit's length (SGLang 0.5.23's ``device_prefix_len``) never pays for the
+    ``torch.cat``.
     """
 
-    device_indices: torch.Tensor | None
+    __slots__ = ("_parts", "_tensor")
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self._parts: list[torch.Tensor] | None = parts
+        self._tensor: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        """The concatenated indices: built on the first call, the same tensor after."""
+        t = self._tensor
+        if t is None:
+            assert self._parts is not None, "pending indices without parts"
+            t = self._tensor = torch.cat(self._parts)
+            self._parts = None
+        return t
+
+
+_RawIndices = torch.Tensor | PendingIndices | None
+
+
+def _resolve(v: Any) -> Any:
+    return v.get() if type(v) is PendingIndices else v
+
+
+class _MatchFields(NamedTuple):
+    device_indices: _RawIndices
     last_device_node: TreeNode
     last_host_node: TreeNode
     best_match_node: TreeNode
@@ -69,13 +93,64 @@ class MatchResult(NamedTuple):
     cache_protected_len: int | None = None
     device_len: int | None = None
 
+
+_raw_get = tuple.__getitem__
+_raw_iter = tuple.__iter__
+
+
+class MatchResult(_MatchFields):
+    """Outcome of ``match_prefix`` (a NamedTuple, as SGLang's).
+
+    ``device_indices`` concatenates the Full device indices of the matched prefix (length ==
+    device hit; ``None`` for a match with ``with_indices=False``).  ``match_prefix`` builds
+    it when it is first read (:class:`PendingIndices`: same values, no ``torch.cat`` for a
+    caller that never reads it); reading it through the tuple protocol (index, iteration,
+    ``_asdict``) builds it too.  ``last_device_node`` ends the device hit;
+    ``best_match_node`` is the deepest node every validator accepts, on device or host (the
+    load-back anchor); without HiCache ``last_host_node`` equals ``last_device_node``.
+    ``host_hit_length`` counts the tokens past the device hit that are on host.
+    ``device_len`` is the device hit's length as ``match_prefix`` stored it (``None`` in a
+    result built by hand); read it as ``device_prefix_len``, which works for both.
+    """
+
+    __slots__ = ()
+
+    @property
+    def device_indices(self) -> torch.Tensor | None:
+        return _resolve(_raw_get(self, 0))  # type: ignore[no-any-return]
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        return _resolve(_raw_get(self, i)) if i in (0, -len(self)) else _raw_get(self, i)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = _raw_iter(self)
+        yield _resolve(next(it))
+        yield from it
+
+    def _replace(self, /, **changes: Any) -> MatchResult:
+        """A copy with ``changes``; a pending ``device_indices`` stays pending (shared)."""
+        result = tuple.__new__(MatchResult, map(changes.pop, self._fields, _raw_iter(self)))
+        if changes:
+            raise TypeError(f"MatchResult has no fields {sorted(changes)}")
+        return result
+
+    def _asdict(self) -> dict[str, Any]:
+        return dict(zip(self._fields, self, strict=True))
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v!r}" for k, v in self._asdict().items())
+        return f"MatchResult({body})"
+
     @property
     def device_prefix_len(self) -> int:
         """Tokens of the device hit (SGLang 0.5.23's name for ``len(device_indices)``)."""
         if self.device_len is not None:
             return self.device_len
-        assert self.device_indices is not None, "a result without indices stores device_len"
-        return int(self.device_indices.shape[0])
+        v = self.device_indices
+        assert v is not None, "a result without indices stores device_len"
+        return int(v.shape[0])
 
     @property
     def indices(self) -> torch.Tensor:

@@ -21,7 +21,7 @@ from hypothesis import given
 from lockstep_harness import LOCKSTEP_SETTINGS, SETS, Lockstep, Side
 from test_cache_properties import ops
 
-from urc import ComponentType, EvictParams, MatchPrefixParams, RadixKey, Req
+from urc import ComponentType, EvictParams, MatchPrefixParams, MatchResult, RadixKey, Req
 from urc.errors import InvalidInputError
 from urc.fastpath import WalkImpl
 
@@ -130,3 +130,73 @@ def test_copy_on_write_without_indices_copies_the_state_and_degrades_the_same() 
     assert r.device_indices is None and r.device_prefix_len == 0
     assert r.last_device_node is cache.root and other.mamba_pool_idx is None
     mamba.check(cache, (req,))
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("components", SETS, ids=lambda s: "+".join(c.name for c in s))
+@LOCKSTEP_SETTINGS
+@given(ops=ops)
+def test_indices_read_long_after_the_match_are_those_of_the_match(
+    ps: int, components: tuple[ComponentType, ...], ops: list[tuple[Any, ...]]
+) -> None:
+    # Before every keyed operation both caches match its key (so they stay in lockstep);
+    # cache 0's result is kept unread with the path's indices as they stood.  Read at the
+    # end, after the splits, evictions and recoveries of the whole sequence, each result
+    # gives what the match would have built eagerly.
+    m = Lockstep(components, ps, (Side(WalkImpl.AUTO), Side(WalkImpl.AUTO)))
+    kept: list[tuple[MatchResult, list[int]]] = []
+    for op in ops:
+        if op[0] in ("insert", "match", "lock", "request"):
+            tokens = m.key(*op[1])
+            results = m.each(
+                lambda i, c, t=tokens: c.match_prefix(MatchPrefixParams(key=RadixKey(list(t))))
+            )
+            r = results[0]
+            kept.append((r, m.caches[0].path_device_indices(r.last_device_node).tolist()))
+        m.run(op)
+    for r, expected in kept:
+        assert r.indices.tolist() == expected
+        assert r.device_prefix_len == len(expected)
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_match_result_reads_its_indices_through_every_tuple_protocol(ps: int) -> None:
+    h = Harness(page_size=ps)
+    a = seq(0, 3, ps)
+    h.insert(a)
+    r = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(a)))
+    expected = h.cache.path_device_indices(r.last_device_node).tolist()
+    # A split on the path and the eviction of the whole tree: the result keeps its hit.
+    h.match(a[:ps])
+    h.cache.evict(EvictParams(num_tokens=len(a)))
+    h.check()
+    assert h.cache.num_nodes == 0
+    first = r.device_indices
+    assert first is not None and first.tolist() == expected
+    assert r.device_indices is first and r[0] is first and r[-len(r)] is first
+    indices, *_ = r
+    assert indices is first and next(iter(r)) is first
+    assert r._asdict()["device_indices"] is first and r[:1][0] is first
+    again = r._replace(host_hit_length=0)
+    assert again.device_indices is first and again == r
+    assert "device_indices=tensor(" in repr(r)
+    with pytest.raises(TypeError, match="no fields"):
+        r._replace(device_index=first)
+
+
+def test_a_pending_result_replaced_before_its_first_read_shares_one_tensor() -> None:
+    h = Harness()
+    h.insert(seq(0, 4, 1))
+    r = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(seq(0, 4, 1))))
+    copy = r._replace(mamba_branching_seqlen=3)
+    assert copy.device_indices is r.device_indices  # built once, on the first read
+    assert copy.mamba_branching_seqlen == 3 and r.mamba_branching_seqlen is None
+
+
+def test_a_miss_reads_a_fresh_empty_tensor_each_match() -> None:
+    h = Harness()
+    a = h.cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2])))
+    b = h.cache.match_prefix(MatchPrefixParams(key=RadixKey([3])))
+    assert a.indices.shape == (0,) and a.indices.dtype == torch.int64
+    assert a.indices is not b.indices  # never one tensor shared between callers
+    assert a.last_device_node is h.cache.root
