@@ -1,14 +1,15 @@
 """Test helper: two caches driven through the same operations and compared after every step.
 
-The two differ in one setting that must not change behaviour (the walk implementation, or
-whether matches build their device indices); after each step their results, every size
+The two differ in one setting that must not change behaviour (the walk implementation,
+whether matches build their device indices, or whether matches find their hit by the
+components' window rules or by their validators); after each step their results, every size
 counter and the whole tree (keys, values, locks, stamps, hit counts) must be equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ class Side:
 
     walk_impl: WalkImpl = WalkImpl.PYTHON
     with_indices: bool = True  # its matches build device_indices
+    window_rules: bool = True  # device-only matches use hooks.match_rules (else validators)
 
 
 def build(components: tuple[ComponentType, ...], ps: int, impl: WalkImpl) -> UnifiedRadixCache:
@@ -114,6 +116,9 @@ class Lockstep:
         self.mamba = MAMBA in components
         self.sides = tuple(sides)
         self.caches = [build(components, ps, s.walk_impl) for s in sides]
+        for s, c in zip(sides, self.caches, strict=True):
+            if not s.window_rules:
+                c.hooks = replace(c.hooks, match_rules=None)
         self.locks: list[list[tuple[TreeNode, IncLockRefResult]]] = [[], []]
 
     def key(self, blocks: list[int], tail: int) -> list[int]:

@@ -28,7 +28,7 @@ from urc.errors import (
     InvalidLockError,
 )
 from urc.eviction import Evictor
-from urc.fastpath import select_walk
+from urc.fastpath import select_match_tail, select_walk
 from urc.hooks import ComponentHooks
 from urc.host_protocol import HostTier, TierEvents, WritePolicy
 from urc.key import RadixKey
@@ -91,7 +91,11 @@ class UnifiedRadixCache:
         self.tier_events: tuple[TierEvents, ...] = ()
         # The tree's structure and the eviction steps first: components are built with them.
         self.tree = tree = Tree(
-            config.page_size, config.is_eagle, self.device, select_walk(config.walk_impl)
+            config.page_size,
+            config.is_eagle,
+            self.device,
+            select_walk(config.walk_impl),
+            select_match_tail(config.walk_impl),
         )
         self.evictor = Evictor(self)
         self.components: list[TreeComponent] = [

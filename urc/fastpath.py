@@ -1,12 +1,14 @@
-"""The tree walk of match and insert: a compiled implementation and its pure-Python twin.
+"""The hot loops of match and insert: compiled implementations and their pure-Python twins.
 
-:func:`py_walk` is the reference; ``urc._native._walk.walk`` (built from
+:func:`py_walk` (the tree walk of match and insert) and :func:`py_match_tail` (a match's
+hit, stamps and values once walked) are the reference; ``urc._native._walk`` (built from
 ``urc/_native/walk.c`` when a C compiler is there at install time) computes exactly the same
-result without building a list slice per node or comparing tokens through the interpreter.
-Which one a cache uses is :attr:`urc.config.CacheConfig.walk_impl` (:class:`WalkImpl`):
-``AUTO`` takes the compiled one when it was built, ``PYTHON`` always the twin.  Both are
-read-only and behave identically (the suite runs the same operation sequences on both and
-compares them step by step), so the choice only changes speed.
+results without building a list slice per node, comparing tokens or reading attributes
+through the interpreter.  Which one a cache uses is
+:attr:`urc.config.CacheConfig.walk_impl` (:class:`WalkImpl`): ``AUTO`` takes the compiled
+ones when they were built, ``PYTHON`` always the twins.  Both behave identically (the suite
+runs the same operation sequences on both and compares them step by step), so the choice
+only changes speed.
 """
 
 from __future__ import annotations
@@ -21,19 +23,30 @@ if TYPE_CHECKING:
     from urc.tree import TreeNode
 
 __all__ = [
+    "MatchRules",
+    "MatchTailFn",
+    "MatchTailResult",
     "WalkFn",
     "WalkImpl",
     "WalkResult",
     "choose_impl",
     "common_len",
     "native_available",
+    "py_deepest_boundary",
+    "py_match_tail",
     "py_walk",
+    "select_match_tail",
     "select_walk",
 ]
 
 #: ``(nodes, pos, partial, m)``: see :func:`py_walk`.
 WalkResult = tuple["list[TreeNode]", int, "TreeNode | None", int]
 WalkFn = Callable[["TreeNode", Any, list[Any], int, int], WalkResult]
+#: ``(component type, window)`` pairs: where a match may end (see :func:`py_deepest_boundary`).
+MatchRules = tuple[tuple[int, int], ...]
+#: ``(k, hit, clock, values)``: see :func:`py_match_tail`.
+MatchTailResult = tuple[int, int, int, "list[Any] | None"]
+MatchTailFn = Callable[["list[TreeNode]", MatchRules, int, bool], MatchTailResult]
 
 _T = TypeVar("_T")
 
@@ -96,19 +109,63 @@ def common_len(edge: list[Any], tokens: list[Any], pos: int) -> int:
     return i
 
 
-def _native() -> WalkFn | None:
+def py_deepest_boundary(path: list[TreeNode], rules: MatchRules) -> int:
+    """The deepest ``i`` (0: none) where every rule ``(ct, window)`` accepts ``path[:i]``:
+    component ``ct`` holds its device value on ``path[i - 1]`` and on every node above it
+    that the last ``window`` tokens up to the end of ``path[i - 1]`` reach (on all of them up
+    to the root when the path is shorter).  ``window`` 0: the last node alone (Mamba: a state
+    to resume from); the sliding window (SWA: a whole window of KV).  Changes nothing."""
+    for i in range(len(path), 0, -1):
+        if all([_rule_accepts(path, i, ct, window) for ct, window in rules]):
+            return i
+    return 0
+
+
+def _rule_accepts(path: list[TreeNode], i: int, ct: int, window: int) -> bool:
+    acc = 0
+    for j in range(i - 1, -1, -1):
+        node = path[j]
+        if node.data[ct].value is None:  # type: ignore[union-attr]
+            return False
+        acc += node.key_len
+        if acc >= window:
+            return True
+    return True
+
+
+def py_match_tail(
+    path: list[TreeNode], rules: MatchRules, clock: int, with_values: bool
+) -> MatchTailResult:
+    """A device-only match's hit once walked: ``k`` (the deepest boundary
+    :func:`py_deepest_boundary` accepts; ``len(path)`` without rules), ``hit`` (the tokens
+    of ``path[:k]``), the clock after stamping ``path[:k]`` root first (one tick each from
+    ``clock``: mutates their ``last_access_time``) and, with ``with_values``, their Full
+    values in order (``None`` without)."""
+    k = py_deepest_boundary(path, rules) if rules else len(path)
+    hit = 0
+    values: list[Any] | None = [] if with_values else None
+    for node in path[:k]:
+        clock += 1
+        node.last_access_time = clock
+        hit += node.key_len
+        if values is not None:
+            values.append(node.full.value)  # type: ignore[union-attr]
+    return k, hit, clock, values
+
+
+def _native() -> tuple[WalkFn, MatchTailFn] | tuple[None, None]:
     try:
-        from urc._native._walk import walk
+        from urc._native._walk import match_tail, walk
     except ImportError:
-        return None
-    return walk  # type: ignore[no-any-return]
+        return None, None
+    return walk, match_tail
 
 
-_NATIVE = _native()
+_NATIVE, _NATIVE_TAIL = _native()
 
 
 def native_available() -> bool:
-    """Whether the compiled walk was built and imports."""
+    """Whether the compiled walk (and match tail) was built and imports."""
     return _NATIVE is not None
 
 
@@ -116,6 +173,11 @@ def select_walk(impl: WalkImpl) -> WalkFn:
     """The walk ``impl`` names (:class:`~urc.errors.ConfigError` for ``NATIVE`` when the
     extension is absent)."""
     return choose_impl(impl, _NATIVE, py_walk, "urc._native._walk")
+
+
+def select_match_tail(impl: WalkImpl) -> MatchTailFn:
+    """The match tail ``impl`` names (as :func:`select_walk`)."""
+    return choose_impl(impl, _NATIVE_TAIL, py_match_tail, "urc._native._walk")
 
 
 def choose_impl(impl: WalkImpl, native: _T | None, python: _T, module: str) -> _T:

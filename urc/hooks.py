@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from urc.components.base import TreeComponent
+from urc.fastpath import MatchRules
 from urc.node import ComponentType, Tier
 
 __all__ = ["ComponentHooks"]
@@ -41,6 +42,9 @@ class ComponentHooks:
     req_checks: tuple[TreeComponent, ...]  # validate_caching_req
     prepare: tuple[TreeComponent, ...]  # prepare_for_caching_req
     cleanup: tuple[TreeComponent, ...]  # cleanup_after_caching_req
+    # ``(type, window)`` of every validating component when each has a window rule
+    # (``device_match_window``), else ``None``: the device-only match's boundary rules.
+    match_rules: MatchRules | None
     # Every component, last created first, with its type: the per-leaf eviction order.
     evict_order: tuple[tuple[TreeComponent, ComponentType], ...]
     # ``(type, Tier.DEVICE)`` of every component, creation order (eviction's result keys).
@@ -69,6 +73,14 @@ class ComponentHooks:
             req_checks=hooked("validate_caching_req"),
             prepare=hooked("prepare_for_caching_req"),
             cleanup=hooked("cleanup_after_caching_req"),
+            match_rules=_match_rules(hooked("create_match_validator")),
             evict_order=tuple((c, c.component_type) for c in reversed(components)),
             device_evict_keys=tuple((c.component_type, Tier.DEVICE) for c in components),
         )
+
+
+def _match_rules(validating: Sequence[TreeComponent]) -> MatchRules | None:
+    rules = [(int(c.component_type), c.device_match_window()) for c in validating]
+    if any(w is None for _, w in rules):
+        return None
+    return tuple(rules)  # type: ignore[arg-type]

@@ -97,36 +97,26 @@ def _match_device_only(
     n: int,
 ) -> MatchResult:
     """:func:`match_prefix` without a host tier: the device path is the whole walk, the hit
-    its deepest node every validator accepts (asked bottom-up through the path validators,
-    which answer what the top-down match validators would: usually the deepest node is
-    accepted at once, instead of one call per node and component).  The stamps and result
-    of :func:`finish_match` are inline (this is the hot path); both end in
-    :func:`_end_match`."""
+    its deepest node every validating component accepts.  With window rules
+    (``hooks.match_rules``) one pass of the tree's ``match_tail`` (compiled when built)
+    finds it from the deepest node up, stamps it and gathers its values; else the path
+    validators answer first.  The result of :func:`finish_match` is inline (this is the
+    hot path); both end in :func:`_end_match`."""
     tree = cache.tree
     # Without a host tier every node holds its Full value on device (sanity_check): the
     # walk's nodes are the device path as they stand.
     if partial is not None:
         walked.append(tree.split(partial, pm))
         pos += pm
-    k = len(walked)
-    hits = walked
-    hit = pos
-    if k and cache.hooks.validating:
-        k = _deepest_boundary(cache, walked, True)
-        if k < len(walked):
-            hits = walked[:k]
-            hit = sum([child.key_len for child in hits])
-    # finish_match(cache, params, walked, k, k, pos, n), inline up to its end.
-    clock = tree.clock
-    for child in hits:  # root first: parent < child
-        clock += 1
-        child.last_access_time = clock
-    tree.clock = clock
+    path = walked
+    rules = cache.hooks.match_rules
+    if rules is None:  # validators without a window rule: they find the hit
+        path = walked[: _deepest_boundary(cache, walked, True)] if walked else walked
+        rules = ()
+    k, hit, tree.clock, values = tree.match_tail(path, rules, tree.clock, params.with_indices)
     if k:
-        last = hits[-1]
-        indices = None
-        if params.with_indices:
-            indices = PendingIndices([c.full.value for c in hits])  # type: ignore[misc,union-attr]
+        last = walked[k - 1]
+        indices = None if values is None else PendingIndices(values)
         result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST, hit))
     else:
         result = empty_result(cache, params.with_indices)

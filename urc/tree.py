@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from urc.fastpath import WalkFn, common_len, py_walk
+from urc.fastpath import MatchTailFn, WalkFn, common_len, py_match_tail, py_walk
 from urc.key import RadixKey
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
@@ -43,7 +43,8 @@ class Tree:
     ``clock`` only grows: each :meth:`touch` (and each node creation) takes the next tick,
     so access times are unique and a parent stamped before its child is older.
     ``new_data`` makes a node's per-component data; ``split_hooks`` run on every split;
-    ``walk`` is the descent (see :mod:`urc.fastpath`).
+    ``walk`` is the descent, ``match_tail`` a match's stamps once walked (see
+    :mod:`urc.fastpath`).
     Mutating methods say so; none touches pool tensors.
     """
 
@@ -51,6 +52,7 @@ class Tree:
         "clock",
         "device",
         "is_eagle",
+        "match_tail",
         "new_data",
         "num_nodes",
         "page_size",
@@ -65,6 +67,7 @@ class Tree:
         is_eagle: bool,
         device: torch.device,
         walk: WalkFn = py_walk,
+        match_tail: MatchTailFn = py_match_tail,
     ) -> None:
         self.page_size = page_size
         self.is_eagle = is_eagle
@@ -72,6 +75,9 @@ class Tree:
         # ``walk(node, ck, tokens, pos, page_size)``: the read-only descent of match and
         # insert (:func:`urc.fastpath.py_walk` or its compiled twin); splits are the caller's.
         self.walk = walk
+        # ``match_tail(path, rules, clock, with_values)``: a device-only match's hit, stamps
+        # and values (:func:`urc.fastpath.py_match_tail` or its compiled twin).
+        self.match_tail = match_tail
         self.clock = 0
         self.num_nodes = 0
 

@@ -26,15 +26,26 @@ from urc import (
     build_cache,
 )
 from urc.errors import ConfigError
-from urc.fastpath import WalkImpl, native_available, py_walk, select_walk
+from urc.fastpath import (
+    WalkImpl,
+    native_available,
+    py_deepest_boundary,
+    py_match_tail,
+    py_walk,
+    select_match_tail,
+    select_walk,
+)
+from urc.matching import _deepest_boundary
 
 needs_native = pytest.mark.skipif(not native_available(), reason="urc._native._walk not built")
 
 
 def test_python_choice_is_the_twin_and_auto_prefers_the_compiled_walk() -> None:
     assert select_walk(WalkImpl.PYTHON) is py_walk
+    assert select_match_tail(WalkImpl.PYTHON) is py_match_tail
     auto = select_walk(WalkImpl.AUTO)
     assert (auto is not py_walk) == native_available()
+    assert (select_match_tail(WalkImpl.AUTO) is not py_match_tail) == native_available()
 
 
 def test_native_choice_without_the_extension_is_a_config_error(
@@ -43,9 +54,13 @@ def test_native_choice_without_the_extension_is_a_config_error(
     import urc.fastpath as fp
 
     monkeypatch.setattr(fp, "_NATIVE", None)
+    monkeypatch.setattr(fp, "_NATIVE_TAIL", None)
     with pytest.raises(ConfigError, match="not built"):
         select_walk(WalkImpl.NATIVE)
+    with pytest.raises(ConfigError, match="not built"):
+        select_match_tail(WalkImpl.NATIVE)
     assert select_walk(WalkImpl.AUTO) is py_walk
+    assert select_match_tail(WalkImpl.AUTO) is py_match_tail
 
 
 # ---------------------------------------------------------------- the walk functions
@@ -215,3 +230,69 @@ def test_python_and_native_caches_agree_after_every_step(
         m.run(op)
     for c in m.caches:
         c.sanity_check()
+
+
+@needs_native
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("components", SETS, ids=lambda s: "+".join(c.name for c in s))
+@LOCKSTEP_SETTINGS
+@given(ops=ops)
+def test_match_tail_twins_and_component_validators_agree_on_every_path(
+    ps: int, components: tuple[ComponentType, ...], ops: list[tuple[Any, ...]]
+) -> None:
+    """On every root-to-node path of random caches (tombstones included): the window
+    rules' deepest boundary is the validators' (``deepest_boundary``), and both match
+    tails find it, stamp the same nodes alike and gather the same value tensors."""
+    m = Lockstep(components, ps, (Side(WalkImpl.PYTHON), Side(WalkImpl.PYTHON)))
+    for op in ops:
+        m.run(op)
+    cache = m.caches[0]
+    rules = cache.hooks.match_rules
+    assert rules is not None
+    native = select_match_tail(WalkImpl.NATIVE)
+    for node in cache.iter_nodes():
+        path = cache.tree.path_to(node)
+        k = py_deepest_boundary(path, rules) if rules else len(path)
+        assert k == _deepest_boundary(cache, path, True), [n.id for n in path]
+        stamps = [n.last_access_time for n in path]
+        tails = []
+        for tail in (py_match_tail, native):
+            for with_values in (True, False):
+                for n, t in zip(path, stamps, strict=True):
+                    n.last_access_time = t
+                got = tail(path, rules, 1000, with_values)
+                tails.append((got, [n.last_access_time for n in path]))
+        (a, sa), (a2, _), (b, sb), (b2, _) = tails
+        assert a[0] == k and a[:3] == b[:3] == a2[:3] == b2[:3] and sa == sb
+        assert a[1] == sum(n.key_len for n in path[:k]) and a[2] == 1000 + k
+        assert a2[3] is None and b2[3] is None
+        held = [id(n.full.value) for n in path[:k]]
+        assert [id(v) for v in a[3]] == [id(v) for v in b[3]] == held
+        assert sa == [1001 + i if i < k else t for i, t in enumerate(stamps)]
+        for n, t in zip(path, stamps, strict=True):
+            n.last_access_time = t
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("components", SETS[1:], ids=lambda s: "+".join(c.name for c in s))
+@LOCKSTEP_SETTINGS
+@given(ops=ops)
+def test_window_rules_and_validators_run_the_same_matches(
+    ps: int, components: tuple[ComponentType, ...], ops: list[tuple[Any, ...]]
+) -> None:
+    """A cache whose matches find their hit by the window rules and one whose matches ask
+    the validators stay equal after every step."""
+    m = Lockstep(components, ps, (Side(impl), Side(impl, window_rules=False)))
+    for op in ops:
+        m.run(op)
+    for c in m.caches:
+        c.sanity_check()
+
+
+def test_match_tail_rejects_malformed_rules() -> None:
+    cache = build_cache(CacheConfig(kv_size=64, max_num_reqs=1, max_context_len=8))
+    tails = [py_match_tail] + ([select_match_tail(WalkImpl.NATIVE)] if native_available() else [])
+    for tail in tails:
+        with pytest.raises((TypeError, ValueError)):
+            tail([cache.root], ((0,),), 0, True)  # type: ignore[arg-type]

@@ -1,63 +1,94 @@
-/* urc._native._walk: the compiled twin of urc.fastpath.py_walk (see its docstring).
+/* urc._native._walk: the compiled twins of urc.fastpath.py_walk and py_match_tail (see
+ * their docstrings).
  *
  * walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)
+ * match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)
  *
  * ``ck`` None: the first child is looked up under the page key at ``pos``, like every later
  * one.
  *
- * Read-only: it follows ``tokens[pos:]`` down the radix tree from ``node`` (first child key
- * ``ck``, then ``tokens[pos]`` or the tuple of the next page) and changes nothing.  Tokens are
- * compared with Python ``==`` semantics: identity first, exact ints by value, anything else
- * through PyObject_RichCompareBool -- exactly what comparing two list slices does, without
- * building the slices.
+ * walk is read-only: it follows ``tokens[pos:]`` down the radix tree from ``node`` (first
+ * child key ``ck``, then ``tokens[pos]`` or the tuple of the next page) and changes nothing.
+ * Tokens are compared with Python ``==`` semantics: identity first, exact ints by value,
+ * anything else through PyObject_RichCompareBool -- exactly what comparing two list slices
+ * does, without building the slices.  match_tail stamps the nodes of the hit it finds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
 #include <structmember.h>
 
-static PyObject *s_children, *s_key;
+/* A slot read or written by name, with its offset cached for the last type seen: on that
+ * exact type it is a load or a store, not a generic attribute lookup (any other type, or a
+ * slot not set, takes PyObject_GetAttr / PyObject_SetAttr). */
+typedef struct {
+    const char *cname;
+    PyObject *name;
+    PyTypeObject *type; /* held: a freed type's address could come back with another layout */
+    Py_ssize_t off;
+} slot_cache;
 
-/* Slot offsets of ``children`` and ``key`` on the last node type seen: reading a slot of
- * that exact type is a load, not a generic attribute lookup (any other type, or a slot not
- * set, takes PyObject_GetAttr). */
-static PyTypeObject *slot_type;
-static Py_ssize_t off_children, off_key;
+static slot_cache sc_children = {"children"}, sc_key = {"key"}, sc_key_len = {"key_len"},
+                  sc_data = {"data"}, sc_full = {"full"}, sc_value = {"value"},
+                  sc_stamp = {"last_access_time"},
+                  sc_rule_value = {"value"}; /* a rule's component data: its own type */
 
-static Py_ssize_t
-member_offset(PyTypeObject *type, PyObject *name)
+/* The slot offset of ``c`` on ``type`` (-1: not a plain object slot), cached. */
+static inline Py_ssize_t
+slot_offset(slot_cache *c, PyTypeObject *type)
 {
-    PyObject *d = _PyType_Lookup(type, name); /* borrowed */
+    if (type == c->type)
+        return c->off;
+    PyObject *d = _PyType_Lookup(type, c->name); /* borrowed */
     if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type))
         return -1;
     PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    return m->type == T_OBJECT_EX ? m->offset : -1;
+    if (m->type != T_OBJECT_EX)
+        return -1;
+    Py_INCREF(type);
+    Py_XDECREF(c->type);
+    c->type = type;
+    c->off = m->offset;
+    return c->off;
 }
 
-/* New reference to ``obj.<name>`` (NULL with an exception). */
+/* Borrowed ``obj.<c>`` when it is a set slot of a cached type, else NULL (no exception). */
 static inline PyObject *
-get_slot(PyObject *obj, PyObject *name, int which)
+peek_slot(PyObject *obj, slot_cache *c)
 {
-    PyTypeObject *type = Py_TYPE(obj);
-    if (type != slot_type) {
-        Py_ssize_t oc = member_offset(type, s_children), ok = member_offset(type, s_key);
-        if (oc >= 0 && ok >= 0) {
-            /* Held: a freed type's address could otherwise come back with another layout. */
-            Py_INCREF(type);
-            Py_XDECREF(slot_type);
-            slot_type = type;
-            off_children = oc;
-            off_key = ok;
-        }
+    Py_ssize_t off = slot_offset(c, Py_TYPE(obj));
+    return off < 0 ? NULL : *(PyObject **)((char *)obj + off);
+}
+
+/* New reference to ``obj.<c>`` (NULL with an exception). */
+static inline PyObject *
+get_slot(PyObject *obj, slot_cache *c)
+{
+    PyObject *v = peek_slot(obj, c);
+    if (v != NULL) {
+        Py_INCREF(v);
+        return v;
     }
-    if (type == slot_type) {
-        PyObject *v = *(PyObject **)((char *)obj + (which ? off_key : off_children));
-        if (v != NULL) {
-            Py_INCREF(v);
-            return v;
-        }
+    return PyObject_GetAttr(obj, c->name);
+}
+
+/* ``obj.<c> = v`` (steals ``v``); -1 with an exception. */
+static inline int
+set_slot(PyObject *obj, slot_cache *c, PyObject *v)
+{
+    if (v == NULL)
+        return -1;
+    Py_ssize_t off = slot_offset(c, Py_TYPE(obj));
+    if (off >= 0) {
+        PyObject **p = (PyObject **)((char *)obj + off);
+        PyObject *old = *p;
+        *p = v;
+        Py_XDECREF(old);
+        return 0;
     }
-    return PyObject_GetAttr(obj, name);
+    int r = PyObject_SetAttr(obj, c->name, v);
+    Py_DECREF(v);
+    return r;
 }
 
 /* Exact ints of at most two 30-bit digits (CPython 3.11's layout: the sign in ob_size):
@@ -207,9 +238,7 @@ scan_children(PyObject *children, PyObject *tokens, Py_ssize_t pos, Py_ssize_t p
     Py_ssize_t it = 0;
     PyObject *k, *v;
     while (PyDict_Next(children, &it, &k, &v)) {
-        if (Py_TYPE(v) != slot_type)
-            return 0;
-        PyObject *edge = *(PyObject **)((char *)v + off_key);
+        PyObject *edge = peek_slot(v, &sc_key);
         if (edge == NULL || !PyList_CheckExact(edge) || PyList_GET_SIZE(edge) < ps)
             return 0;
         PyObject *const *e = ((PyListObject *)edge)->ob_item;
@@ -264,7 +293,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t n = PyList_GET_SIZE(tokens);
         if (pos >= n)
             break;
-        PyObject *children = get_slot(node, s_children, 0);
+        PyObject *children = get_slot(node, &sc_children);
         if (children == NULL)
             goto fail;
         if (!PyDict_Check(children)) {
@@ -292,7 +321,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
             break;
         }
-        PyObject *edge = get_slot(child, s_key, 1);
+        PyObject *edge = get_slot(child, &sc_key);
         if (edge == NULL) {
             Py_DECREF(child);
             goto fail;
@@ -355,22 +384,167 @@ fail:
     return NULL;
 }
 
+/* ``node.<c>`` as a C integer; -1 with an exception. */
+static Py_ssize_t
+int_slot(PyObject *node, slot_cache *c)
+{
+    PyObject *v = get_slot(node, c);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t r = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Whether ``node.data[ct].value is not None``: 1, 0, or -1 with an exception. */
+static int
+has_value(PyObject *node, Py_ssize_t ct)
+{
+    PyObject *data = get_slot(node, &sc_data);
+    if (data == NULL)
+        return -1;
+    PyObject *cd = PySequence_GetItem(data, ct);
+    Py_DECREF(data);
+    if (cd == NULL)
+        return -1;
+    PyObject *v = get_slot(cd, &sc_rule_value);
+    Py_DECREF(cd);
+    if (v == NULL)
+        return -1;
+    int r = v != Py_None;
+    Py_DECREF(v);
+    return r;
+}
+
+/* Whether the rule (ct, window) accepts path[:i] (see py_deepest_boundary): 1, 0, -1. */
+static int
+rule_accepts(PyObject *path, Py_ssize_t i, Py_ssize_t ct, Py_ssize_t window)
+{
+    Py_ssize_t acc = 0;
+    for (Py_ssize_t j = i - 1; j >= 0; j--) {
+        if (j >= PyList_GET_SIZE(path)) { /* only if an attribute hook resized it */
+            PyErr_SetString(PyExc_RuntimeError, "match_tail: path changed size");
+            return -1;
+        }
+        PyObject *node = PyList_GET_ITEM(path, j);
+        Py_INCREF(node);
+        int r = has_value(node, ct);
+        Py_ssize_t len = r > 0 ? int_slot(node, &sc_key_len) : 0;
+        Py_DECREF(node);
+        if (r <= 0)
+            return r;
+        if (len == -1 && PyErr_Occurred())
+            return -1;
+        acc += len;
+        if (acc >= window)
+            return 1;
+    }
+    return 1; /* the component's data all the way up from the root */
+}
+
+enum { MAX_RULES = 8 };
+
+static PyObject *
+match_tail(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "match_tail(path, rules, clock, with_values)");
+        return NULL;
+    }
+    PyObject *path = args[0], *rules = args[1];
+    if (!PyList_Check(path) || !PyTuple_Check(rules)) {
+        PyErr_SetString(PyExc_TypeError, "match_tail: path must be a list, rules a tuple");
+        return NULL;
+    }
+    Py_ssize_t nrules = PyTuple_GET_SIZE(rules), ct[MAX_RULES], window[MAX_RULES];
+    if (nrules > MAX_RULES) {
+        PyErr_SetString(PyExc_ValueError, "match_tail: too many rules");
+        return NULL;
+    }
+    for (Py_ssize_t r = 0; r < nrules; r++) {
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(rules, r), "nn", &ct[r], &window[r]))
+            return NULL;
+    }
+    long long clock = PyLong_AsLongLong(args[2]);
+    if (clock == -1 && PyErr_Occurred())
+        return NULL;
+    int with_values = PyObject_IsTrue(args[3]);
+    if (with_values < 0)
+        return NULL;
+    /* The hit: the deepest i that every rule accepts (asked from the deepest node up). */
+    Py_ssize_t k = PyList_GET_SIZE(path);
+    if (nrules) {
+        for (; k > 0; k--) {
+            int ok = 1;
+            for (Py_ssize_t r = 0; r < nrules && ok; r++) {
+                ok = rule_accepts(path, k, ct[r], window[r]);
+                if (ok < 0)
+                    return NULL;
+            }
+            if (ok)
+                break;
+        }
+    }
+    /* Stamp path[:k] root first, count its tokens, gather its Full values. */
+    PyObject *values = with_values ? PyList_New(k) : Py_NewRef(Py_None);
+    if (values == NULL)
+        return NULL;
+    Py_ssize_t hit = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (j >= PyList_GET_SIZE(path)) {
+            PyErr_SetString(PyExc_RuntimeError, "match_tail: path changed size");
+            goto fail;
+        }
+        PyObject *node = PyList_GET_ITEM(path, j);
+        Py_INCREF(node);
+        clock++;
+        Py_ssize_t len = -1;
+        if (set_slot(node, &sc_stamp, PyLong_FromLongLong(clock)) == 0)
+            len = int_slot(node, &sc_key_len);
+        if (len == -1 && PyErr_Occurred()) {
+            Py_DECREF(node);
+            goto fail;
+        }
+        hit += len;
+        if (with_values) {
+            PyObject *full = get_slot(node, &sc_full);
+            PyObject *v = full == NULL ? NULL : get_slot(full, &sc_value);
+            Py_XDECREF(full);
+            if (v == NULL) {
+                Py_DECREF(node);
+                goto fail;
+            }
+            PyList_SET_ITEM(values, j, v);
+        }
+        Py_DECREF(node);
+    }
+    return Py_BuildValue("(nnLN)", k, hit, clock, values);
+fail:
+    Py_DECREF(values);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)"},
+    {"match_tail", (PyCFunction)(void (*)(void))match_tail, METH_FASTCALL,
+     "match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_walk", "Compiled radix-tree walk (see urc.fastpath).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_walk", "Compiled radix-tree walk and match tail (see urc.fastpath).", -1, methods,
 };
 
 PyMODINIT_FUNC
 PyInit__walk(void)
 {
-    s_children = PyUnicode_InternFromString("children");
-    s_key = PyUnicode_InternFromString("key");
-    if (s_children == NULL || s_key == NULL)
-        return NULL;
+    slot_cache *caches[] = {&sc_children, &sc_key, &sc_key_len, &sc_data,
+                            &sc_full,     &sc_value, &sc_stamp, &sc_rule_value};
+    for (size_t i = 0; i < sizeof(caches) / sizeof(caches[0]); i++) {
+        caches[i]->name = PyUnicode_InternFromString(caches[i]->cname);
+        if (caches[i]->name == NULL)
+            return NULL;
+    }
     return PyModule_Create(&module);
 }

@@ -140,6 +140,15 @@ class TreeComponent(ABC):
                 return i
         return 0
 
+    def device_match_window(self) -> int | None:
+        """This component's device-only boundary rule when it is a window rule, else
+        ``None`` (its validators decide).  ``w``: a match may end at a node only where the
+        component's device value is on the node and on the nodes above it that the last
+        ``w`` tokens up to its end reach (see :func:`urc.fastpath.py_deepest_boundary`).
+        With a rule, a match without a host tier finds its hit in one compiled pass instead
+        of asking :meth:`deepest_boundary`; both must answer alike (the suite checks it)."""
+        return None
+
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         """Refresh eviction order after a match; ``path[:best_len]`` is the accepted part."""
 

@@ -159,6 +159,9 @@ class MambaComponent(TreeComponent):
                 return i
         return 0
 
+    def device_match_window(self) -> int:
+        return 0  # a state on the node itself: deepest_boundary's device rule
+
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         # Only the state the match ends on is used; ancestors' checkpoints keep their age.
         if best_len:

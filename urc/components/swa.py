@@ -155,6 +155,9 @@ class SWAComponent(TreeComponent):
     def deepest_boundary(self, path: Sequence[TreeNode], match_device_only: bool) -> int:
         return deepest_window_boundary(path, self.window, match_device_only)
 
+    def device_match_window(self) -> int:
+        return self.window  # deepest_window_boundary's device rule
+
     def _refresh(self, node: TreeNode) -> None:
         """Move the nodes covering one window plus one page above ``node`` (inclusive) to the
         MRU end, ancestors first; tombstones count toward the span but are not in the list.
