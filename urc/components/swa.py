@@ -131,6 +131,10 @@ class SWAComponent(TreeComponent):
         return -(-params.get_evicted_seqlen(ComponentType.SWA) // ps) * ps
 
     # ------------------------------------------------------------------ match
+    def uses_hook(self, name: str) -> bool:
+        # The result's SWA field is about host hits: without a host tier there is none.
+        return name != "finalize_match_result" or self.host_tier is not None
+
     def finalize_match_result(
         self,
         result: MatchResult,
