@@ -63,8 +63,8 @@ class CacheConfig:
     # Reasoning models: a finished request that produced thinking tokens caches its prompt
     # only (SGLang's ``strip_thinking_cache``); its output KV is freed.
     strip_thinking_cache: bool = False
-    # The tree walk of match and insert: the compiled one when built (AUTO), or the
-    # pure-Python twin; both give identical results (see ``urc.fastpath``).
+    # The tree walk of match and insert and a match's tail: the compiled ones when built
+    # (AUTO), or the pure-Python twins; both give identical results (see ``urc.fastpath``).
     walk_impl: WalkImpl = WalkImpl.AUTO
     # Eviction takes only the tail pages of a victim leaf that the request still needs
     # (the leaf is split), so an eviction never frees more than a page beyond what it was
