@@ -44,6 +44,24 @@ def test_attach_builds_the_host_tier_and_its_controller() -> None:
     assert cache.tier_events == (hc.controller,)
 
 
+def test_attach_hooks_swa_host_hit_reporting_only_once_there_is_a_host_tier() -> None:
+    # SWA's finalize_match_result reports host hits: without a host tier a match skips it.
+    cache = build_cache(
+        CacheConfig(
+            components=(FULL, ComponentType.SWA),
+            page_size=PS,
+            kv_size=128,
+            swa_kv_size=128,
+            sliding_window_size=2 * PS,
+            kv_shape=KVShape(2, 2, 4, torch.float32),
+        )
+    )
+    swa = cache.component(ComponentType.SWA)
+    assert swa not in cache.hooks.finalize
+    hicache.attach(cache, HiCacheConfig(host_ratio=2.0))
+    assert swa in cache.hooks.finalize
+
+
 def test_attach_refuses_a_cache_that_already_has_a_host_tier() -> None:
     cache = small_cache()
     hicache.attach(cache, HiCacheConfig())
