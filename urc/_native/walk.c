@@ -260,6 +260,26 @@ scan_children(PyObject *children, PyObject *tokens, Py_ssize_t pos, Py_ssize_t p
     return 1;
 }
 
+/* The child held under the very object ``key`` (borrowed), found among up to SCAN_CHILDREN
+ * entries by pointer, or NULL (then the dict lookup decides).  Page 1: a token the request
+ * shares with the tree is the same object as the child's key, and comparing pointers spares
+ * reading the token to hash it (a cache miss per node on a long, cold path).  Runs no
+ * Python code.  A key identical to the query is the entry the lookup would find: keys of a
+ * dict are distinct. */
+static inline PyObject *
+same_key_child(PyObject *children, PyObject *key)
+{
+    if (PyDict_GET_SIZE(children) > SCAN_CHILDREN)
+        return NULL;
+    Py_ssize_t it = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(children, &it, &k, &v)) {
+        if (k == key)
+            return v;
+    }
+    return NULL;
+}
+
 static PyObject *
 walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -312,7 +332,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
             }
         }
-        if (ck != NULL)
+        if (ck != NULL && (ps > 1 || (child = same_key_child(children, ck)) == NULL))
             child = PyDict_GetItemWithError(children, ck);
         Py_XINCREF(child);
         Py_DECREF(children);
