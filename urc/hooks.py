@@ -80,7 +80,10 @@ class ComponentHooks:
 
 
 def _match_rules(validating: Sequence[TreeComponent]) -> MatchRules | None:
-    rules = [(int(c.component_type), c.device_match_window()) for c in validating]
-    if any(w is None for _, w in rules):
-        return None
-    return tuple(rules)  # type: ignore[arg-type]
+    rules = []
+    for c in validating:
+        window = c.device_match_window()
+        if window is None:
+            return None
+        rules.append((int(c.component_type), window))
+    return tuple(rules)

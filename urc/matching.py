@@ -4,9 +4,12 @@ re-match of a path the caller knows (``match_path``).
 A walk descends the tree page by page (splitting the node where a match ends inside it),
 asks each validating component whether a node may end the match (SWA: a whole window of KV
 above it; Mamba: a state on it), then stamps the best match and its ancestors, counts, and
-lets components refresh their LRUs and finish the result.  The result's device indices are
-one ``torch.cat`` of the hit's node values, skipped for ``MatchPrefixParams.with_indices=False``
-(then :func:`path_device_indices` gives them).  See the cache's docstring for costs.
+lets components refresh their LRUs and finish the result.  Without a host tier, components
+whose rule is a window (``device_match_window``) let the tree's ``match_tail`` find, stamp and
+gather the hit in one compiled pass.  The result's device indices are one ``torch.cat`` of the
+hit's node values, built when first read (:class:`~urc.params.PendingIndices`), and ``None``
+for ``MatchPrefixParams.with_indices=False`` (then :func:`path_device_indices` gives them).
+See the cache's docstring for costs.
 """
 
 from __future__ import annotations

@@ -162,6 +162,55 @@ def test_native_walk_returns_what_the_python_walk_returns(
 
 
 @needs_native
+@pytest.mark.parametrize("ps", [1, 4])
+@settings(max_examples=25, deadline=None)
+@given(
+    stored=st.lists(_blocks, min_size=1, max_size=24),
+    queries=st.lists(st.tuples(_blocks, st.integers(0, 3)), min_size=1, max_size=6),
+)
+def test_native_walk_agrees_when_queries_share_token_objects_with_the_tree(
+    ps: int, stored: list[list[int]], queries: list[tuple[list[int], int]]
+) -> None:
+    """The compiled walk finds a child by the identity of its key (page 1: the token; pages:
+    the key tuple's items) before hashing: queries built from the very token objects the
+    tree holds (also under namespaces, and past 16 children of one node) walk alike."""
+    native = select_walk(WalkImpl.NATIVE)
+    cache = build_cache(
+        CacheConfig(
+            page_size=ps,
+            kv_size=512 * ps,
+            max_num_reqs=1,
+            max_context_len=8,
+            walk_impl=WalkImpl.PYTHON,
+        )
+    )
+    pages = {b: [1000 + b * 16 + i for i in range(ps)] for b in range(40)}  # shared objects
+
+    def key(blocks: list[int]) -> list[Any]:
+        return [t for b in blocks for t in pages[b]]
+
+    for i, blocks in enumerate([*stored, *([b] for b in range(20))]):  # > 16 root children
+        toks = key(blocks)
+        value = cache.token_to_kv_pool_allocator.alloc(len(toks))
+        if value is None:
+            break
+        extra = ("tenant", 1) if i % 3 == 1 else None
+        cache.insert(InsertParams(key=RadixKey(toks, extra), value=value))
+    for blocks, cut in queries:
+        toks = key(blocks)
+        if cut and toks:
+            toks[-1 - (cut - 1) % ps] = 5_000_000  # diverge inside the last page
+        for first in (None, cache.tree.root_child_key(toks, None)):
+            a = py_walk(cache.root, first, toks, 0, ps)
+            b = native(cache.root, first, toks, 0, ps)
+            assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+        for node in cache.iter_nodes():
+            a = py_walk(node, None, toks, 0, ps)
+            b = native(node, None, toks, 0, ps)
+            assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+
+
+@needs_native
 def test_native_walk_propagates_an_exception_from_a_token_comparison() -> None:
     class Bad(Tok):
         __hash__ = Tok.__hash__

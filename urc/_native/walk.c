@@ -280,6 +280,26 @@ same_key_child(PyObject *children, PyObject *key)
     return NULL;
 }
 
+/* The child held under the tuple of the very token objects of the page ``tokens[pos:pos +
+ * ps]`` (borrowed), found among up to SCAN_CHILDREN keys by comparing pointers, or NULL (the
+ * other lookups decide).  A key tuple is one object to read, where comparing a child's edge
+ * reads the node, its key list and the list's items.  Runs no Python code. */
+static inline PyObject *
+same_page_child(PyObject *children, PyObject *tokens, Py_ssize_t pos, Py_ssize_t ps)
+{
+    if (PyDict_GET_SIZE(children) > SCAN_CHILDREN || PyList_GET_SIZE(tokens) - pos < ps)
+        return NULL;
+    PyObject *const *page = ((PyListObject *)tokens)->ob_item + pos;
+    Py_ssize_t it = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(children, &it, &k, &v)) {
+        if (PyTuple_CheckExact(k) && PyTuple_GET_SIZE(k) == ps &&
+            memcmp(((PyTupleObject *)k)->ob_item, page, (size_t)ps * sizeof(PyObject *)) == 0)
+            return v;
+    }
+    return NULL;
+}
+
 static PyObject *
 walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -321,10 +341,13 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "walk: node.children must be a dict");
             goto fail;
         }
-        PyObject *child; /* borrowed */
-        /* The first lookup never scans: the root also holds namespaced children, whose
-         * first page is not their key. */
-        if (ck == NULL &&
+        PyObject *child = NULL; /* borrowed */
+        /* Pages: a key tuple holding the very token objects of the page first (keys only,
+         * so safe at the root too); else the edges' first pages -- but never at the root,
+         * which also holds namespaced children whose first page is not their key. */
+        if (ck == NULL && ps > 1)
+            child = same_page_child(children, tokens, pos, ps);
+        if (child == NULL && ck == NULL &&
             (ps == 1 || node == args[0] || scan_children(children, tokens, pos, ps, &child) == 0)) {
             ck = child_key(tokens, pos, ps);
             if (ck == NULL) {
