@@ -25,6 +25,7 @@ from urc import (
     TreeNode,
     build_cache,
 )
+from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.fastpath import (
     WalkImpl,
@@ -107,6 +108,26 @@ def _fresh(tokens: list[Any]) -> list[Any]:
 _blocks = st.lists(st.integers(0, 3), min_size=1, max_size=6)
 
 
+def _python_walk_cache(ps: int, kv_size: int) -> UnifiedRadixCache:
+    return build_cache(
+        CacheConfig(
+            page_size=ps,
+            kv_size=kv_size,
+            max_num_reqs=1,
+            max_context_len=8,
+            walk_impl=WalkImpl.PYTHON,
+        )
+    )
+
+
+def _assert_walks_agree(
+    native: Any, node: TreeNode, first: Any, toks: list[Any], pos: int, ps: int
+) -> None:
+    a = py_walk(node, first, toks, pos, ps)
+    b = native(node, first, toks, pos, ps)
+    assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+
+
 @needs_native
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("kind", ["int", "big", "neg", "pair", "obj"])
@@ -119,15 +140,7 @@ def test_native_walk_returns_what_the_python_walk_returns(
     ps: int, kind: str, stored: list[list[int]], queries: list[tuple[list[int], int]]
 ) -> None:
     native = select_walk(WalkImpl.NATIVE)
-    cache = build_cache(
-        CacheConfig(
-            page_size=ps,
-            kv_size=64 * ps,
-            max_num_reqs=1,
-            max_context_len=8,
-            walk_impl=WalkImpl.PYTHON,
-        )
-    )
+    cache = _python_walk_cache(ps, 64 * ps)
 
     def key(blocks: list[int], cut: int = 0) -> list[Any]:
         toks = [_token(kind, b * 16 + i) for b in blocks for i in range(ps)]
@@ -151,14 +164,10 @@ def test_native_walk_returns_what_the_python_walk_returns(
         for pos in range(0, len(toks), ps):
             # ``None``: the walk takes the page key at ``pos`` itself.
             for first in (ck, None):
-                a = py_walk(cache.root, first, toks, pos, ps)
-                b = native(cache.root, first, toks, pos, ps)
-                assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+                _assert_walks_agree(native, cache.root, first, toks, pos, ps)
             ck = toks[pos] if ps == 1 else tuple(toks[pos : pos + ps])
         for node in cache.iter_nodes():  # from below the root: later lookups may scan
-            a = py_walk(node, None, toks, 0, ps)
-            b = native(node, None, toks, 0, ps)
-            assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+            _assert_walks_agree(native, node, None, toks, 0, ps)
 
 
 @needs_native
@@ -175,15 +184,7 @@ def test_native_walk_agrees_when_queries_share_token_objects_with_the_tree(
     the key tuple's items) before hashing: queries built from the very token objects the
     tree holds (also under namespaces, and past 16 children of one node) walk alike."""
     native = select_walk(WalkImpl.NATIVE)
-    cache = build_cache(
-        CacheConfig(
-            page_size=ps,
-            kv_size=512 * ps,
-            max_num_reqs=1,
-            max_context_len=8,
-            walk_impl=WalkImpl.PYTHON,
-        )
-    )
+    cache = _python_walk_cache(ps, 512 * ps)
     pages = {b: [1000 + b * 16 + i for i in range(ps)] for b in range(40)}  # shared objects
 
     def key(blocks: list[int]) -> list[Any]:
@@ -201,13 +202,9 @@ def test_native_walk_agrees_when_queries_share_token_objects_with_the_tree(
         if cut and toks:
             toks[-1 - (cut - 1) % ps] = 5_000_000  # diverge inside the last page
         for first in (None, cache.tree.root_child_key(toks, None)):
-            a = py_walk(cache.root, first, toks, 0, ps)
-            b = native(cache.root, first, toks, 0, ps)
-            assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+            _assert_walks_agree(native, cache.root, first, toks, 0, ps)
         for node in cache.iter_nodes():
-            a = py_walk(node, None, toks, 0, ps)
-            b = native(node, None, toks, 0, ps)
-            assert a[0] == b[0] and a[1:] == b[1:], (a, b)
+            _assert_walks_agree(native, node, None, toks, 0, ps)
 
 
 @needs_native
