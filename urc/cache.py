@@ -116,13 +116,8 @@ class UnifiedRadixCache:
         self._release = [c.release_component_lock for c in self._components_rev]
         # The component released first validates inside its own release (the hook contract:
         # raise before changing anything), so only the later ones need a separate check.
-        # Full (every cache's first component) is checked inline: its release can raise only
-        # on a node whose Full lock count is 0 or for a receipt that starts elsewhere.
         first = self._components_rev[0]
-        self._check_full = first is not full
-        self._check_release = [
-            c.check_release for c in hooks.release_checks if c is not first and c is not full
-        ]
+        self._check_release = [c.check_release for c in hooks.release_checks if c is not first]
         tree.bind(self._new_data, [c.redistribute_on_node_split for c in comps])
 
     # ================================================================== structure
@@ -322,14 +317,9 @@ class UnifiedRadixCache:
             raise InvalidLockError(
                 f"receipt for node {params.node_id} used to release node {node.id}"
             )
-        full = self.full
-        if self._check_full and (
-            node.full.lock_ref <= 0  # type: ignore[union-attr]
-            or (params is not None and params.full_start_id is not None)
-        ):
-            full.check_release(node, params)
         for check in self._check_release:
             check(node, params)
+        full = self.full
         before = full.protected_size
         for release in self._release:
             release(node, params)

@@ -238,8 +238,7 @@ def _end_match(
     for c in cache.hooks.finalize:
         result = c.finalize_match_result(result, params, path, best, pos)
     hits = counters.hit_tokens
-    hit = result.device_len  # the field (set by every result built here), not the property
-    hits[_DEVICE] += hit if hit is not None else result.device_prefix_len
+    hits[_DEVICE] += result.device_prefix_len
     hits[_HOST] += result.host_hit_length
     return result
 

@@ -165,10 +165,7 @@ class MambaComponent(TreeComponent):
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         # Only the state the match ends on is used; ancestors' checkpoints keep their age.
         if best_len:
-            nid = path[best_len - 1].id
-            entries = self.lru.entries  # LRUList.promote, inline (once per match)
-            if nid in entries:
-                entries.move_to_end(nid)
+            self.lru.promote(path[best_len - 1])
 
     def _host_state_hit(self, result: MatchResult) -> int:
         """Tokens from the device hit down to the deepest node past it whose Mamba state is

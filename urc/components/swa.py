@@ -491,7 +491,6 @@ class SWAComponent(TreeComponent):
             return
         plan = self._plan
         self._plan = None
-        cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
         if (
             plan is not None
             and plan[0] is params
@@ -500,24 +499,11 @@ class SWAComponent(TreeComponent):
         ):
             delta = 0
             for n in plan[3]:
-                ncd = n.data[_SWA]
-                assert ncd is not None and ncd.lock_ref > 0, f"SWA release on unlocked node {n.id}"
-                ncd.lock_ref -= 1
-                if ncd.lock_ref == 0:
+                cd = n.data[_SWA]
+                assert cd is not None and cd.lock_ref > 0, f"SWA release on unlocked node {n.id}"
+                cd.lock_ref -= 1
+                if cd.lock_ref == 0:
                     delta += n.key_len
-        elif (
-            params is not None
-            and cd.uuid is not None
-            and cd.uuid == params.swa_uuid_for_lock
-            and cd.lock_ref > 0
-            and cd.value is not None
-            and (params.swa_lock_epoch is None or cd.restored <= params.swa_lock_epoch)
-            and node.id not in params.skip_lock_node_ids.get(_SWA_TYPE, ())
-        ):
-            # The receipt's window ends on the node itself (a lock of a leaf that holds a
-            # whole window): the first and last step of ``_walk_release``.
-            cd.lock_ref -= 1
-            delta = 0 if cd.lock_ref else node.key_len
         else:
             delta = self._walk_release(node, params, True)[1]
         self.evictable_size += delta
