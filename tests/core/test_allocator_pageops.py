@@ -151,35 +151,52 @@ def test_unmap_releases_what_the_map_names_once() -> None:
     assert PYTHON_OPS.unmap(page_map, state, stack, 2, np.array([0, 4]), 0, 2, 1, 1) == 2
 
 
+_RUN_STATE = 200  # pages in the state the run cases index
+
+
 def _runs() -> list[list[int]]:
-    """Blocks of consecutive pages (what values mostly are), up and down, across the ends of
-    a 24-page state and with a broken step inside."""
+    """Blocks of consecutive pages (what values mostly are), up and down, short (the 8-page
+    blocks) and long (the 64-page blocks), across the ends of the state and with a broken
+    step inside."""
     up, down = list(range(3, 20)), list(range(19, 2, -1))
+    long_up, long_down = list(range(5, 160)), list(range(159, 4, -1))
     return [
         up,
         down,
         list(range(-3, 9)),  # through page -1
-        list(range(17, 26)),  # past the last page
+        list(range(17, 26)),  # past page 24
         list(range(9, -3, -1)),
         [*up[:5], 7, *up[6:]],  # a repeat inside a block
         up[:8] + down[:8],
         [5] * 9,
+        long_up,
+        long_down,
+        list(range(-70, 70)),  # a 64-page block through page -1
+        list(range(_RUN_STATE - 100, _RUN_STATE + 40)),  # past the last page
+        list(range(70, -70, -1)),
+        [*long_up[:40], 7, *long_up[41:]],  # a repeat inside a 64-page block
+        [*long_up[:63], long_up[62], *long_up[64:]],  # its last page repeats the one before
+        long_up[:64] + long_down[:64],
+        long_up[:60] + list(range(100, 110)),  # a run that breaks inside the block
+        [5] * 70,
     ]
 
 
 @needs_native
 @pytest.mark.parametrize("pages", _runs())
-@pytest.mark.parametrize("held", ["all", "alternate"])
+@pytest.mark.parametrize("held", ["all", "alternate", "all but one"])
 def test_native_page_ops_agree_with_the_twin_on_runs(pages: list[int], held: str) -> None:
     native = select_page_ops(WalkImpl.NATIVE)
-    state = [1] * 24 if held == "all" else [i % 2 for i in range(24)]
+    state = [1 if held != "alternate" else i % 2 for i in range(_RUN_STATE)]
+    if held == "all but one":
+        state[100] = 0
     ix = np.array(pages, dtype=np.int64)
     args = (np.array(state, dtype=np.int8), ix, 0, ix.shape[0], 1, 0, -1)
     assert native.count_held(*args) == PYTHON_OPS.count_held(*args)
     outs = []
     for ops in (native, PYTHON_OPS):
         s = np.array(state, dtype=np.int8)
-        stack = np.zeros(32, dtype=np.int64)
+        stack = np.zeros(_RUN_STATE + 200, dtype=np.int64)
         try:
             res: object = ops.release(s, stack, 4, ix, 0, ix.shape[0], 1, 0)
         except (ValueError, IndexError) as e:

@@ -75,30 +75,59 @@ parse_common(PyObject *const *args, Idx *idx, Py_ssize_t *step, Py_ssize_t *shif
 }
 
 /* Page 1 values are mostly runs of consecutive slots, ascending (a fresh stack) or
- * descending (pages pushed by a free and popped back): a block of RUN pages that is such a
- * run reads or clears its page states as one 8-byte word instead of one byte at a time.
+ * descending (pages pushed by a free and popped back).  A block of pages that is such a run
+ * reads or clears its page states as 8-byte words instead of one byte at a time; the run
+ * test is a loop without branches that the compiler vectorizes.  Blocks of BLK pages are
+ * tried first, then blocks of RUN (a value whose runs are short: pages freed and popped
+ * back in small groups).
  *
- *   block pages[i, i + RUN)    lowest page   state bytes touched
- *   p, p + 1, ..., p + 7       p             [p, p + 8)
- *   p, p - 1, ..., p - 7       p - 7         [p - 7, p + 1)
+ *   block pages[i, i + len)        lowest page   state bytes touched
+ *   p, p + 1, ..., p + len - 1     p             [p, p + len)
+ *   p, p - 1, ..., p - len + 1     p - len + 1   [p - len + 1, p + 1)
  *
  * Returns the lowest page of the run, or -1 (as unsigned: ~0) when the block is not one.
  * Negative pages wrap to huge unsigned values, so a run through page -1 lands out of range
  * and the caller's range check rejects it. */
-enum { RUN = 8 };
+enum { RUN = 8, BLK = 64 };
 #define NO_RUN (~0ULL)
+
+static inline unsigned long long
+run_low_n(const unsigned long long *p, int len)
+{
+    const unsigned long long p0 = p[0];
+    const unsigned long long d = p[1] - p0; /* 1 or ~0 (-1) in a run */
+    unsigned long long off = 0;
+    if (d == 1) {
+        for (int k = 0; k < len; k++)
+            off |= (p[k] - (unsigned long long)k) ^ p0;
+        return off ? NO_RUN : p0;
+    }
+    if (d == ~0ULL) {
+        for (int k = 0; k < len; k++)
+            off |= (p[k] + (unsigned long long)k) ^ p0;
+        return off ? NO_RUN : p0 - (unsigned long long)(len - 1);
+    }
+    return NO_RUN;
+}
 
 static inline unsigned long long
 run_low(const unsigned long long *p)
 {
-    const unsigned long long p0 = p[0];
-    const unsigned long long d = p[1] - p0; /* 1 or ~0 (-1) in a run */
-    if (d != 1 && d != ~0ULL)
-        return NO_RUN;
-    int run = 1;
-    for (int k = 2; k < RUN; k++)
-        run &= p[k] == p0 + (unsigned long long)k * d;
-    return !run ? NO_RUN : d == 1 ? p0 : p0 - (RUN - 1);
+    return run_low_n(p, RUN);
+}
+
+/* True when the ``len`` (a multiple of 8) state bytes at ``s`` all hold ``byte``. */
+static inline int
+states_all(const signed char *s, int len, unsigned long long byte)
+{
+    const unsigned long long want = byte * 0x0101010101010101ULL;
+    unsigned long long off = 0;
+    for (int k = 0; k < len; k += 8) {
+        unsigned long long word;
+        memcpy(&word, s + k, 8);
+        off |= word ^ want;
+    }
+    return off == 0;
 }
 
 /* Copies ``src[0:n)`` to ``dst`` (which must not overlap it) and says whether any entry
@@ -156,30 +185,39 @@ count_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         /* Page 1, a contiguous span (the usual value): no early exit and a clamped load, so
          * the loop has no branch; an out-of-range page still makes the answer -1. */
         const unsigned long long *const pages = (const unsigned long long *)ip;
-        const unsigned long long all_held = 0x0101010101010101ULL; /* RUN states of 1 */
         Py_ssize_t i = 0;
-        for (; i + RUN <= n; i += RUN) {
-            const unsigned long long lo = run_low(pages + i);
-            if (lo != NO_RUN && lo <= num_pages - RUN && num_pages >= RUN) {
-                unsigned long long word;
-                memcpy(&word, state + lo, RUN);
-                if (word == all_held) {
-                    held += RUN;
+        while (i < n) {
+            if (i + BLK <= n) {
+                const unsigned long long lo = run_low_n(pages + i, BLK);
+                if (lo != NO_RUN && num_pages >= BLK && lo <= num_pages - BLK &&
+                    states_all(state + lo, BLK, 1)) {
+                    held += BLK;
+                    i += BLK;
                     continue;
                 }
             }
-            for (Py_ssize_t j = i; j < i + RUN; j++) {
-                const unsigned long long p = pages[j];
+            /* Not one run: by RUN sub-blocks, then one page at a time. */
+            const Py_ssize_t end = i + BLK <= n ? i + BLK : n;
+            for (; i + RUN <= end; i += RUN) {
+                const unsigned long long lo = run_low(pages + i);
+                if (lo != NO_RUN && num_pages >= RUN && lo <= num_pages - RUN &&
+                    states_all(state + lo, RUN, 1)) {
+                    held += RUN;
+                    continue;
+                }
+                for (Py_ssize_t j = i; j < i + RUN; j++) {
+                    const unsigned long long p = pages[j];
+                    const unsigned long long in = p < num_pages;
+                    bad |= in ^ 1;
+                    held += state[in ? p : 0] != 0;
+                }
+            }
+            for (; i < end; i++) {
+                const unsigned long long p = pages[i];
                 const unsigned long long in = p < num_pages;
                 bad |= in ^ 1;
                 held += state[in ? p : 0] != 0;
             }
-        }
-        for (; i < n; i++) {
-            const unsigned long long p = pages[i];
-            const unsigned long long in = p < num_pages;
-            bad |= in ^ 1;
-            held += state[in ? p : 0] != 0;
         }
     }
     else {
@@ -265,18 +303,30 @@ release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_IndexError, "release: page out of range");
         goto done;
     }
+    /* Runs are in range: every page was checked above. */
     Py_ssize_t i = 0;
-    for (; i + RUN <= count; i += RUN) {
-        const unsigned long long lo = run_low(pages + i);
-        if (lo != NO_RUN) { /* in range: every page was checked above */
-            memset(state + lo, 0, RUN);
-            continue;
+    while (i < count) {
+        if (i + BLK <= count) {
+            const unsigned long long lo = run_low_n(pages + i, BLK);
+            if (lo != NO_RUN) {
+                memset(state + lo, 0, BLK);
+                i += BLK;
+                continue;
+            }
         }
-        for (Py_ssize_t j = i; j < i + RUN; j++)
-            state[pages[j]] = 0;
+        const Py_ssize_t end = i + BLK <= count ? i + BLK : count;
+        for (; i + RUN <= end; i += RUN) {
+            const unsigned long long lo = run_low(pages + i);
+            if (lo != NO_RUN) {
+                memset(state + lo, 0, RUN);
+                continue;
+            }
+            for (Py_ssize_t j = i; j < i + RUN; j++)
+                state[pages[j]] = 0;
+        }
+        for (; i < end; i++)
+            state[pages[i]] = 0;
     }
-    for (; i < count; i++)
-        state[pages[i]] = 0;
     res = PyLong_FromSsize_t(top + count);
 done:
     release_idx(&ix);
