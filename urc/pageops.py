@@ -1,10 +1,10 @@
 """Page bookkeeping of the token allocator: a compiled implementation and its numpy twin.
 
-:func:`py_count_held`, :func:`py_release` and :func:`py_unmap` (the SWA side of a free) are
-the reference; ``urc._native._pages`` (built from ``urc/_native/pages.c`` next to the compiled
-walk) computes exactly the same results in one pass over the indices, without the
-temporaries and dispatch of several numpy calls (a free or an insert's ownership check was a
-dozen of them).  Which set an allocator runs
+:func:`py_count_held`, :func:`py_release`, :func:`py_release_held` (a checked free) and
+:func:`py_unmap` (the SWA side of a free) are the reference; ``urc._native._pages`` (built from
+``urc/_native/pages.c`` next to the compiled walk) computes exactly the same results in one
+pass over the indices, without the temporaries and dispatch of several numpy calls (a free or
+an insert's ownership check was a dozen of them).  Which set an allocator runs
 follows the cache's :attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page_ops`):
 ``PYTHON`` is the twin everywhere, ``AUTO`` the compiled code where it was built.
 
@@ -30,6 +30,7 @@ __all__ = [
     "native_pages_available",
     "py_count_held",
     "py_release",
+    "py_release_held",
     "py_unmap",
     "select_page_ops",
 ]
@@ -76,12 +77,35 @@ def py_release(
     for a page outside ``[0, len(state))`` -- raised before anything changes (``stack``
     above ``top`` is free space: an implementation may use it as scratch, so ``idx`` must not
     be a view of it)."""
-    pages = _pages(idx, start, end, step, shift)
+    return _release(state, stack, top, _pages(idx, start, end, step, shift), False)
+
+
+def py_release_held(
+    state: np.ndarray,
+    stack: np.ndarray,
+    top: int,
+    idx: np.ndarray,
+    start: int,
+    end: int,
+    step: int,
+    shift: int,
+) -> int:
+    """:func:`py_release` of pages that must all be allocated: ``-1``, with nothing changed,
+    when one is not (``IndexError`` / ``ValueError`` as :func:`py_release`, first).  A free
+    checked in one pass over ``idx`` (the compiled twin checks its staged copy)."""
+    return _release(state, stack, top, _pages(idx, start, end, step, shift), True)
+
+
+def _release(
+    state: np.ndarray, stack: np.ndarray, top: int, pages: np.ndarray, need_held: bool
+) -> int:
     n = pages.shape[0]
     if top + n > stack.shape[0]:
         raise ValueError("release: more pages than the stack holds")
     if n and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
         raise IndexError("release: page out of range")
+    if need_held and int(np.count_nonzero(state[pages])) != n:
+        return -1
     state[pages] = 0
     stack[top : top + n] = pages
     return int(top + n)
@@ -134,18 +158,19 @@ class PageOps(NamedTuple):
 
     count_held: CountHeld
     release: Release
+    release_held: Release
     unmap: Unmap
 
 
-PYTHON_OPS = PageOps(py_count_held, py_release, py_unmap)
+PYTHON_OPS = PageOps(py_count_held, py_release, py_release_held, py_unmap)
 
 
 def _native() -> PageOps | None:
     try:
-        from urc._native._pages import count_held, release, unmap
+        from urc._native._pages import count_held, release, release_held, unmap
     except ImportError:
         return None
-    return PageOps(count_held, release, unmap)
+    return PageOps(count_held, release, release_held, unmap)
 
 
 _NATIVE = _native()

@@ -72,6 +72,8 @@ def _span(ix: np.ndarray, span: tuple[int, int]) -> tuple[int, int]:
     stride=st.sampled_from([1, 2]),
     span=st.tuples(st.integers(0, 8), st.integers(0, 40)),
     tensor=st.booleans(),
+    op=st.sampled_from(["release", "release_held"]),
+    all_held=st.booleans(),
 )
 def test_native_release_is_the_twin(
     state: list[int],
@@ -82,19 +84,23 @@ def test_native_release_is_the_twin(
     stride: int,
     span: tuple[int, int],
     tensor: bool,
+    op: str,
+    all_held: bool,
 ) -> None:
+    """``release``, and ``release_held`` (-1 and nothing changed unless every page is
+    allocated: ``all_held`` makes that case common)."""
     ix = _indices(idx, stride, tensor)
     start, end = _span(ix, span)
     outs = []
     for ops in (select_page_ops(WalkImpl.NATIVE), PYTHON_OPS):
-        s = np.array(state, dtype=np.int8)
+        s = np.array([1] * len(state) if all_held else state, dtype=np.int8)
         stack = np.full(40, -7, dtype=np.int64)
         try:
-            res: object = ops.release(s, stack, top, ix, start, end, step, shift)
+            res: object = getattr(ops, op)(s, stack, top, ix, start, end, step, shift)
         except (ValueError, IndexError) as e:
             res = type(e)
         # Above the top the stack is free space (the compiled release uses it as scratch).
-        new_top = res if isinstance(res, int) else top
+        new_top = res if isinstance(res, int) and res >= 0 else top
         outs.append((res, s.tolist(), stack[:new_top].tolist()))
     assert outs[0] == outs[1]
 
@@ -193,17 +199,18 @@ def test_native_page_ops_agree_with_the_twin_on_runs(pages: list[int], held: str
     ix = np.array(pages, dtype=np.int64)
     args = (np.array(state, dtype=np.int8), ix, 0, ix.shape[0], 1, 0, -1)
     assert native.count_held(*args) == PYTHON_OPS.count_held(*args)
-    outs = []
-    for ops in (native, PYTHON_OPS):
-        s = np.array(state, dtype=np.int8)
-        stack = np.zeros(_RUN_STATE + 200, dtype=np.int64)
-        try:
-            res: object = ops.release(s, stack, 4, ix, 0, ix.shape[0], 1, 0)
-        except (ValueError, IndexError) as e:
-            res = type(e)
-        new_top = res if isinstance(res, int) else 4
-        outs.append((res, s.tolist(), stack[:new_top].tolist()))
-    assert outs[0] == outs[1]
+    for op in ("release", "release_held"):
+        outs = []
+        for ops in (native, PYTHON_OPS):
+            s = np.array(state, dtype=np.int8)
+            stack = np.zeros(_RUN_STATE + 200, dtype=np.int64)
+            try:
+                res: object = getattr(ops, op)(s, stack, 4, ix, 0, ix.shape[0], 1, 0)
+            except (ValueError, IndexError) as e:
+                res = type(e)
+            new_top = res if isinstance(res, int) and res >= 0 else 4
+            outs.append((res, s.tolist(), stack[:new_top].tolist()))
+        assert outs[0] == outs[1], op
 
 
 def test_the_cache_runs_the_page_ops_its_walk_impl_names() -> None:

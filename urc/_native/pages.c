@@ -1,7 +1,8 @@
 /* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release /
- * py_unmap (see their docstrings).  They work on numpy arrays through the buffer protocol: ``state`` int8 (one
- * entry per page), ``stack`` and ``idx`` int64; ``idx`` may be strided (a sliced tensor's
- * host view), and ``idx[start:end]`` is used.  No Python code runs inside them.
+ * py_release_held / py_unmap (see their docstrings).  They work on numpy arrays through the
+ * buffer protocol: ``state`` int8 (one entry per page), ``stack`` and ``idx`` int64; ``idx``
+ * may be strided (a sliced tensor's host view), and ``idx[start:end]`` is used.  No Python
+ * code runs inside them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -149,6 +150,53 @@ copy_out_of_range(unsigned long long *restrict dst, const unsigned long long *re
     return n > 0 && (lim == 0 || (acc >> 63) != 0);
 }
 
+/* How many of the contiguous pages ``pages[0, n)`` are allocated; ``*bad`` is set when one is
+ * outside [0, num_pages).  No early exit and a clamped load, so the loop has no branch on
+ * the data beyond the run tests. */
+static long long
+count_pages(const signed char *state, unsigned long long num_pages,
+            const unsigned long long *pages, Py_ssize_t n, unsigned long long *bad_out)
+{
+    long long held = 0;
+    unsigned long long bad = 0;
+    Py_ssize_t i = 0;
+    while (i < n) {
+        if (i + BLK <= n) {
+            const unsigned long long lo = run_low_n(pages + i, BLK);
+            if (lo != NO_RUN && num_pages >= BLK && lo <= num_pages - BLK &&
+                states_all(state + lo, BLK, 1)) {
+                held += BLK;
+                i += BLK;
+                continue;
+            }
+        }
+        /* Not one run: by RUN sub-blocks, then one page at a time. */
+        const Py_ssize_t end = i + BLK <= n ? i + BLK : n;
+        for (; i + RUN <= end; i += RUN) {
+            const unsigned long long lo = run_low(pages + i);
+            if (lo != NO_RUN && num_pages >= RUN && lo <= num_pages - RUN &&
+                states_all(state + lo, RUN, 1)) {
+                held += RUN;
+                continue;
+            }
+            for (Py_ssize_t j = i; j < i + RUN; j++) {
+                const unsigned long long p = pages[j];
+                const unsigned long long in = p < num_pages;
+                bad |= in ^ 1;
+                held += state[in ? p : 0] != 0;
+            }
+        }
+        for (; i < end; i++) {
+            const unsigned long long p = pages[i];
+            const unsigned long long in = p < num_pages;
+            bad |= in ^ 1;
+            held += state[in ? p : 0] != 0;
+        }
+    }
+    *bad_out |= bad;
+    return held;
+}
+
 /* count_held(state, idx, start, end, step, shift, bound) -> int */
 static PyObject *
 count_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -182,43 +230,8 @@ count_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                    (unsigned long long)bound;
     }
     if (stride == 8 && step == 1 && shift == 0) {
-        /* Page 1, a contiguous span (the usual value): no early exit and a clamped load, so
-         * the loop has no branch; an out-of-range page still makes the answer -1. */
-        const unsigned long long *const pages = (const unsigned long long *)ip;
-        Py_ssize_t i = 0;
-        while (i < n) {
-            if (i + BLK <= n) {
-                const unsigned long long lo = run_low_n(pages + i, BLK);
-                if (lo != NO_RUN && num_pages >= BLK && lo <= num_pages - BLK &&
-                    states_all(state + lo, BLK, 1)) {
-                    held += BLK;
-                    i += BLK;
-                    continue;
-                }
-            }
-            /* Not one run: by RUN sub-blocks, then one page at a time. */
-            const Py_ssize_t end = i + BLK <= n ? i + BLK : n;
-            for (; i + RUN <= end; i += RUN) {
-                const unsigned long long lo = run_low(pages + i);
-                if (lo != NO_RUN && num_pages >= RUN && lo <= num_pages - RUN &&
-                    states_all(state + lo, RUN, 1)) {
-                    held += RUN;
-                    continue;
-                }
-                for (Py_ssize_t j = i; j < i + RUN; j++) {
-                    const unsigned long long p = pages[j];
-                    const unsigned long long in = p < num_pages;
-                    bad |= in ^ 1;
-                    held += state[in ? p : 0] != 0;
-                }
-            }
-            for (; i < end; i++) {
-                const unsigned long long p = pages[i];
-                const unsigned long long in = p < num_pages;
-                bad |= in ^ 1;
-                held += state[in ? p : 0] != 0;
-            }
-        }
+        /* Page 1, a contiguous span (the usual value). */
+        held = count_pages(state, num_pages, (const unsigned long long *)ip, n, &bad);
     }
     else {
         for (Py_ssize_t i = 0; i < n && !bad; i += step) {
@@ -235,13 +248,14 @@ count_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLongLong(bad ? -1 : held);
 }
 
-/* release(state, stack, top, idx, start, end, step, shift) -> new top */
+/* release(state, stack, top, idx, start, end, step, shift) -> new top; with
+ * ``need_held``, release_held: -1 (nothing changed) unless every page is allocated. */
 static PyObject *
-release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+do_release(PyObject *const *args, Py_ssize_t nargs, int need_held)
 {
     if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError,
-                        "release(state, stack, top, idx, start, end, step, shift)");
+        PyErr_Format(PyExc_TypeError, "%s(state, stack, top, idx, start, end, step, shift)",
+                     need_held ? "release_held" : "release");
         return NULL;
     }
     Py_ssize_t top = PyLong_AsSsize_t(args[2]);
@@ -303,6 +317,11 @@ release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_IndexError, "release: page out of range");
         goto done;
     }
+    /* The allocation check reads the staged copy (contiguous, just written), not ``idx``. */
+    if (need_held && count_pages(state, num_pages, pages, count, &bad) != count) {
+        res = PyLong_FromLong(-1);
+        goto done;
+    }
     /* Runs are in range: every page was checked above. */
     Py_ssize_t i = 0;
     while (i < count) {
@@ -333,6 +352,18 @@ done:
     PyBuffer_Release(&sk);
     PyBuffer_Release(&st);
     return res;
+}
+
+static PyObject *
+release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return do_release(args, nargs, 0);
+}
+
+static PyObject *
+release_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return do_release(args, nargs, 1);
 }
 
 /* unmap(map, state, stack, top, idx, start, end, step, shift) -> new top
@@ -434,6 +465,8 @@ static PyMethodDef methods[] = {
      "count_held(state, idx, start, end, step, shift, bound) -> int"},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
      "release(state, stack, top, idx, start, end, step, shift) -> int"},
+    {"release_held", (PyCFunction)(void (*)(void))release_held, METH_FASTCALL,
+     "release_held(state, stack, top, idx, start, end, step, shift) -> int"},
     {"unmap", (PyCFunction)(void (*)(void))unmap, METH_FASTCALL,
      "unmap(map, state, stack, top, idx, start, end, step, shift) -> int"},
     {NULL, NULL, 0, NULL},

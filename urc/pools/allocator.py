@@ -186,18 +186,28 @@ class TokenSlotAllocator:
         ps = self.page_size
         ops = self._ops
         n = (end - start + ps - 1) >> self._shift  # the pages: every ps-th entry
-        if not checked:
-            held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
-            if held < 0:
-                raise InvalidIndicesError(f"indices outside [0, {self.size})")
-            if held != n:
-                raise DoubleFreeError("freeing a slot that is not allocated")
         if self._top + n > self.num_pages:
+            # More pages than are allocated: out of range, not allocated, or a repeat.
+            if not checked:
+                held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
+                if held < 0:
+                    raise InvalidIndicesError(f"indices outside [0, {self.size})")
+                if held != n:
+                    raise DoubleFreeError("freeing a slot that is not allocated")
             raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
-        # A copy onto the stack: the caller may reuse its tensor.
-        self._top = ops.release(
-            self._state, self._stack, self._top, host, start, end, ps, self._shift
-        )
+        # A copy onto the stack (the caller may reuse its tensor); unless ``checked``, the
+        # allocation check reads the same pass.
+        args = (self._state, self._stack, self._top, host, start, end, ps, self._shift)
+        if checked:
+            self._top = ops.release(*args)
+            return
+        try:
+            top = ops.release_held(*args)
+        except IndexError:
+            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
+        if top < 0:
+            raise DoubleFreeError("freeing a slot that is not allocated")
+        self._top = top
 
     def _release_pages(self, pages: np.ndarray) -> None:
         """Mark ``pages`` free and push them on the stack (no checks)."""
