@@ -1,17 +1,21 @@
 """Page bookkeeping of the token allocator: a compiled implementation and its numpy twin.
 
-:func:`py_count_held`, :func:`py_release`, :func:`py_release_held` (a checked free) and
-:func:`py_unmap` (the SWA side of a free) are the reference; ``urc._native._pages`` (built from
-``urc/_native/pages.c`` next to the compiled walk) computes exactly the same results in one
-pass over the indices, without the temporaries and dispatch of several numpy calls (a free or
-an insert's ownership check was a dozen of them).  Which set an allocator runs
-follows the cache's :attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page_ops`):
-``PYTHON`` is the twin everywhere, ``AUTO`` the compiled code where it was built.
+:func:`py_count_held`, :func:`py_release`, :func:`py_release_held` (a checked free),
+:func:`py_take` (an allocation) and :func:`py_unmap` (the SWA side of a free) are the
+reference; ``urc._native._pages`` (built from ``urc/_native/pages.c`` next to the compiled
+walk) computes exactly the same results in one pass over the indices, without the
+temporaries and dispatch of several numpy calls (a free or an insert's ownership check was a
+dozen of them).  Which set an allocator runs follows the cache's
+:attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page_ops`): ``PYTHON`` is the twin
+everywhere, ``AUTO`` the compiled code where it was built.
 
-Arrays: ``state`` int8, one entry per page (non-zero = allocated); ``stack`` int64 (the
-free-page stack, ``stack[:top]`` free); ``page_map`` int64 (a page's page in another pool,
--1 for none); ``idx`` int64 token indices, possibly strided, of
-which ``idx[start:end]`` is used (slicing a host view is cheaper than slicing a tensor).
+Arrays: ``state`` int8, one entry per page (non-zero = allocated); ``lo`` and ``length``
+int64, the token allocator's free list: a stack of extents, pages ``[lo[e], lo[e] +
+length[e])`` free for ``e < nxt`` (a free pushes the runs of consecutive pages it frees, so
+a value costs a few extents, not one entry per page); ``stack`` int64, the SWA page pool's
+free pages (``stack[:top]``); ``page_map`` int64 (a page's page in another pool, -1 for
+none); ``idx`` int64 token indices, possibly strided, of which ``idx[start:end]`` is used
+(slicing a host view is cheaper than slicing a tensor).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "py_count_held",
     "py_release",
     "py_release_held",
+    "py_take",
     "py_unmap",
     "select_page_ops",
 ]
@@ -63,27 +68,31 @@ def py_count_held(
 
 def py_release(
     state: np.ndarray,
-    stack: np.ndarray,
-    top: int,
+    lo: np.ndarray,
+    length: np.ndarray,
+    nxt: int,
     idx: np.ndarray,
     start: int,
     end: int,
     step: int,
     shift: int,
 ) -> int:
-    """Mark the pages ``idx[start:end][::step] >> shift`` free and push them on ``stack``
-    above ``top`` (copies: the caller may reuse ``idx``); returns the new top.  No allocation
-    check (the caller did it); ``ValueError`` when the stack would overflow, ``IndexError``
-    for a page outside ``[0, len(state))`` -- raised before anything changes (``stack``
-    above ``top`` is free space: an implementation may use it as scratch, so ``idx`` must not
-    be a view of it)."""
-    return _release(state, stack, top, _pages(idx, start, end, step, shift), False)
+    """Mark the pages ``idx[start:end][::step] >> shift`` free and push them on the free
+    extents (``lo[e]``, ``length[e]``: pages ``[lo, lo + length)``; ``e < nxt`` in use) as
+    the maximal runs of consecutive pages they hold, in order, the first joining the top
+    extent when it continues it; returns the new ``nxt``.
+    No allocation check (the caller did it); ``ValueError`` when the extents would
+    overflow, ``IndexError`` for a page outside ``[0, len(state))`` -- raised before anything
+    changes (the extents above ``nxt`` are free space: an implementation may use them as
+    scratch)."""
+    return _release(state, lo, length, nxt, _pages(idx, start, end, step, shift), False)
 
 
 def py_release_held(
     state: np.ndarray,
-    stack: np.ndarray,
-    top: int,
+    lo: np.ndarray,
+    length: np.ndarray,
+    nxt: int,
     idx: np.ndarray,
     start: int,
     end: int,
@@ -91,24 +100,76 @@ def py_release_held(
     shift: int,
 ) -> int:
     """:func:`py_release` of pages that must all be allocated: ``-1``, with nothing changed,
-    when one is not (``IndexError`` / ``ValueError`` as :func:`py_release`, first).  A free
-    checked in one pass over ``idx`` (the compiled twin checks its staged copy)."""
-    return _release(state, stack, top, _pages(idx, start, end, step, shift), True)
+    when one is not (``ValueError`` / ``IndexError`` as :func:`py_release`, first).  A free
+    checked in one pass over ``idx`` (the compiled twin checks its extents)."""
+    return _release(state, lo, length, nxt, _pages(idx, start, end, step, shift), True)
 
 
 def _release(
-    state: np.ndarray, stack: np.ndarray, top: int, pages: np.ndarray, need_held: bool
+    state: np.ndarray,
+    lo: np.ndarray,
+    length: np.ndarray,
+    nxt: int,
+    pages: np.ndarray,
+    need_held: bool,
 ) -> int:
     n = pages.shape[0]
-    if top + n > stack.shape[0]:
-        raise ValueError("release: more pages than the stack holds")
+    # Extent j is pages[cuts[j]:cuts[j + 1]] (int64 arithmetic, wrapping like the twin's).
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    cuts = np.concatenate(([0], breaks, [n])).astype(np.int64)
+    k = cuts.shape[0] - 1 if n else 0
+    if nxt + k > lo.shape[0]:
+        raise ValueError("release: more extents than the free list holds")
     if n and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
         raise IndexError("release: page out of range")
     if need_held and int(np.count_nonzero(state[pages])) != n:
         return -1
+    if not n:
+        return nxt
     state[pages] = 0
-    stack[top : top + n] = pages
-    return int(top + n)
+    firsts, lens = pages[cuts[:-1]], np.diff(cuts)
+    if nxt and int(firsts[0]) == int(lo[nxt - 1] + length[nxt - 1]):
+        length[nxt - 1] += lens[0]  # it continues the top extent: one extent
+        firsts, lens, k = firsts[1:], lens[1:], k - 1
+    lo[nxt : nxt + k] = firsts
+    length[nxt : nxt + k] = lens
+    return int(nxt + k)
+
+
+def py_take(
+    state: np.ndarray, lo: np.ndarray, length: np.ndarray, nxt: int, out: np.ndarray
+) -> int:
+    """Fill ``out`` with free pages taken from the top extent (``nxt - 1``) down, ascending
+    within each, and mark them allocated; returns the new ``nxt`` (a partly taken extent
+    keeps its upper pages).  ``ValueError``, with nothing changed, when the extents hold
+    fewer pages than ``len(out)`` or one that the take reaches is out of range."""
+    need = out.shape[0]
+    if need == 0:
+        return nxt
+    lens = length[:nxt][::-1]  # top first
+    starts = lo[:nxt][::-1]
+    cum = np.cumsum(lens)
+    covered = cum >= need
+    k = int(np.argmax(covered)) if covered.any() else nxt - 1  # the last extent reached
+    reached_lo, reached_len = starts[: k + 1], lens[: k + 1]
+    num_pages = state.shape[0]
+    if nxt == 0 or bool(
+        ((reached_lo < 0) | (reached_lo >= num_pages)).any()
+        or ((reached_len <= 0) | (reached_len > num_pages - reached_lo)).any()
+    ):
+        raise ValueError("take: an extent out of range")
+    if not covered.any():
+        raise ValueError("take: fewer free pages than asked for")
+    takes = reached_len.copy()
+    takes[k] = need - (int(cum[k - 1]) if k else 0)
+    firsts = np.cumsum(takes) - takes  # where each extent's pages start in ``out``
+    out[:] = np.repeat(reached_lo - firsts, takes) + np.arange(need, dtype=np.int64)
+    state[out] = 1
+    if takes[k] == reached_len[k]:
+        return nxt - k - 1
+    lo[nxt - 1 - k] += takes[k]
+    length[nxt - 1 - k] -= takes[k]
+    return nxt - k
 
 
 def py_unmap(
@@ -149,7 +210,8 @@ def py_unmap(
 
 
 CountHeld = Callable[[np.ndarray, np.ndarray, int, int, int, int, int], int]
-Release = Callable[[np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
+Release = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
+Take = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], int]
 Unmap = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
 
 
@@ -159,18 +221,19 @@ class PageOps(NamedTuple):
     count_held: CountHeld
     release: Release
     release_held: Release
+    take: Take
     unmap: Unmap
 
 
-PYTHON_OPS = PageOps(py_count_held, py_release, py_release_held, py_unmap)
+PYTHON_OPS = PageOps(py_count_held, py_release, py_release_held, py_take, py_unmap)
 
 
 def _native() -> PageOps | None:
     try:
-        from urc._native._pages import count_held, release, release_held, unmap
+        from urc._native._pages import count_held, release, release_held, take, unmap
     except ImportError:
         return None
-    return PageOps(count_held, release, release_held, unmap)
+    return PageOps(count_held, release, release_held, take, unmap)
 
 
 _NATIVE = _native()

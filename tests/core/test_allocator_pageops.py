@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from urc import CacheConfig, build_cache
 from urc.errors import ConfigError
 from urc.fastpath import WalkImpl
-from urc.pageops import PYTHON_OPS, native_pages_available, select_page_ops
+from urc.pageops import PYTHON_OPS, PageOps, native_pages_available, select_page_ops
 
 needs_native = pytest.mark.skipif(not native_pages_available(), reason="_pages not built")
 
@@ -61,12 +61,39 @@ def _span(ix: np.ndarray, span: tuple[int, int]) -> tuple[int, int]:
     return start, max(start, min(span[1], n))
 
 
+_EXTENT_CAP = 24  # extents the free lists of the twin tests hold
+
+
+def _release_outcome(
+    ops: PageOps,
+    op: str,
+    state: list[int],
+    extents: list[tuple[int, int]],
+    ix: np.ndarray,
+    span: tuple[int, int, int, int],
+    cap: int = _EXTENT_CAP,
+) -> tuple[object, list[int], list[tuple[int, int]]]:
+    """What ``ops.<op>`` returns (or raises) and leaves: the states and the extents in use
+    (above ``nxt`` the extents are free space: the compiled release uses it as scratch)."""
+    s = np.array(state, dtype=np.int8)
+    lo = np.full(cap, -7, dtype=np.int64)
+    length = np.full(cap, -7, dtype=np.int64)
+    for e, (a, n) in enumerate(extents):
+        lo[e], length[e] = a, n
+    try:
+        res: object = getattr(ops, op)(s, lo, length, len(extents), ix, *span)
+    except (ValueError, IndexError) as e:
+        res = type(e)
+    nxt = res if isinstance(res, int) and res >= 0 else len(extents)
+    return res, s.tolist(), list(zip(lo[:nxt].tolist(), length[:nxt].tolist(), strict=True))
+
+
 @needs_native
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     state=st.lists(st.integers(0, 1), min_size=1, max_size=40),
     idx=st.lists(st.integers(-2, 44), max_size=20),
-    top=st.integers(0, 30),
+    extents=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=_EXTENT_CAP),
     step=st.sampled_from([1, 2, 4]),
     shift=st.sampled_from([0, 1, 2]),
     stride=st.sampled_from([1, 2]),
@@ -78,7 +105,7 @@ def _span(ix: np.ndarray, span: tuple[int, int]) -> tuple[int, int]:
 def test_native_release_is_the_twin(
     state: list[int],
     idx: list[int],
-    top: int,
+    extents: list[tuple[int, int]],
     step: int,
     shift: int,
     stride: int,
@@ -88,21 +115,61 @@ def test_native_release_is_the_twin(
     all_held: bool,
 ) -> None:
     """``release``, and ``release_held`` (-1 and nothing changed unless every page is
-    allocated: ``all_held`` makes that case common)."""
+    allocated: ``all_held`` makes that case common), onto free lists of up to the capacity
+    (overflow raises)."""
     ix = _indices(idx, stride, tensor)
     start, end = _span(ix, span)
+    held = [1] * len(state) if all_held else state
+    outs = [
+        _release_outcome(ops, op, held, extents, ix, (start, end, step, shift))
+        for ops in (select_page_ops(WalkImpl.NATIVE), PYTHON_OPS)
+    ]
+    assert outs[0] == outs[1]
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    state=st.lists(st.integers(0, 1), min_size=1, max_size=40),
+    extents=st.lists(st.tuples(st.integers(-2, 44), st.integers(-1, 12)), max_size=8),
+    need=st.integers(0, 40),
+)
+def test_native_take_is_the_twin(
+    state: list[int], extents: list[tuple[int, int]], need: int
+) -> None:
+    """Pages taken from the top extent down (a partly taken one keeps its upper pages);
+    too few pages or an extent out of range raises with nothing changed."""
     outs = []
     for ops in (select_page_ops(WalkImpl.NATIVE), PYTHON_OPS):
-        s = np.array([1] * len(state) if all_held else state, dtype=np.int8)
-        stack = np.full(40, -7, dtype=np.int64)
+        s = np.array(state, dtype=np.int8)
+        lo = np.array([a for a, _ in extents] + [0], dtype=np.int64)
+        length = np.array([n for _, n in extents] + [0], dtype=np.int64)
+        out = np.full(need, -7, dtype=np.int64)
         try:
-            res: object = getattr(ops, op)(s, stack, top, ix, start, end, step, shift)
-        except (ValueError, IndexError) as e:
+            res: object = ops.take(s, lo, length, len(extents), out)
+        except ValueError as e:
             res = type(e)
-        # Above the top the stack is free space (the compiled release uses it as scratch).
-        new_top = res if isinstance(res, int) and res >= 0 else top
-        outs.append((res, s.tolist(), stack[:new_top].tolist()))
+        outs.append((res, s.tolist(), lo.tolist(), length.tolist(), out.tolist()))
     assert outs[0] == outs[1]
+    if outs[0][0] is ValueError:  # nothing changed
+        assert outs[0][1] == state and outs[0][4] == [-7] * need
+
+
+def test_take_after_release_hands_back_what_was_freed_last_first() -> None:
+    state = np.zeros(16, dtype=np.int8)
+    lo, length = np.zeros(16, dtype=np.int64), np.zeros(16, dtype=np.int64)
+    lo[0], length[0] = 0, 16
+    out = np.empty(10, dtype=np.int64)
+    nxt = PYTHON_OPS.take(state, lo, length, 1, out)
+    assert out.tolist() == list(range(10)) and (nxt, lo[0], length[0]) == (1, 10, 6)
+    # Freed in two calls, the second continuing the first: one extent [2, 6).
+    nxt = PYTHON_OPS.release(state, lo, length, nxt, np.array([2, 3]), 0, 2, 1, 0)
+    nxt = PYTHON_OPS.release(state, lo, length, nxt, np.array([4, 5, 8]), 0, 3, 1, 0)
+    assert list(zip(lo[:nxt], length[:nxt], strict=True)) == [(10, 6), (2, 4), (8, 1)]
+    out = np.empty(3, dtype=np.int64)
+    assert PYTHON_OPS.take(state, lo, length, nxt, out) == 2
+    assert out.tolist() == [8, 2, 3] and (lo[1], length[1]) == (4, 2)
+    assert state.tolist() == [1, 1, 1, 1, 0, 0, 1, 1, 1, 1] + [0] * 6
 
 
 @needs_native
@@ -200,17 +267,12 @@ def test_native_page_ops_agree_with_the_twin_on_runs(pages: list[int], held: str
     args = (np.array(state, dtype=np.int8), ix, 0, ix.shape[0], 1, 0, -1)
     assert native.count_held(*args) == PYTHON_OPS.count_held(*args)
     for op in ("release", "release_held"):
-        outs = []
-        for ops in (native, PYTHON_OPS):
-            s = np.array(state, dtype=np.int8)
-            stack = np.zeros(_RUN_STATE + 200, dtype=np.int64)
-            try:
-                res: object = getattr(ops, op)(s, stack, 4, ix, 0, ix.shape[0], 1, 0)
-            except (ValueError, IndexError) as e:
-                res = type(e)
-            new_top = res if isinstance(res, int) and res >= 0 else 4
-            outs.append((res, s.tolist(), stack[:new_top].tolist()))
-        assert outs[0] == outs[1], op
+        for extents in ([], [(_RUN_STATE - 1, 1)], [(pages[0] - 3, 3)]):  # the last continues
+            outs = [
+                _release_outcome(ops, op, state, extents, ix, (0, ix.shape[0], 1, 0), 400)
+                for ops in (native, PYTHON_OPS)
+            ]
+            assert outs[0] == outs[1], (op, extents)
 
 
 def test_the_cache_runs_the_page_ops_its_walk_impl_names() -> None:

@@ -1,9 +1,9 @@
 /* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release /
- * py_release_held / py_unmap (see their docstrings).  They work on numpy arrays through the
- * buffer protocol: ``state`` int8 (one entry per page), ``stack`` and ``idx`` int64; ``idx``
- * may be strided (a sliced tensor's host view), and ``idx[start:end]`` is used.  No Python
- * code runs inside them.
- */
+ * py_release_held / py_take / py_unmap (see their docstrings).  They work on numpy arrays
+ * through the buffer protocol: ``state`` int8 (one entry per page); ``lo`` and ``len`` int64
+ * (the token allocator's free extents), ``stack`` int64 (the SWA page pool's free pages) and
+ * ``idx`` int64; ``idx`` may be strided (a sliced tensor's host view), and
+ * ``idx[start:end]`` is used.  No Python code runs inside them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
@@ -131,25 +131,6 @@ states_all(const signed char *s, int len, unsigned long long byte)
     return off == 0;
 }
 
-/* Copies ``src[0:n)`` to ``dst`` (which must not overlap it) and says whether any entry
- * is outside [0, lim), for 0 < lim < 2^63, in the same pass.  ``v | (lim - 1 - v)`` has its
- * top bit set exactly for those (a negative entry, or one past the limit): a subtract and an
- * or per entry, which the compiler vectorizes (a 64-bit unsigned compare has no SSE2
- * instruction, so a plain ``v >= lim`` loop stays scalar). */
-static inline int
-copy_out_of_range(unsigned long long *restrict dst, const unsigned long long *restrict src,
-                  Py_ssize_t n, unsigned long long lim)
-{
-    unsigned long long acc = 0;
-    const unsigned long long last = lim - 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const unsigned long long v = src[i];
-        dst[i] = v;
-        acc |= v | (last - v);
-    }
-    return n > 0 && (lim == 0 || (acc >> 63) != 0);
-}
-
 /* How many of the contiguous pages ``pages[0, n)`` are allocated; ``*bad`` is set when one is
  * outside [0, num_pages).  No early exit and a clamped load, so the loop has no branch on
  * the data beyond the run tests. */
@@ -248,108 +229,199 @@ count_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLongLong(bad ? -1 : held);
 }
 
-/* release(state, stack, top, idx, start, end, step, shift) -> new top; with
- * ``need_held``, release_held: -1 (nothing changed) unless every page is allocated. */
+/* The free list of the token allocator: a stack of extents, ``lo[e]`` and ``len[e]`` for
+ * ``e < next``, each the free pages ``[lo, lo + len)``.  A free pushes the maximal runs of
+ * consecutive pages of what it frees (in order); an allocation takes pages from the top
+ * extent up (ascending within each).  A value is mostly such runs, so a free writes a few
+ * extents instead of one entry per page. */
+typedef struct {
+    Py_buffer lo_buf, len_buf;
+    long long *lo, *len;
+    Py_ssize_t cap, next;
+} Extents;
+
+/* ``lo``, ``len`` (contiguous int64 arrays of one size) and ``next`` at args[0..2]. */
+static int
+get_extents(PyObject *const *args, Extents *x)
+{
+    x->next = PyLong_AsSsize_t(args[2]);
+    if (x->next == -1 && PyErr_Occurred())
+        return -1;
+    if (get_1d(args[0], &x->lo_buf, 8, 1, "lo") < 0)
+        return -1;
+    if (get_1d(args[1], &x->len_buf, 8, 1, "len") < 0) {
+        PyBuffer_Release(&x->lo_buf);
+        return -1;
+    }
+    x->cap = x->lo_buf.shape[0];
+    if (x->lo_buf.strides[0] != 8 || x->len_buf.strides[0] != 8 ||
+        x->len_buf.shape[0] != x->cap || x->next < 0 || x->next > x->cap) {
+        PyErr_SetString(PyExc_ValueError,
+                        "lo and len: contiguous, of one size, and 0 <= next <= their size");
+        PyBuffer_Release(&x->len_buf);
+        PyBuffer_Release(&x->lo_buf);
+        return -1;
+    }
+    x->lo = (long long *)x->lo_buf.buf;
+    x->len = (long long *)x->len_buf.buf;
+    return 0;
+}
+
+static void
+release_extents(Extents *x)
+{
+    PyBuffer_Release(&x->len_buf);
+    PyBuffer_Release(&x->lo_buf);
+}
+
+/* True when the states of pages [lo, lo + n) are all ``byte``. */
+static int
+states_all_n(const signed char *state, unsigned long long lo, unsigned long long n,
+             unsigned long long byte)
+{
+    const signed char *s = state + lo;
+    unsigned long long k = 0;
+    for (; k + BLK <= n; k += BLK)
+        if (!states_all(s + k, BLK, byte))
+            return 0;
+    for (; k < n; k++)
+        if ((unsigned long long)(unsigned char)s[k] != byte)
+            return 0;
+    return 1;
+}
+
+/* True when ``p[0, n)`` is p[0], p[0] + 1, ... (a branch-free loop the compiler vectorizes). */
+static inline int
+ascending(const unsigned long long *p, int n)
+{
+    const unsigned long long p0 = p[0];
+    unsigned long long off = 0;
+    for (int k = 0; k < n; k++)
+        off |= (p[k] - (unsigned long long)k) ^ p0;
+    return off == 0;
+}
+
+/* release(state, lo, len, next, idx, start, end, step, shift) -> new next; with
+ * ``need_held``, release_held: -1 (nothing changed) unless every page is allocated.
+ *
+ * One pass over the pages cuts them into extents, written above ``next`` (free space until
+ * ``next`` moves) and checked for range; only then are states read or cleared, per extent:
+ * nothing changes on an error.  Extents per call: at most one per page; the first one
+ * joins the top extent when it continues it. */
 static PyObject *
 do_release(PyObject *const *args, Py_ssize_t nargs, int need_held)
 {
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "%s(state, stack, top, idx, start, end, step, shift)",
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(state, lo, len, next, idx, start, end, step, shift)",
                      need_held ? "release_held" : "release");
         return NULL;
     }
-    Py_ssize_t top = PyLong_AsSsize_t(args[2]);
-    if (top == -1 && PyErr_Occurred())
-        return NULL;
-    if (top < 0) {
-        PyErr_SetString(PyExc_ValueError, "release: top >= 0");
-        return NULL;
-    }
-    Py_buffer st, sk;
+    Py_buffer st;
     if (get_1d(args[0], &st, 1, 1, "state") < 0)
         return NULL;
-    if (get_1d(args[1], &sk, 8, 1, "stack") < 0) {
+    Extents x;
+    if (get_extents(args + 1, &x) < 0) {
         PyBuffer_Release(&st);
         return NULL;
     }
     Idx ix;
     Py_ssize_t step, shift;
-    if (parse_common(args + 3, &ix, &step, &shift) < 0) {
-        PyBuffer_Release(&sk);
+    if (parse_common(args + 4, &ix, &step, &shift) < 0) {
+        release_extents(&x);
         PyBuffer_Release(&st);
         return NULL;
     }
-    Py_ssize_t count = (ix.n + step - 1) / step;
-    PyObject *res = NULL;
-    if (sk.strides[0] != 8) {
-        PyErr_SetString(PyExc_TypeError, "release: stack must be contiguous");
-        goto done;
-    }
-    if (top + count > sk.shape[0]) {
-        PyErr_SetString(PyExc_ValueError, "release: more pages than the stack holds");
-        goto done;
-    }
-    /* Locals, not the buffer structs: a store through a char pointer could alias them, and
-     * the compiler would reload every field on every iteration. */
+    const Py_ssize_t count = (ix.n + step - 1) / step;
+    /* Locals, not the buffer structs: a store through a pointer could alias them. */
     const char *ip = ix.base;
     const Py_ssize_t istride = ix.stride * step;
     const unsigned long long num_pages = (unsigned long long)st.shape[0];
     signed char *const state = (signed char *)st.buf;
-    long long *const stack = (long long *)sk.buf;
-    /* One pass writes the pages onto the stack above ``top`` (scratch space until ``top``
-     * moves) and checks their range; only then are the states cleared, from the copy (a
-     * contiguous run of pages whatever the stride): nothing changes when a page is out of
-     * range. */
-    unsigned long long *const pages = (unsigned long long *)(stack + top);
+    long long *const xlo = x.lo, *const xlen = x.len;
+    const Py_ssize_t cap = x.cap, next = x.next;
+    Py_ssize_t e = next; /* extents cut so far end at e (counted past cap too) */
     unsigned long long bad = 0;
-    if (istride == 8 && shift == 0) {
-        bad = copy_out_of_range(pages, (const unsigned long long *)ip, count, num_pages);
-    }
-    else {
-        for (Py_ssize_t i = 0; i < count; i++) {
-            const unsigned long long p =
-                (unsigned long long)(*(const long long *)(ip + i * istride) >> shift);
-            pages[i] = p;
-            bad |= p >= num_pages;
+    PyObject *res = NULL;
+#define PAGE(i) ((unsigned long long)(*(const long long *)(ip + (i) * istride) >> shift))
+#define PUSH(a, b)                                                                          \
+    do {                                                                                    \
+        bad |= (a) >= num_pages || (b) > num_pages || (b) <= (a);                           \
+        if (e < cap) {                                                                      \
+            xlo[e] = (long long)(a);                                                        \
+            xlen[e] = (long long)((b) - (a));                                               \
+        }                                                                                   \
+        e++;                                                                                \
+    } while (0)
+/* The next page: it extends the extent or starts the next one. */
+#define STEP(page)                                                                          \
+    do {                                                                                    \
+        const unsigned long long q = (page);                                                \
+        if (q == end) {                                                                     \
+            end++;                                                                          \
+        }                                                                                   \
+        else {                                                                              \
+            PUSH(lo, end);                                                                  \
+            lo = q;                                                                         \
+            end = q + 1;                                                                    \
+        }                                                                                   \
+    } while (0)
+    if (count > 0) {
+        unsigned long long lo = PAGE(0), end = lo + 1; /* the extent [lo, end) being cut */
+        Py_ssize_t i = 1;
+        if (istride == 8 && shift == 0) {
+            const unsigned long long *const pages = (const unsigned long long *)ip;
+            while (i < count) {
+                /* A block continuing the extent: the usual case, one vector test. */
+                if (i + BLK <= count && pages[i] == end && ascending(pages + i, BLK)) {
+                    end += BLK;
+                    i += BLK;
+                    continue;
+                }
+                STEP(pages[i]);
+                i++;
+            }
         }
+        else {
+            for (; i < count; i++)
+                STEP(PAGE(i));
+        }
+        PUSH(lo, end);
+    }
+#undef STEP
+#undef PUSH
+#undef PAGE
+    if (e > cap) {
+        PyErr_SetString(PyExc_ValueError, "release: more extents than the free list holds");
+        goto done;
     }
     if (bad) {
         PyErr_SetString(PyExc_IndexError, "release: page out of range");
         goto done;
     }
-    /* The allocation check reads the staged copy (contiguous, just written), not ``idx``. */
-    if (need_held && count_pages(state, num_pages, pages, count, &bad) != count) {
-        res = PyLong_FromLong(-1);
-        goto done;
-    }
-    /* Runs are in range: every page was checked above. */
-    Py_ssize_t i = 0;
-    while (i < count) {
-        if (i + BLK <= count) {
-            const unsigned long long lo = run_low_n(pages + i, BLK);
-            if (lo != NO_RUN) {
-                memset(state + lo, 0, BLK);
-                i += BLK;
-                continue;
+    if (need_held) {
+        for (Py_ssize_t k = next; k < e; k++) {
+            if (!states_all_n(state, (unsigned long long)xlo[k], (unsigned long long)xlen[k],
+                              1)) {
+                res = PyLong_FromLong(-1);
+                goto done;
             }
         }
-        const Py_ssize_t end = i + BLK <= count ? i + BLK : count;
-        for (; i + RUN <= end; i += RUN) {
-            const unsigned long long lo = run_low(pages + i);
-            if (lo != NO_RUN) {
-                memset(state + lo, 0, RUN);
-                continue;
-            }
-            for (Py_ssize_t j = i; j < i + RUN; j++)
-                state[pages[j]] = 0;
-        }
-        for (; i < end; i++)
-            state[pages[i]] = 0;
     }
-    res = PyLong_FromSsize_t(top + count);
+    for (Py_ssize_t k = next; k < e; k++)
+        memset(state + xlo[k], 0, (size_t)xlen[k]);
+    /* The first extent continues the top one (pages freed in the order they were taken):
+     * one extent, so that freeing spans one by one leaves what freeing them at once does. */
+    if (next > 0 && e > next && xlo[next] == xlo[next - 1] + xlen[next - 1]) {
+        xlen[next - 1] += xlen[next];
+        memmove(xlo + next, xlo + next + 1, (size_t)(e - next - 1) * sizeof(long long));
+        memmove(xlen + next, xlen + next + 1, (size_t)(e - next - 1) * sizeof(long long));
+        e--;
+    }
+    res = PyLong_FromSsize_t(e);
 done:
     release_idx(&ix);
-    PyBuffer_Release(&sk);
+    release_extents(&x);
     PyBuffer_Release(&st);
     return res;
 }
@@ -364,6 +436,80 @@ static PyObject *
 release_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     return do_release(args, nargs, 1);
+}
+
+/* take(state, lo, len, next, out) -> new next
+ * Fill ``out`` (int64, contiguous) with free pages from the top extent down, ascending within
+ * each, and mark them allocated; ``ValueError`` (nothing changed) when the extents hold fewer
+ * pages than ``out`` or one of them is out of range. */
+static PyObject *
+take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "take(state, lo, len, next, out)");
+        return NULL;
+    }
+    Py_buffer st, ob;
+    if (get_1d(args[0], &st, 1, 1, "state") < 0)
+        return NULL;
+    Extents x;
+    if (get_extents(args + 1, &x) < 0) {
+        PyBuffer_Release(&st);
+        return NULL;
+    }
+    if (get_1d(args[4], &ob, 8, 1, "out") < 0) {
+        release_extents(&x);
+        PyBuffer_Release(&st);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    const unsigned long long num_pages = (unsigned long long)st.shape[0];
+    const Py_ssize_t need = ob.shape[0];
+    long long *const out = (long long *)ob.buf;
+    signed char *const state = (signed char *)st.buf;
+    long long *const xlo = x.lo, *const xlen = x.len;
+    if (ob.strides[0] != 8) {
+        PyErr_SetString(PyExc_TypeError, "take: out must be contiguous");
+        goto done;
+    }
+    /* Check the extents the take reaches before changing anything. */
+    Py_ssize_t e = x.next, have = 0;
+    while (have < need && e > 0) {
+        e--;
+        const unsigned long long a = (unsigned long long)xlo[e], n = (unsigned long long)xlen[e];
+        if (a >= num_pages || n == 0 || n > num_pages - a) {
+            PyErr_SetString(PyExc_ValueError, "take: an extent out of range");
+            goto done;
+        }
+        have += (Py_ssize_t)n;
+    }
+    if (have < need) {
+        PyErr_SetString(PyExc_ValueError, "take: fewer free pages than asked for");
+        goto done;
+    }
+    e = x.next;
+    Py_ssize_t filled = 0;
+    while (filled < need) {
+        const long long a = xlo[e - 1], n = xlen[e - 1];
+        const long long t = n < need - filled ? n : need - filled;
+        for (long long k = 0; k < t; k++)
+            out[filled + k] = a + k;
+        memset(state + a, 1, (size_t)t);
+        filled += t;
+        if (t == n) {
+            e--;
+        }
+        else {
+            xlo[e - 1] = a + t;
+            xlen[e - 1] = n - t;
+        }
+    }
+    res = PyLong_FromSsize_t(e);
+done:
+    PyBuffer_Release(&ob);
+    release_extents(&x);
+    PyBuffer_Release(&st);
+    return res;
 }
 
 /* unmap(map, state, stack, top, idx, start, end, step, shift) -> new top
@@ -464,9 +610,11 @@ static PyMethodDef methods[] = {
     {"count_held", (PyCFunction)(void (*)(void))count_held, METH_FASTCALL,
      "count_held(state, idx, start, end, step, shift, bound) -> int"},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
-     "release(state, stack, top, idx, start, end, step, shift) -> int"},
+     "release(state, lo, len, next, idx, start, end, step, shift) -> int"},
     {"release_held", (PyCFunction)(void (*)(void))release_held, METH_FASTCALL,
-     "release_held(state, stack, top, idx, start, end, step, shift) -> int"},
+     "release_held(state, lo, len, next, idx, start, end, step, shift) -> int"},
+    {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,
+     "take(state, lo, len, next, out) -> int"},
     {"unmap", (PyCFunction)(void (*)(void))unmap, METH_FASTCALL,
      "unmap(map, state, stack, top, idx, start, end, step, shift) -> int"},
     {NULL, NULL, 0, NULL},

@@ -63,20 +63,23 @@ class TokenSlotAllocator:
     boundary (what a request or a tree node owns): the page of every run's first token is
     freed.  Sizes (``size``, ``available_size()``) are in tokens.
 
-    Free pages sit on a host-side stack (numpy): ``free`` is one state check and one copy
-    onto the stack, ``alloc`` one slice off it -- O(pages) memory moves, no torch dispatch
-    beyond building the returned tensor.
+    Free pages sit in a host-side stack of extents (numpy; :mod:`urc.pageops`): ``free``
+    checks the pages' states and pushes the runs of consecutive pages it frees (a value is
+    mostly such runs: a few extents, not one entry per page), ``alloc`` takes pages from the
+    top extents -- no torch dispatch beyond building the returned tensor.
     """
 
     __slots__ = (
         "_arange",
+        "_ext_len",
+        "_ext_lo",
+        "_free_pages",
+        "_next",
         "_ops",
         "_pending",
         "_pending_pages",
         "_shift",
-        "_stack",
         "_state",
-        "_top",
         "device",
         "num_pages",
         "page_size",
@@ -95,6 +98,10 @@ class TokenSlotAllocator:
         self._arange = torch.arange(page_size, dtype=torch.int64, device=self.device)
         # Per page: 1 = allocated, 0 = free.
         self._state = np.zeros(self.num_pages, dtype=np.int8)
+        # The free extents: at most one per free page (disjoint, each at least a page).
+        # Empty arrays: only the extents in use are ever touched.
+        self._ext_lo = np.empty(self.num_pages, dtype=np.int64)
+        self._ext_len = np.empty(self.num_pages, dtype=np.int64)
         self._ops: PageOps = select_page_ops(WalkImpl.AUTO)
         self.clear()
 
@@ -105,16 +112,18 @@ class TokenSlotAllocator:
 
     def clear(self) -> None:
         """Mark every slot free (drops all outstanding allocations)."""
-        # Reversed so that a fresh allocator hands out ascending pages.
-        self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
-        self._top = self.num_pages
+        # One extent: a fresh allocator hands out ascending pages.
+        self._ext_lo[0] = 0
+        self._ext_len[0] = self.num_pages
+        self._next = 1
+        self._free_pages = self.num_pages
         self._state[:] = 0
         self._pending: list[torch.Tensor] = []
         self._pending_pages = 0
 
     def available_size(self) -> int:
         """Number of free token slots (queued frees included)."""
-        return (self._top + self._pending_pages) * self.page_size
+        return (self._free_pages + self._pending_pages) * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` slots (whole pages); ``None`` when not enough are free."""
@@ -122,15 +131,13 @@ class TokenSlotAllocator:
             raise InvalidIndicesError(f"cannot allocate a negative number of slots: {num_tokens}")
         ps = self.page_size
         need = -(-num_tokens // ps)
-        top = self._top
-        if need > top:
+        if need > self._free_pages:
             self.flush()
-            top = self._top
-            if need > top:
+            if need > self._free_pages:
                 return None
-        pages = self._stack[top - need : top][::-1].copy()
-        self._top = top - need
-        self._state[pages] = 1
+        pages = np.empty(need, dtype=np.int64)
+        self._next = self._ops.take(self._state, self._ext_lo, self._ext_len, self._next, pages)
+        self._free_pages -= need
         out = torch.from_numpy(pages)
         if self.device.type != "cpu":
             out = out.to(self.device)
@@ -186,7 +193,7 @@ class TokenSlotAllocator:
         ps = self.page_size
         ops = self._ops
         n = (end - start + ps - 1) >> self._shift  # the pages: every ps-th entry
-        if self._top + n > self.num_pages:
+        if self._free_pages + n > self.num_pages:
             # More pages than are allocated: out of range, not allocated, or a repeat.
             if not checked:
                 held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
@@ -195,24 +202,28 @@ class TokenSlotAllocator:
                 if held != n:
                     raise DoubleFreeError("freeing a slot that is not allocated")
             raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
-        # A copy onto the stack (the caller may reuse its tensor); unless ``checked``, the
+        # Extents of page numbers (the caller may reuse its tensor); unless ``checked``, the
         # allocation check reads the same pass.
-        args = (self._state, self._stack, self._top, host, start, end, ps, self._shift)
+        args = (self._state, self._ext_lo, self._ext_len, self._next, host, start, end, ps)
         if checked:
-            self._top = ops.release(*args)
-            return
-        try:
-            top = ops.release_held(*args)
-        except IndexError:
-            raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
-        if top < 0:
-            raise DoubleFreeError("freeing a slot that is not allocated")
-        self._top = top
+            self._next = ops.release(*args, self._shift)
+        else:
+            try:
+                nxt = ops.release_held(*args, self._shift)
+            except IndexError:
+                raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
+            if nxt < 0:
+                raise DoubleFreeError("freeing a slot that is not allocated")
+            self._next = nxt
+        self._free_pages += n
 
     def _release_pages(self, pages: np.ndarray) -> None:
-        """Mark ``pages`` free and push them on the stack (no checks)."""
+        """Mark ``pages`` free and push them on the free extents (no checks)."""
         n = pages.shape[0]
-        self._top = self._ops.release(self._state, self._stack, self._top, pages, 0, n, 1, 0)
+        self._next = self._ops.release(
+            self._state, self._ext_lo, self._ext_len, self._next, pages, 0, n, 1, 0
+        )
+        self._free_pages += n
 
     def free_owned(self, indices: torch.Tensor) -> None:
         """Free whole pages the caller is known to own: slots the tree adopted after checking
@@ -235,8 +246,8 @@ class TokenSlotAllocator:
         n = self._pending_pages
         self._pending = []
         self._pending_pages = 0
-        assert self._top + n <= self.num_pages, (
-            f"merging {n} freed pages into {self._top} free of {self.num_pages}"
+        assert self._free_pages + n <= self.num_pages, (
+            f"merging {n} freed pages into {self._free_pages} free of {self.num_pages}"
         )
         for indices in merged_groups(pending):
             self._release_owned(self._pages_of(indices))
@@ -278,15 +289,22 @@ class TokenSlotAllocator:
         return host
 
     def check_consistency(self) -> None:
-        """Assert that the free stack and the page states agree (O(size); for sanity checks).
+        """Assert that the free extents and the page states agree (O(size); for sanity checks).
 
         Also catches a page freed twice within one ``free`` call (listed twice)."""
         self.flush()
-        free = self._stack[: self._top]
+        nxt = self._next
+        lo, length = self._ext_lo[:nxt], self._ext_len[:nxt]
+        n_free = self._free_pages
+        assert (length > 0).all(), "an empty free extent"
+        assert int(length.sum()) == n_free, (
+            f"{int(length.sum())} pages in extents, {n_free} counted"
+        )
+        free = np.repeat(lo - (np.cumsum(length) - length), length) + np.arange(n_free)
         n_state_free = int((self._state == 0).sum())
-        assert n_state_free == self._top, f"{n_state_free} pages marked free, {self._top} listed"
+        assert n_state_free == n_free, f"{n_state_free} pages marked free, {n_free} listed"
         assert (self._state[free] == 0).all(), "a listed free page is marked allocated"
-        assert np.unique(free).shape[0] == self._top, "a page is listed free twice"
+        assert np.unique(free).shape[0] == n_free, "a page is listed free twice"
 
 
 def merged_groups(spans: list[torch.Tensor]) -> Iterator[torch.Tensor]:
