@@ -1,8 +1,9 @@
-/* urc._native._walk: the compiled twins of urc.fastpath.py_walk and py_match_tail (see
- * their docstrings).
+/* urc._native._walk: the compiled twins of urc.fastpath.py_walk and py_match_tail, and of
+ * urc.components.swa_window.py_window_release (see their docstrings).
  *
  * walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)
  * match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)
+ * window_release(node, index, uuid, skip, epoch, window, apply) -> (locked, delta)
  *
  * ``ck`` None: the first child is looked up under the page key at ``pos``, like every later
  * one.
@@ -567,11 +568,210 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ SWA window release */
+static slot_cache sc_parent = {"parent"}, sc_id = {"id"}, sc_w_value = {"value"},
+                  sc_lock_ref = {"lock_ref"}, sc_restored = {"restored"}, sc_uuid = {"uuid"};
+
+/* urc.errors.InvalidLockError, imported on first use. */
+static PyObject *lock_error;
+
+/* Raise InvalidLockError(msg) (steals ``msg``); always NULL. */
+static PyObject *
+raise_lock_error(PyObject *msg)
+{
+    if (msg == NULL)
+        return NULL;
+    if (lock_error == NULL) {
+        PyObject *mod = PyImport_ImportModule("urc.errors");
+        if (mod != NULL) {
+            lock_error = PyObject_GetAttrString(mod, "InvalidLockError");
+            Py_DECREF(mod);
+        }
+        if (lock_error == NULL) {
+            Py_DECREF(msg);
+            return NULL;
+        }
+    }
+    PyErr_SetObject(lock_error, msg);
+    Py_DECREF(msg);
+    return NULL;
+}
+
+/* New reference to ``node.data[index]``; NULL with an exception. */
+static PyObject *
+component_data(PyObject *node, Py_ssize_t index)
+{
+    PyObject *data = get_slot(node, &sc_data);
+    if (data == NULL)
+        return NULL;
+    PyObject *cd = PySequence_GetItem(data, index);
+    Py_DECREF(data);
+    return cd;
+}
+
+/* ``cd.lock_ref += by``; -1 with an exception. */
+static int
+add_lock_ref(PyObject *cd, Py_ssize_t by)
+{
+    Py_ssize_t lr = int_slot(cd, &sc_lock_ref);
+    if (lr == -1 && PyErr_Occurred())
+        return -1;
+    return set_slot(cd, &sc_lock_ref, PyLong_FromSsize_t(lr + by));
+}
+
+/* Whether the window walk counts ``node`` (SWA data ``cd``) as locked by the receipt
+ * (``skip``, ``epoch``): it holds SWA, was not skipped, was not recovered after the lock.
+ * 1, 0, or -1 with an exception. */
+static int
+window_counts(PyObject *node, PyObject *cd, PyObject *skip, PyObject *epoch)
+{
+    PyObject *v = get_slot(cd, &sc_w_value);
+    if (v == NULL)
+        return -1;
+    const int has = v != Py_None;
+    Py_DECREF(v);
+    if (!has)
+        return 0;
+    if (skip != Py_None) {
+        PyObject *id = get_slot(node, &sc_id);
+        if (id == NULL)
+            return -1;
+        const int in = PySequence_Contains(skip, id);
+        Py_DECREF(id);
+        if (in != 0)
+            return in < 0 ? -1 : 0;
+    }
+    if (epoch != Py_None) {
+        PyObject *restored = get_slot(cd, &sc_restored);
+        if (restored == NULL)
+            return -1;
+        const int le = PyObject_RichCompareBool(restored, epoch, Py_LE);
+        Py_DECREF(restored);
+        return le;
+    }
+    return 1;
+}
+
+/* window_release(node, index, uuid, skip, epoch, window, apply) -> (locked, delta)
+ * The compiled twin of urc.components.swa_window.py_window_release (see its docstring). */
+static PyObject *
+window_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "window_release(node, index, uuid, skip, epoch, window, apply)");
+        return NULL;
+    }
+    PyObject *uuid = args[2], *skip = args[3], *epoch = args[4];
+    const Py_ssize_t index = PyLong_AsSsize_t(args[1]);
+    const long long window = PyLong_AsLongLong(args[5]);
+    const int apply = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || apply < 0)
+        return NULL;
+    PyObject *locked = PyList_New(0);
+    if (locked == NULL)
+        return NULL;
+    long long acc = 0, delta = 0;
+    PyObject *node = args[0], *cd = NULL, *parent = NULL;
+    Py_INCREF(node);
+    for (;;) {
+        parent = get_slot(node, &sc_parent);
+        if (parent == NULL)
+            goto fail;
+        if (parent == Py_None)
+            break;
+        cd = component_data(node, index);
+        if (cd == NULL)
+            goto fail;
+        const int counts = window_counts(node, cd, skip, epoch);
+        if (counts < 0)
+            goto fail;
+        if (counts) {
+            const Py_ssize_t lr = int_slot(cd, &sc_lock_ref);
+            if (lr == -1 && PyErr_Occurred())
+                goto fail;
+            if (lr <= 0) {
+                PyObject *id = get_slot(node, &sc_id);
+                if (id != NULL) {
+                    raise_lock_error(
+                        PyUnicode_FromFormat("SWA release on node %S, which is not locked", id));
+                    Py_DECREF(id);
+                }
+                goto fail;
+            }
+            const Py_ssize_t key_len = int_slot(node, &sc_key_len);
+            if ((key_len == -1 && PyErr_Occurred()) || PyList_Append(locked, node) < 0)
+                goto fail;
+            if (apply) {
+                if (set_slot(cd, &sc_lock_ref, PyLong_FromSsize_t(lr - 1)) < 0)
+                    goto fail;
+                if (lr == 1)
+                    delta += key_len;
+            }
+            if (uuid == Py_None) {
+                acc += key_len;
+                if (acc >= window) {
+                    /* Acquire would have stamped a boundary here: no receipt. */
+                    raise_lock_error(PyUnicode_FromString(
+                        "SWA release without the lock's swa_uuid_for_lock receipt"));
+                    goto fail;
+                }
+            }
+            else {
+                PyObject *stamp = get_slot(cd, &sc_uuid);
+                if (stamp == NULL)
+                    goto fail;
+                const int same = PyObject_RichCompareBool(stamp, uuid, Py_EQ);
+                Py_DECREF(stamp);
+                if (same < 0)
+                    goto fail;
+                if (same) {
+                    Py_DECREF(cd);
+                    Py_DECREF(parent);
+                    Py_DECREF(node);
+                    return Py_BuildValue("(NL)", locked, delta);
+                }
+            }
+        }
+        Py_CLEAR(cd);
+        Py_DECREF(node);
+        node = parent;
+        parent = NULL;
+    }
+    Py_CLEAR(parent);
+    if (uuid != Py_None) {
+        raise_lock_error(PyUnicode_FromFormat(
+            "SWA lock receipt %S does not name a window boundary on this path", uuid));
+        goto fail;
+    }
+    Py_DECREF(node);
+    return Py_BuildValue("(NL)", locked, delta);
+fail:
+    Py_XDECREF(cd);
+    Py_XDECREF(parent);
+    Py_XDECREF(node);
+    if (apply) { /* put back the counts lowered so far, keeping the exception */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(locked); i++) {
+            PyObject *c = component_data(PyList_GET_ITEM(locked, i), index);
+            if (c == NULL || add_lock_ref(c, 1) < 0)
+                PyErr_Clear();
+            Py_XDECREF(c);
+        }
+        PyErr_Restore(et, ev, tb);
+    }
+    Py_DECREF(locked);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)"},
     {"match_tail", (PyCFunction)(void (*)(void))match_tail, METH_FASTCALL,
      "match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)"},
+    {"window_release", (PyCFunction)(void (*)(void))window_release, METH_FASTCALL,
+     "window_release(node, index, uuid, skip, epoch, window, apply) -> (locked, delta)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -582,8 +782,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__walk(void)
 {
-    slot_cache *caches[] = {&sc_children, &sc_key, &sc_key_len, &sc_data,
-                            &sc_full,     &sc_value, &sc_stamp, &sc_rule_value};
+    slot_cache *caches[] = {&sc_children, &sc_key,     &sc_key_len,  &sc_data,
+                            &sc_full,     &sc_value,   &sc_stamp,    &sc_rule_value,
+                            &sc_parent,   &sc_id,      &sc_w_value,  &sc_lock_ref,
+                            &sc_restored, &sc_uuid};
     for (size_t i = 0; i < sizeof(caches) / sizeof(caches[0]); i++) {
         caches[i]->name = PyUnicode_InternFromString(caches[i]->cname);
         if (caches[i]->name == NULL)

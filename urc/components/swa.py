@@ -55,10 +55,11 @@ from urc.components.swa_data import SWAData
 from urc.components.swa_window import (
     deepest_window_boundary,
     free_out_of_window,
+    select_window_release,
     window_match_validator,
     window_path_validator,
 )
-from urc.errors import ConfigError, InvalidInputError, InvalidLockError
+from urc.errors import ConfigError, InvalidInputError
 from urc.host_protocol import TransferItem
 from urc.lru import LRUList
 from urc.pools.swa import SWATokenSlotAllocator
@@ -116,6 +117,8 @@ class SWAComponent(TreeComponent):
         self._epoch = 0
         # (receipt, node, cache clock, nodes to unlock) from the last ``check_release``.
         self._plan: tuple[DecLockRefParams | None, TreeNode, int, list[TreeNode]] | None = None
+        # The release walk, compiled or its Python twin (``CacheConfig.walk_impl``).
+        self._window_release = select_window_release(config.walk_impl)
 
     def new_data(self) -> SWAData:
         return SWAData()
@@ -413,64 +416,24 @@ class SWAComponent(TreeComponent):
         self.evictable_size -= delta
         self.protected_size += delta
 
-    # A node was locked by a receipt (uuid, skip, epoch) iff it holds SWA, was not skipped at
-    # acquire, and was not recovered after the acquire (restore stamp newer than the epoch).
-
     def _walk_release(
         self, node: TreeNode, params: DecLockRefParams | None, apply: bool
     ) -> tuple[list[TreeNode], int]:
-        """The nodes releasing ``params`` from ``node`` unlocks, bottom-up, and the tokens
-        that become evictable.  Raises :class:`InvalidLockError` unless the walk meets
-        locked nodes only and ends at the receipt's boundary (or, for a lock that reached
-        the root without filling the window, at the root).  With ``apply``, releases them
-        on the way (one pass); a raise first restores the counts it lowered."""
+        """The window walk of releasing ``params`` from ``node``
+        (:func:`~urc.components.swa_window.py_window_release`: the nodes it unlocks and the
+        tokens made evictable; raises :class:`InvalidLockError` for a receipt that does not
+        fit; with ``apply``, releases on the way)."""
         if params is None:
-            uuid = skip = epoch = None
-        else:
-            uuid = params.swa_uuid_for_lock
-            skip = params.skip_lock_node_ids.get(_SWA_TYPE)
-            epoch = params.swa_lock_epoch
-        window = self.window
-        acc = 0
-        delta = 0
-        locked: list[TreeNode] = []
-        try:
-            while node.parent is not None:
-                cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
-                if (
-                    cd.value is not None
-                    and (skip is None or node.id not in skip)
-                    and (epoch is None or cd.restored <= epoch)
-                ):
-                    if cd.lock_ref <= 0:
-                        raise InvalidLockError(
-                            f"SWA release on node {node.id}, which is not locked"
-                        )
-                    locked.append(node)
-                    if apply:
-                        cd.lock_ref -= 1
-                        if cd.lock_ref == 0:
-                            delta += node.key_len
-                    if uuid is None:
-                        acc += node.key_len
-                        if acc >= window:
-                            # Acquire would have stamped a boundary here: no receipt.
-                            raise InvalidLockError(
-                                "SWA release without the lock's swa_uuid_for_lock receipt"
-                            )
-                    elif cd.uuid == uuid:
-                        return locked, delta
-                node = node.parent
-            if uuid is not None:
-                raise InvalidLockError(
-                    f"SWA lock receipt {uuid} does not name a window boundary on this path"
-                )
-        except InvalidLockError:
-            if apply:
-                for n in locked:
-                    n.data[_SWA].lock_ref += 1  # type: ignore[union-attr]
-            raise
-        return locked, delta
+            return self._window_release(node, _SWA, None, None, None, self.window, apply)
+        return self._window_release(
+            node,
+            _SWA,
+            params.swa_uuid_for_lock,
+            params.skip_lock_node_ids.get(_SWA_TYPE),
+            params.swa_lock_epoch,
+            self.window,
+            apply,
+        )
 
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         """Validate the release (see ``_walk_release``) and keep the walk as the plan of the

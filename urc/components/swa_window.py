@@ -14,10 +14,11 @@ above (a path from the root without tombstones is always valid).  A request's ow
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING
 
-from urc.errors import InvalidInputError
+from urc.errors import InvalidInputError, InvalidLockError
+from urc.fastpath import WalkImpl, choose_impl
 from urc.node import ComponentType, TreeNode
 
 if TYPE_CHECKING:
@@ -26,8 +27,11 @@ if TYPE_CHECKING:
     from urc.req import Req
 
 __all__ = [
+    "WindowReleaseFn",
     "deepest_window_boundary",
     "free_out_of_window",
+    "py_window_release",
+    "select_window_release",
     "window_match_validator",
     "window_path_validator",
 ]
@@ -134,3 +138,88 @@ def free_out_of_window(
     freed = allocator.free_swa(req_to_token.read(row, start, new))
     req.swa_evicted_seqlen = new
     return freed
+
+
+# A node was locked by a receipt (uuid, skip, epoch) iff it holds SWA, was not skipped at
+# acquire, and was not recovered after the acquire (restore stamp newer than the epoch).
+
+
+def py_window_release(
+    node: TreeNode,
+    index: int,
+    uuid: int | None,
+    skip: Container[int] | None,
+    epoch: int | None,
+    window: int,
+    apply: bool,
+) -> tuple[list[TreeNode], int]:
+    """The nodes a window-lock release from ``node`` unlocks, bottom-up, and the tokens that
+    become evictable: the walk up counts the nodes the receipt (``uuid``, ``skip``,
+    ``epoch``) locked -- SWA data at ``node.data[index]`` -- and ends at the node stamped
+    ``uuid`` (for a receipt without one: at the root, before ``window`` tokens).
+
+    Raises :class:`InvalidLockError` unless every counted node is locked and the walk ends
+    where the receipt says.  With ``apply``, lowers the lock counts on the way (one pass); a
+    raise first restores the counts it lowered.  The compiled twin is
+    ``urc._native._walk.window_release``."""
+    acc = 0
+    delta = 0
+    locked: list[TreeNode] = []
+    try:
+        while node.parent is not None:
+            cd = node.data[index]
+            assert cd is not None
+            if (
+                cd.value is not None
+                and (skip is None or node.id not in skip)
+                and (epoch is None or cd.restored <= epoch)  # type: ignore[attr-defined]
+            ):
+                if cd.lock_ref <= 0:
+                    raise InvalidLockError(f"SWA release on node {node.id}, which is not locked")
+                locked.append(node)
+                if apply:
+                    cd.lock_ref -= 1
+                    if cd.lock_ref == 0:
+                        delta += node.key_len
+                if uuid is None:
+                    acc += node.key_len
+                    if acc >= window:
+                        # Acquire would have stamped a boundary here: no receipt.
+                        raise InvalidLockError(
+                            "SWA release without the lock's swa_uuid_for_lock receipt"
+                        )
+                elif cd.uuid == uuid:  # type: ignore[attr-defined]
+                    return locked, delta
+            node = node.parent
+        if uuid is not None:
+            raise InvalidLockError(
+                f"SWA lock receipt {uuid} does not name a window boundary on this path"
+            )
+    except InvalidLockError:
+        if apply:
+            for n in locked:
+                n.data[index].lock_ref += 1  # type: ignore[union-attr]
+        raise
+    return locked, delta
+
+
+WindowReleaseFn = Callable[
+    [TreeNode, int, "int | None", "Container[int] | None", "int | None", int, bool],
+    tuple[list[TreeNode], int],
+]
+
+
+def _native_window_release() -> WindowReleaseFn | None:
+    try:
+        from urc._native._walk import window_release
+    except ImportError:
+        return None
+    return window_release  # type: ignore[no-any-return]
+
+
+_NATIVE_RELEASE = _native_window_release()
+
+
+def select_window_release(impl: WalkImpl) -> WindowReleaseFn:
+    """The window-release walk ``impl`` names (as :func:`urc.fastpath.select_walk`)."""
+    return choose_impl(impl, _NATIVE_RELEASE, py_window_release, "urc._native._walk")
