@@ -140,9 +140,14 @@ def py_take(
     state: np.ndarray, lo: np.ndarray, length: np.ndarray, nxt: int, out: np.ndarray
 ) -> int:
     """Fill ``out`` with free pages taken from the top extent (``nxt - 1``) down, ascending
-    within each, and mark them allocated; returns the new ``nxt`` (a partly taken extent
-    keeps its upper pages).  ``ValueError``, with nothing changed, when the extents hold
-    fewer pages than ``len(out)`` or one that the take reaches is out of range."""
+    within each, and mark them allocated; returns the new ``nxt``.  ``ValueError``, with
+    nothing changed, when the extents hold fewer pages than ``len(out)`` or one that the
+    take reaches is out of range.  The last extent reached, ``[lo, lo + n)``, when the take
+    needs only ``t < n`` of it::
+
+        [lo, lo + t)      handed out (the end of ``out``)
+        [lo + t, lo + n)  stays free: the extent becomes (lo + t, n - t), the new top
+    """
     need = out.shape[0]
     if need == 0:
         return nxt

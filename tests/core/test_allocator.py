@@ -158,7 +158,7 @@ def test_queued_frees_stay_queued_until_needed_and_merge_in_queue_order(ps: int)
         b.free(s)  # released now
     assert a.available_size() == b.available_size()
     assert len(a._pending) == len(spans)
-    x, y = a.alloc(n * ps), b.alloc(n * ps)  # a merges because its stack is short
+    x, y = a.alloc(n * ps), b.alloc(n * ps)  # a merges: its extents are short
     assert x is not None and y is not None and torch.equal(x, y)
     a.check_consistency()
 

@@ -7,21 +7,26 @@ token indices of them, so an unaligned request still owns whole pages.
 Freeing costs O(freed pages), independent of the pool size (SGLang's allocator concatenates
 the whole free list on every free, which dominated its insert and evict phases).  A per-page
 state makes double frees and frees of never-allocated slots an error instead of silent
-corruption.  State and free stack live in host memory (numpy) because per-call torch dispatch
-costs more than the bookkeeping itself; a slot repeated inside one ``free`` call is caught by
+corruption.  The free pages are a stack of extents (runs of consecutive pages, ``[lo, lo +
+len)``): a free pushes the runs of what it frees, joining the top extent when the first run
+continues it, and an allocation takes pages from the top extents, ascending within each.
+Values are mostly such runs (an allocation hands out runs, a tree node frees what it was
+given), so a free writes a few extents instead of one stack entry per page.  State and
+extents live in host memory (numpy) because per-call torch dispatch costs more than the
+bookkeeping itself; a slot repeated inside one ``free`` call is caught by
 :meth:`check_consistency` (run by ``sanity_check``) rather than on every free, to keep
 ``free`` at a few microseconds.
 
 Slots the tree frees (evicted nodes) go through :meth:`TokenSlotAllocator.free_owned`, which
 only queues the tensor, unchecked: the tree validated those slots when it adopted them.  The
-queue is merged into the free stack (:meth:`TokenSlotAllocator.flush`) when something needs
-it -- an allocation the stack is short for, anything that reads page states (a checked
-``free``, ``check_owned`` at insert, ``is_allocated``, the consistency check) -- or once it
-holds ``MERGE_BATCH`` spans, which bounds the tensors it keeps alive.  An eviction thus only
-queues its frees; the release of their pages (about 1.5 ns each) is paid once, by the merge,
-in groups of up to ``_CAT_SLOTS`` slots (:func:`merged_groups`: one ``torch.cat`` each).
+queue is merged into the free extents (:meth:`TokenSlotAllocator.flush`) when something
+needs it -- an allocation the extents are short for, anything that reads page states (a
+checked ``free``, ``check_owned`` at insert, ``is_allocated``, the consistency check) -- or
+once it holds ``MERGE_BATCH`` spans, which bounds the tensors it keeps alive.  An eviction
+thus only queues its frees; the release of their pages is paid once, by the merge, in groups
+of up to ``_CAT_SLOTS`` slots (:func:`merged_groups`: one ``torch.cat`` each).
 
-The per-page loops of ``free``, ``check_owned`` and the stack pushes are
+The per-page loops of ``free``, ``check_owned``, ``alloc`` and the extent pushes are
 :mod:`urc.pageops` primitives: compiled where built, else their numpy twins
 (:meth:`TokenSlotAllocator.use_page_ops`; the cache selects them with its walk).
 """
@@ -239,7 +244,7 @@ class TokenSlotAllocator:
             self.flush()
 
     def flush(self) -> None:
-        """Merge the queued :meth:`free_owned` frees into the free stack now."""
+        """Merge the queued :meth:`free_owned` frees into the free extents now."""
         pending = self._pending
         if not pending:
             return
