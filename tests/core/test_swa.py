@@ -756,8 +756,8 @@ def _swa_locks(h: SWAHarness) -> list[tuple[int, int]]:
 @pytest.mark.parametrize(("ps", "window"), [(1, 4), (4, 8), (2, 3)])
 def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: int) -> None:
     """Both release walks return, raise and change the same on random locked trees with SWA
-    tombstones, for real receipts and broken ones (wrong or missing uuid, skip sets, epochs),
-    dry and applied; an applied walk that raises leaves every count as it was."""
+    tombstones, for real receipts, none, and broken ones (wrong or missing uuid, skip sets,
+    epochs), dry and applied; an applied walk that raises leaves every count as it was."""
     rng = random.Random(seed)
     h = SWAHarness(ps, window, pages=400)
     receipts: list[tuple[TreeNode, IncLockRefResult]] = []
@@ -774,22 +774,23 @@ def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: 
     native = select_window_release(WalkImpl.NATIVE)
     for node, receipt in receipts:
         p = receipt.to_dec_params()
-        uuid, skip, epoch = p.swa_uuid_for_lock, p.skip_lock_node_ids.get(SWA), p.swa_lock_epoch
+        uuid, skip, epoch = p.swa_uuid_for_lock, p.skip_lock_node_ids, p.swa_lock_epoch
         path_ids = {n.id for n in h.cache.tree.path_to(node)}
-        for args in [
-            (uuid, skip, epoch),
-            (None, skip, epoch),
-            (10**6, skip, epoch),
-            (uuid, path_ids, epoch),
-            (uuid, None, None),
-            (uuid, skip, -1),
+        for params in [
+            p,
+            None,
+            DecLockRefParams(None, skip_lock_node_ids=skip, swa_lock_epoch=epoch),
+            DecLockRefParams(10**6, skip_lock_node_ids=skip, swa_lock_epoch=epoch),
+            DecLockRefParams(uuid, skip_lock_node_ids={SWA: path_ids}, swa_lock_epoch=epoch),
+            DecLockRefParams(uuid),
+            DecLockRefParams(uuid, skip_lock_node_ids=skip, swa_lock_epoch=-1),
         ]:
             for apply in (False, True):
                 before = _swa_locks(h)
                 outs: list[object] = []
                 for fn in (py_window_release, native):
                     try:
-                        locked, delta = fn(node, SWA, *args, window, apply)
+                        locked, delta = fn(node, SWA, params, window, apply)
                         res: object = ([n.id for n in locked], delta)
                     except InvalidLockError as e:
                         locked, res = [], str(e)
@@ -799,7 +800,7 @@ def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: 
                         assert cd is not None
                         cd.lock_ref += 1
                     assert _swa_locks(h) == before
-                assert outs[0] == outs[1], (args, apply)
+                assert outs[0] == outs[1], (params, apply)
     for node, receipt in receipts:
         h.cache.dec_lock_ref(node, receipt.to_dec_params())
     h.check()

@@ -3,7 +3,7 @@
  *
  * walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)
  * match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)
- * window_release(node, index, uuid, skip, epoch, window, apply) -> (locked, delta)
+ * window_release(node, index, params, window, apply) -> (locked, delta)
  *
  * ``ck`` None: the first child is looked up under the page key at ``pos``, like every later
  * one.
@@ -570,7 +570,9 @@ fail:
 
 /* ------------------------------------------------------------------ SWA window release */
 static slot_cache sc_parent = {"parent"}, sc_id = {"id"}, sc_w_value = {"value"},
-                  sc_lock_ref = {"lock_ref"}, sc_restored = {"restored"}, sc_uuid = {"uuid"};
+                  sc_lock_ref = {"lock_ref"}, sc_restored = {"restored"}, sc_uuid = {"uuid"},
+                  sc_r_uuid = {"swa_uuid_for_lock"}, sc_r_skip = {"skip_lock_node_ids"},
+                  sc_r_epoch = {"swa_lock_epoch"};
 
 /* urc.errors.InvalidLockError, imported on first use. */
 static PyObject *lock_error;
@@ -652,27 +654,82 @@ window_counts(PyObject *node, PyObject *cd, PyObject *skip, PyObject *epoch)
     return 1;
 }
 
-/* window_release(node, index, uuid, skip, epoch, window, apply) -> (locked, delta)
+/* The receipt's window fields: ``uuid``, ``skip`` (its skip set under the key ``index``,
+ * the component type that is also the data index) and ``epoch`` as new references (all
+ * None without a receipt); -1 with an exception. */
+static int
+receipt_fields(PyObject *params, PyObject *index, PyObject **uuid, PyObject **skip,
+               PyObject **epoch)
+{
+    *uuid = *skip = *epoch = NULL;
+    if (params == Py_None) {
+        *uuid = Py_NewRef(Py_None);
+        *skip = Py_NewRef(Py_None);
+        *epoch = Py_NewRef(Py_None);
+        return 0;
+    }
+    PyObject *skips = get_slot(params, &sc_r_skip);
+    if (skips == NULL)
+        return -1;
+    if (!PyDict_Check(skips)) {
+        Py_DECREF(skips);
+        PyErr_SetString(PyExc_TypeError, "skip_lock_node_ids must be a dict");
+        return -1;
+    }
+    PyObject *sk = PyDict_GetItemWithError(skips, index); /* borrowed */
+    if (sk == NULL && PyErr_Occurred()) {
+        Py_DECREF(skips);
+        return -1;
+    }
+    *skip = Py_NewRef(sk == NULL ? Py_None : sk);
+    Py_DECREF(skips);
+    *uuid = get_slot(params, &sc_r_uuid);
+    *epoch = *uuid == NULL ? NULL : get_slot(params, &sc_r_epoch);
+    if (*epoch == NULL) {
+        Py_CLEAR(*uuid);
+        Py_CLEAR(*skip);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *window_walk(PyObject *node, Py_ssize_t index, PyObject *uuid, PyObject *skip,
+                             PyObject *epoch, long long window, int apply);
+
+/* window_release(node, index, params, window, apply) -> (locked, delta)
  * The compiled twin of urc.components.swa_window.py_window_release (see its docstring). */
 static PyObject *
 window_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "window_release(node, index, uuid, skip, epoch, window, apply)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "window_release(node, index, params, window, apply)");
         return NULL;
     }
-    PyObject *uuid = args[2], *skip = args[3], *epoch = args[4];
     const Py_ssize_t index = PyLong_AsSsize_t(args[1]);
-    const long long window = PyLong_AsLongLong(args[5]);
-    const int apply = PyObject_IsTrue(args[6]);
+    const long long window = PyLong_AsLongLong(args[3]);
+    const int apply = PyObject_IsTrue(args[4]);
     if (PyErr_Occurred() || apply < 0)
         return NULL;
+    PyObject *uuid, *skip, *epoch;
+    if (receipt_fields(args[2], args[1], &uuid, &skip, &epoch) < 0)
+        return NULL;
+    PyObject *res = window_walk(args[0], index, uuid, skip, epoch, window, apply);
+    Py_DECREF(uuid);
+    Py_DECREF(skip);
+    Py_DECREF(epoch);
+    return res;
+}
+
+/* The walk of window_release, the receipt's fields unpacked. */
+static PyObject *
+window_walk(PyObject *node, Py_ssize_t index, PyObject *uuid, PyObject *skip, PyObject *epoch,
+            long long window, int apply)
+{
     PyObject *locked = PyList_New(0);
     if (locked == NULL)
         return NULL;
     long long acc = 0, delta = 0;
-    PyObject *node = args[0], *cd = NULL, *parent = NULL;
+    PyObject *cd = NULL, *parent = NULL;
     Py_INCREF(node);
     for (;;) {
         parent = get_slot(node, &sc_parent);
@@ -771,7 +828,7 @@ static PyMethodDef methods[] = {
     {"match_tail", (PyCFunction)(void (*)(void))match_tail, METH_FASTCALL,
      "match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)"},
     {"window_release", (PyCFunction)(void (*)(void))window_release, METH_FASTCALL,
-     "window_release(node, index, uuid, skip, epoch, window, apply) -> (locked, delta)"},
+     "window_release(node, index, params, window, apply) -> (locked, delta)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -785,7 +842,8 @@ PyInit__walk(void)
     slot_cache *caches[] = {&sc_children, &sc_key,     &sc_key_len,  &sc_data,
                             &sc_full,     &sc_value,   &sc_stamp,    &sc_rule_value,
                             &sc_parent,   &sc_id,      &sc_w_value,  &sc_lock_ref,
-                            &sc_restored, &sc_uuid};
+                            &sc_restored, &sc_uuid,    &sc_r_uuid,   &sc_r_skip,
+                            &sc_r_epoch};
     for (size_t i = 0; i < sizeof(caches) / sizeof(caches[0]); i++) {
         caches[i]->name = PyUnicode_InternFromString(caches[i]->cname);
         if (caches[i]->name == NULL)

@@ -416,32 +416,13 @@ class SWAComponent(TreeComponent):
         self.evictable_size -= delta
         self.protected_size += delta
 
-    def _walk_release(
-        self, node: TreeNode, params: DecLockRefParams | None, apply: bool
-    ) -> tuple[list[TreeNode], int]:
-        """The window walk of releasing ``params`` from ``node``
-        (:func:`~urc.components.swa_window.py_window_release`: the nodes it unlocks and the
-        tokens made evictable; raises :class:`InvalidLockError` for a receipt that does not
-        fit; with ``apply``, releases on the way)."""
-        if params is None:
-            return self._window_release(node, _SWA, None, None, None, self.window, apply)
-        return self._window_release(
-            node,
-            _SWA,
-            params.swa_uuid_for_lock,
-            params.skip_lock_node_ids.get(_SWA_TYPE),
-            params.swa_lock_epoch,
-            self.window,
-            apply,
-        )
-
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        """Validate the release (see ``_walk_release``) and keep the walk as the plan of the
+        """Validate the release (see ``py_window_release``) and keep the walk as the plan of the
         ``release_component_lock`` that follows, so an unlock walks the window once."""
         self._plan = None
         if params is not None and params.skip_swa:
             return
-        locked = self._walk_release(node, params, False)[0]
+        locked = self._window_release(node, _SWA_TYPE, params, self.window, False)[0]
         # Valid until the tree changes: every walk that can split or recover a node ticks
         # the cache clock.
         self._plan = (params, node, self.tree.clock, locked)
@@ -468,7 +449,7 @@ class SWAComponent(TreeComponent):
                 if cd.lock_ref == 0:
                     delta += n.key_len
         else:
-            delta = self._walk_release(node, params, True)[1]
+            delta = self._window_release(node, _SWA_TYPE, params, self.window, True)[1]
         self.evictable_size += delta
         self.protected_size -= delta
 

@@ -14,7 +14,7 @@ above (a path from the root without tombstones is always valid).  A request's ow
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from urc.errors import InvalidInputError, InvalidLockError
@@ -22,6 +22,7 @@ from urc.fastpath import WalkImpl, choose_impl
 from urc.node import ComponentType, TreeNode
 
 if TYPE_CHECKING:
+    from urc.params import DecLockRefParams
     from urc.pools.req_to_token import ReqToTokenPool
     from urc.pools.swa import SWATokenSlotAllocator
     from urc.req import Req
@@ -146,22 +147,27 @@ def free_out_of_window(
 
 def py_window_release(
     node: TreeNode,
-    index: int,
-    uuid: int | None,
-    skip: Container[int] | None,
-    epoch: int | None,
+    index: ComponentType,
+    params: DecLockRefParams | None,
     window: int,
     apply: bool,
 ) -> tuple[list[TreeNode], int]:
     """The nodes a window-lock release from ``node`` unlocks, bottom-up, and the tokens that
-    become evictable: the walk up counts the nodes the receipt (``uuid``, ``skip``,
-    ``epoch``) locked -- SWA data at ``node.data[index]`` -- and ends at the node stamped
-    ``uuid`` (for a receipt without one: at the root, before ``window`` tokens).
+    become evictable: the walk up counts the nodes the receipt ``params``
+    (``swa_uuid_for_lock``, ``skip_lock_node_ids[index]``, ``swa_lock_epoch``) locked -- SWA
+    data at ``node.data[index]`` -- and ends at the node stamped with its uuid (for a
+    receipt without one: at the root, before ``window`` tokens).
 
     Raises :class:`InvalidLockError` unless every counted node is locked and the walk ends
     where the receipt says.  With ``apply``, lowers the lock counts on the way (one pass); a
     raise first restores the counts it lowered.  The compiled twin is
     ``urc._native._walk.window_release``."""
+    if params is None:
+        uuid = skip = epoch = None
+    else:
+        uuid = params.swa_uuid_for_lock
+        skip = params.skip_lock_node_ids.get(index)
+        epoch = params.swa_lock_epoch
     acc = 0
     delta = 0
     locked: list[TreeNode] = []
@@ -204,8 +210,7 @@ def py_window_release(
 
 
 WindowReleaseFn = Callable[
-    [TreeNode, int, "int | None", "Container[int] | None", "int | None", int, bool],
-    tuple[list[TreeNode], int],
+    [TreeNode, ComponentType, "DecLockRefParams | None", int, bool], tuple[list[TreeNode], int]
 ]
 
 
