@@ -115,9 +115,14 @@ class UnifiedRadixCache:
         self._acquire = [c.acquire_component_lock for c in comps]
         self._release = [c.release_component_lock for c in self._components_rev]
         # The component released first validates inside its own release (the hook contract:
-        # raise before changing anything), so only the later ones need a separate check.
+        # raise before changing anything), so only the later ones need a separate check --
+        # not Full's when the first one's release proves the Full lock.
         first = self._components_rev[0]
-        self._check_release = [c.check_release for c in hooks.release_checks if c is not first]
+        self._check_release = [
+            c.check_release
+            for c in hooks.release_checks
+            if c is not first and not (c is full and first.release_implies_full_lock)
+        ]
         tree.bind(self._new_data, [c.redistribute_on_node_split for c in comps])
 
     # ================================================================== structure

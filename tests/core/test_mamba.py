@@ -332,6 +332,36 @@ def test_lock_pins_only_the_node_itself() -> None:
     assert snapshot(cache) == before
 
 
+def test_refused_releases_change_nothing_though_full_is_not_checked_first() -> None:
+    """Mamba is released first and proves Full's lock when it releases anything, so Full's
+    separate check is skipped: every refused release must still leave everything as it was,
+    and a release that consumes another lock's count keeps the counts consistent."""
+    cache = make(1)
+    insert_state(cache, [1, 2])
+    insert_state(cache, [1, 2, 3, 4], state=False)  # [3, 4]: no state of its own
+    with_state = match(cache, [1, 2]).last_device_node
+    (stateless,) = with_state.children.values()  # a match would end above it (no state)
+    assert state_at(cache, with_state) is not None and state_at(cache, stateless) is None
+    for node in (with_state, stateless):
+        before = snapshot(cache)
+        with pytest.raises(InvalidLockError):  # not locked, no receipt: Mamba has nothing
+            cache.dec_lock_ref(node)
+        assert snapshot(cache) == before
+        receipt = cache.inc_lock_ref(node).to_dec_params()
+        cache.dec_lock_ref(node, receipt)
+        before = snapshot(cache)
+        with pytest.raises(InvalidLockError):  # the same receipt again
+            cache.dec_lock_ref(node, receipt)
+        assert snapshot(cache) == before
+        check(cache)
+    first = cache.inc_lock_ref(with_state).to_dec_params()
+    cache.inc_lock_ref(with_state)
+    cache.dec_lock_ref(with_state, first)
+    cache.dec_lock_ref(with_state, first)  # a caller's bug: it takes the second lock's count
+    check(cache)
+    assert with_state.data[MAMBA].lock_ref == 0 and with_state.data[FULL].lock_ref == 0  # type: ignore[union-attr]
+
+
 def test_release_without_receipt_and_early_release() -> None:
     cache = make(1)
     insert_state(cache, [1, 2])

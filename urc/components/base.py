@@ -57,6 +57,10 @@ class TreeComponent(ABC):
 
     component_type: ClassVar[ComponentType]
     unit: ClassVar[SizeUnit] = SizeUnit.TOKENS
+    #: Released first, a release of this component that changes anything proves that the
+    #: node's Full lock is held (it locks only data that the same acquire locked on that
+    #: node with Full), so Full's ``check_release`` before it can be skipped.
+    release_implies_full_lock: ClassVar[bool] = False
 
     def __init__(
         self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor

@@ -89,6 +89,9 @@ class MambaComponent(TreeComponent):
 
     component_type = ComponentType.MAMBA
     unit = SizeUnit.STATES
+    # A release changes only the state lock of the node itself, which the acquire took there
+    # together with Full's own lock on that (device) node.
+    release_implies_full_lock = True
 
     def __init__(
         self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
