@@ -83,7 +83,8 @@ class TreeNode:
     ``data[ct]`` is the ``ComponentData`` of component ``ct`` (``None`` for components the
     cache was not built with).  ``last_access_time`` is a logical clock (parent < child along
     a matched path).  ``in_heap`` says whether the Full eviction heap holds a live entry for
-    the node; ``deleted`` marks nodes removed from the tree (their heap entries are stale).
+    the node, ``heap_entry`` the last entry pushed for it; ``deleted`` marks nodes removed from
+    the tree (their heap entries are stale).
     """
 
     __slots__ = (
@@ -94,6 +95,7 @@ class TreeNode:
         "deleted",
         "full",
         "hash_value",
+        "heap_entry",
         "hit_count",
         "id",
         "in_heap",
@@ -131,6 +133,7 @@ class TreeNode:
         self.priority = 0
         self.id = next(_ids)
         self.in_heap = False
+        self.heap_entry: tuple[Any, int, TreeNode] | None = None
         self.in_host_heap = False
         self.deleted = False
         self.hash_value: list[str] | None = None

@@ -7,10 +7,16 @@ entries), so an entry whose node was touched since it was pushed is simply re-pu
 new key when it surfaces: an ``evict`` call costs O(k log n) for k freed leaves instead of
 rebuilding a heap of every leaf.
 
-Heap entry rules: ``node.in_heap`` is True while the heap holds an entry for the node.  A node
-that stops being an evictable leaf (locked, got a child, was deleted) keeps its entry; the
-entry is dropped when it surfaces.  A node that becomes an evictable leaf is pushed unless it
-already has an entry (whose key is then stale and gets re-keyed on pop).
+Heap entry rules: ``node.in_heap`` is True while the heap holds an entry for the node
+(``node.heap_entry``, the last one pushed).  A node that stops being an evictable leaf because
+it was locked or deleted keeps its entry; the entry is dropped when it surfaces.  A leaf that
+gets a child is an internal node for good, or until its subtree goes: its entry is orphaned
+(``in_heap`` cleared, the entry remembered by identity in ``_dead``), so that dropping it
+reads no node -- on a pop, or all of them at once when they are a quarter of the heap (one
+pass over the entries, cheaper than a pop each: in a large tree the oldest entries, the
+first an eviction meets, are mostly such, and each pop would sift a cold heap).  A node that
+becomes an evictable leaf is pushed unless it already has an entry (whose key is then stale
+and gets re-keyed on pop).
 
 Lock counting: a Full ``lock_ref`` counts the locks taken on the node itself plus its locked
 children, not (as in SGLang) every lock below it.  "Locked" (``lock_ref > 0``), the protected
@@ -65,7 +71,9 @@ class FullComponent(TreeComponent):
         self._first: deque[TreeNode] = deque()
         self._partial = config.partial_leaf_eviction
         self._heap: list[tuple[Any, int, TreeNode]] = []
-        self._dead = 0  # entries of leaves that got a child since (see ``note_child``)
+        # id() of the orphaned entries still in the heap (see ``note_child``); each is alive
+        # (held by the heap) while it is here, so no id in it can name another object.
+        self._dead: set[int] = set()
         # Host-only leaves (HiCache), same lazy rules with ``node.in_host_heap``.
         self._host_heap: list[tuple[Any, int, TreeNode]] = []
 
@@ -93,18 +101,22 @@ class FullComponent(TreeComponent):
                 if len(self._first) > self.tree.num_nodes + 64:
                     self._first = deque(x for x in self._first if self._goes_first(x))
         elif n == 1 and parent.in_heap:
-            self._dead += 1
-            if self._rekey_on_release:
-                # Its key may drop before it is a leaf again: it will need a fresh entry.
-                parent.in_heap = False
-            if self._dead > 64 and 2 * self._dead > len(self._heap):
-                self._compact()
+            # Its entry is dead: orphan it (a leaf again, the node gets a fresh one).
+            parent.in_heap = False
+            entry = parent.heap_entry
+            parent.heap_entry = None
+            if entry is not None:
+                dead = self._dead
+                dead.add(id(entry))
+                if len(dead) > 64 and 4 * len(dead) > len(self._heap):
+                    self._drop_dead()
 
     def note_leaf(self, node: TreeNode) -> None:
         """Make sure ``node`` (which may have become an evictable leaf) has a heap entry."""
         if not node.in_heap:
             node.in_heap = True
-            heapq.heappush(self._heap, (self._key(node), node.id, node))
+            entry = node.heap_entry = (self._key(node), node.id, node)
+            heapq.heappush(self._heap, entry)
             if len(self._heap) > 2 * self.tree.num_nodes + 64:
                 self._compact()
 
@@ -119,7 +131,15 @@ class FullComponent(TreeComponent):
                 node.in_heap = False
         heapq.heapify(keep)
         self._heap = keep
-        self._dead = 0
+        self._dead.clear()  # those kept are ordinary entries now (their node is a leaf)
+
+    def _drop_dead(self) -> None:
+        """Drop the orphaned entries (by identity: no node is read) and re-heap the rest."""
+        dead = self._dead
+        keep = [e for e in self._heap if id(e) not in dead]
+        dead.clear()
+        heapq.heapify(keep)
+        self._heap = keep
 
     def is_device_leaf(self, node: TreeNode) -> bool:
         """An unlocked node with Full data on device and no child with Full data on device."""
@@ -158,15 +178,23 @@ class FullComponent(TreeComponent):
         skipped: dict[int, TreeNode] = {}
         pop = heapq.heappop
         replace = heapq.heapreplace
+        dead = self._dead
         while tracker[_FULL] < target and heap:
-            k, nid, node = heap[0]
+            entry = heap[0]
+            if dead and id(entry) in dead:  # orphaned: its node is not read
+                pop(heap)
+                dead.discard(id(entry))
+                continue
+            k, nid, node = entry
             if nid in skipped or not self.is_device_leaf(node):
                 pop(heap)
                 node.in_heap = False
                 continue
             nk = key(node)
             if nk != k:
-                replace(heap, (nk, nid, node))  # re-keyed in place: one sift, not pop + push
+                # Re-keyed in place: one sift, not pop + push.
+                entry = node.heap_entry = (nk, nid, node)
+                replace(heap, entry)
                 continue
             pop(heap)
             node.in_heap = False
@@ -212,7 +240,8 @@ class FullComponent(TreeComponent):
         # is in the heap is a use (the request may have matched before the leaf existed).
         node = path[-1] if path else None
         if node is not None and node.in_heap and self.is_device_leaf(node):
-            heapq.heappush(self._heap, (self._key(node), node.id, node))
+            entry = node.heap_entry = (self._key(node), node.id, node)
+            heapq.heappush(self._heap, entry)
 
     # ------------------------------------------------------------------ host eviction
     def note_host_leaf(self, node: TreeNode) -> None:
@@ -367,7 +396,8 @@ class FullComponent(TreeComponent):
         p.host_lock_ref = c.host_lock_ref
         if self._rekey_on_release and child.in_heap and self.is_device_leaf(child):
             # ``child`` now starts further in: a key read from its first page has changed.
-            heapq.heappush(self._heap, (self._key(child), child.id, child))
+            entry = child.heap_entry = (self._key(child), child.id, child)
+            heapq.heappush(self._heap, entry)
 
     # ------------------------------------------------------------------ pools and checks
     def pool_capacity(self) -> int:
@@ -417,6 +447,6 @@ class FullComponent(TreeComponent):
     def reset(self) -> None:
         super().reset()
         self._heap = []
-        self._dead = 0
+        self._dead = set()
         self._host_heap = []
         self._first.clear()
