@@ -104,12 +104,12 @@ class FullComponent(TreeComponent):
             # Its entry is dead: orphan it (a leaf again, the node gets a fresh one).
             parent.in_heap = False
             entry = parent.heap_entry
+            assert entry is not None, f"node {parent.id} is in the heap without an entry"
             parent.heap_entry = None
-            if entry is not None:
-                dead = self._dead
-                dead.add(id(entry))
-                if len(dead) > 64 and 4 * len(dead) > len(self._heap):
-                    self._drop_dead()
+            dead = self._dead
+            dead.add(id(entry))
+            if len(dead) > 64 and 4 * len(dead) > len(self._heap):
+                self._drop_dead()
 
     def note_leaf(self, node: TreeNode) -> None:
         """Make sure ``node`` (which may have become an evictable leaf) has a heap entry."""

@@ -22,6 +22,7 @@ from urc.fastpath import WalkImpl, choose_impl
 from urc.node import ComponentType, TreeNode
 
 if TYPE_CHECKING:
+    from urc.components.swa_data import SWAData
     from urc.params import DecLockRefParams
     from urc.pools.req_to_token import ReqToTokenPool
     from urc.pools.swa import SWATokenSlotAllocator
@@ -143,8 +144,6 @@ def free_out_of_window(
 
 # A node was locked by a receipt (uuid, skip, epoch) iff it holds SWA, was not skipped at
 # acquire, and was not recovered after the acquire (restore stamp newer than the epoch).
-
-
 def py_window_release(
     node: TreeNode,
     index: ComponentType,
@@ -173,12 +172,11 @@ def py_window_release(
     locked: list[TreeNode] = []
     try:
         while node.parent is not None:
-            cd = node.data[index]
-            assert cd is not None
+            cd: SWAData = node.data[index]  # type: ignore[assignment]  # (SWA's new_data)
             if (
                 cd.value is not None
                 and (skip is None or node.id not in skip)
-                and (epoch is None or cd.restored <= epoch)  # type: ignore[attr-defined]
+                and (epoch is None or cd.restored <= epoch)
             ):
                 if cd.lock_ref <= 0:
                     raise InvalidLockError(f"SWA release on node {node.id}, which is not locked")
@@ -194,7 +192,7 @@ def py_window_release(
                         raise InvalidLockError(
                             "SWA release without the lock's swa_uuid_for_lock receipt"
                         )
-                elif cd.uuid == uuid:  # type: ignore[attr-defined]
+                elif cd.uuid == uuid:
                     return locked, delta
             node = node.parent
         if uuid is not None:
