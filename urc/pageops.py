@@ -151,19 +151,24 @@ def py_take(
     need = out.shape[0]
     if need == 0:
         return nxt
-    lens = length[:nxt][::-1]  # top first
-    starts = lo[:nxt][::-1]
+    # A valid extent holds a page or more: the take reaches ``need`` extents at most, so only
+    # those are read (a long, fragmented free list costs nothing here).
+    w = min(nxt, need)
+    if w == 0:
+        raise ValueError("take: fewer free pages than asked for")
+    lens = length[nxt - w : nxt][::-1]  # top first
+    starts = lo[nxt - w : nxt][::-1]
     cum = np.cumsum(lens)
     covered = cum >= need
-    k = int(np.argmax(covered)) if covered.any() else nxt - 1  # the last extent reached
+    k = int(np.argmax(covered)) if covered.any() else w - 1  # the last extent reached
     reached_lo, reached_len = starts[: k + 1], lens[: k + 1]
     num_pages = state.shape[0]
-    if nxt == 0 or bool(
+    if bool(
         ((reached_lo < 0) | (reached_lo >= num_pages)).any()
         or ((reached_len <= 0) | (reached_len > num_pages - reached_lo)).any()
     ):
         raise ValueError("take: an extent out of range")
-    if not covered.any():
+    if not covered.any():  # every extent reached, all valid, and too few pages
         raise ValueError("take: fewer free pages than asked for")
     takes = reached_len.copy()
     takes[k] = need - (int(cum[k - 1]) if k else 0)
