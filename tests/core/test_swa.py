@@ -33,7 +33,7 @@ from urc import (
     build_cache,
 )
 from urc.components.swa import SWAComponent, SWAData
-from urc.components.swa_window import py_window_release, select_window_release
+from urc.components.swa_window import select_window_walks
 from urc.config import build_pools
 from urc.fastpath import WalkImpl, native_available
 from urc.pools.allocator import TokenSlotAllocator
@@ -755,9 +755,10 @@ def _swa_locks(h: SWAHarness) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("seed", range(10))
 @pytest.mark.parametrize(("ps", "window"), [(1, 4), (4, 8), (2, 3)])
 def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: int) -> None:
-    """Both release walks return, raise and change the same on random locked trees with SWA
-    tombstones, for real receipts, none, and broken ones (wrong or missing uuid, skip sets,
-    epochs), dry and applied; an applied walk that raises leaves every count as it was."""
+    """Both implementations of the window walks return, raise and change the same on random
+    locked trees with SWA tombstones, for real receipts, none, and broken ones (wrong or
+    missing uuid, skip sets, epochs), dry and applied; a release that raises leaves every
+    count as it was."""
     rng = random.Random(seed)
     h = SWAHarness(ps, window, pages=400)
     receipts: list[tuple[TreeNode, IncLockRefResult]] = []
@@ -771,7 +772,7 @@ def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: 
                 receipts.append((node, h.cache.inc_lock_ref(node)))
         if rng.random() < 0.4:
             h.evict(swa=ps * rng.randint(1, 3))
-    native = select_window_release(WalkImpl.NATIVE)
+    walks = (select_window_walks(WalkImpl.PYTHON), select_window_walks(WalkImpl.NATIVE))
     for node, receipt in receipts:
         p = receipt.to_dec_params()
         uuid, skip, epoch = p.swa_uuid_for_lock, p.skip_lock_node_ids, p.swa_lock_epoch
@@ -785,22 +786,26 @@ def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: 
             DecLockRefParams(uuid),
             DecLockRefParams(uuid, skip_lock_node_ids=skip, swa_lock_epoch=-1),
         ]:
-            for apply in (False, True):
-                before = _swa_locks(h)
-                outs: list[object] = []
-                for fn in (py_window_release, native):
-                    try:
-                        locked, delta = fn(node, SWA, params, window, apply)
-                        res: object = ([n.id for n in locked], delta)
-                    except InvalidLockError as e:
-                        locked, res = [], str(e)
-                    outs.append((res, _swa_locks(h)))
-                    for n in locked if apply else []:  # undo, for the other twin
-                        cd = n.data[SWA]
-                        assert cd is not None
-                        cd.lock_ref += 1
-                    assert _swa_locks(h) == before
-                assert outs[0] == outs[1], (params, apply)
+            before = _swa_locks(h)
+            outs: list[object] = []
+            for w in walks:
+                try:
+                    locked = w.locked(node, SWA, params, window)
+                    res: object = [n.id for n in locked]
+                except InvalidLockError as e:
+                    locked, res = [], str(e)
+                assert _swa_locks(h) == before  # a dry walk
+                try:
+                    delta: object = w.release(node, SWA, params, window)
+                except InvalidLockError as e:
+                    delta = str(e)
+                outs.append((res, delta, _swa_locks(h)))
+                for n in locked:  # undo the release, for the other twin
+                    cd = n.data[SWA]
+                    assert cd is not None
+                    cd.lock_ref += isinstance(delta, int)
+                assert _swa_locks(h) == before  # (a release that raised restored itself)
+            assert outs[0] == outs[1], params
     for node, receipt in receipts:
         h.cache.dec_lock_ref(node, receipt.to_dec_params())
     h.check()

@@ -1,9 +1,10 @@
 /* urc._native._walk: the compiled twins of urc.fastpath.py_walk and py_match_tail, and of
- * urc.components.swa_window.py_window_release (see their docstrings).
+ * urc.components.swa_window.py_window_locked and py_window_release (see their docstrings).
  *
  * walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)
  * match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)
- * window_release(node, index, params, window, apply) -> (locked, delta)
+ * window_locked(node, index, params, window) -> locked
+ * window_release(node, index, params, window) -> delta
  *
  * ``ck`` None: the first child is looked up under the page key at ``pos``, like every later
  * one.
@@ -693,43 +694,49 @@ receipt_fields(PyObject *params, PyObject *index, PyObject **uuid, PyObject **sk
     return 0;
 }
 
-static PyObject *window_walk(PyObject *node, Py_ssize_t index, PyObject *uuid, PyObject *skip,
-                             PyObject *epoch, long long window, int apply);
-
-/* window_release(node, index, params, window, apply) -> (locked, delta)
- * The compiled twin of urc.components.swa_window.py_window_release (see its docstring). */
-static PyObject *
-window_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Raise back ``ndec`` lowered counts: the nodes the walk from ``node`` counts first (the
+ * counting does not read the counts, so a second walk meets the same nodes).  Keeps the
+ * exception being raised. */
+static void
+restore_window(PyObject *node, Py_ssize_t index, PyObject *skip, PyObject *epoch,
+               Py_ssize_t ndec)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "window_release(node, index, params, window, apply)");
-        return NULL;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    Py_INCREF(node);
+    while (ndec > 0) {
+        PyObject *parent = get_slot(node, &sc_parent);
+        if (parent == NULL || parent == Py_None) {
+            Py_XDECREF(parent);
+            break;
+        }
+        PyObject *cd = component_data(node, index);
+        const int counts = cd == NULL ? -1 : window_counts(node, cd, skip, epoch);
+        if (counts > 0 && add_lock_ref(cd, 1) == 0)
+            ndec--;
+        Py_XDECREF(cd);
+        Py_DECREF(node);
+        node = parent;
+        if (counts < 0)
+            break;
     }
-    const Py_ssize_t index = PyLong_AsSsize_t(args[1]);
-    const long long window = PyLong_AsLongLong(args[3]);
-    const int apply = PyObject_IsTrue(args[4]);
-    if (PyErr_Occurred() || apply < 0)
-        return NULL;
-    PyObject *uuid, *skip, *epoch;
-    if (receipt_fields(args[2], args[1], &uuid, &skip, &epoch) < 0)
-        return NULL;
-    PyObject *res = window_walk(args[0], index, uuid, skip, epoch, window, apply);
-    Py_DECREF(uuid);
-    Py_DECREF(skip);
-    Py_DECREF(epoch);
-    return res;
+    Py_DECREF(node);
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
 }
 
-/* The walk of window_release, the receipt's fields unpacked. */
-static PyObject *
-window_walk(PyObject *node, Py_ssize_t index, PyObject *uuid, PyObject *skip, PyObject *epoch,
-            long long window, int apply)
+/* The window walk from ``start`` (the receipt's fields unpacked): with ``locked`` (a list),
+ * appends the nodes it counts and changes nothing; without, lowers their counts and returns
+ * the tokens made evictable through ``*delta``.  0, or -1 with InvalidLockError (or another
+ * exception) and every count as it was. */
+static int
+window_walk(PyObject *start, Py_ssize_t index, PyObject *uuid, PyObject *skip, PyObject *epoch,
+            long long window, PyObject *locked, long long *delta)
 {
-    PyObject *locked = PyList_New(0);
-    if (locked == NULL)
-        return NULL;
-    long long acc = 0, delta = 0;
-    PyObject *cd = NULL, *parent = NULL;
+    long long acc = 0;
+    Py_ssize_t ndec = 0; /* counts lowered so far (``locked`` NULL) */
+    PyObject *node = start, *cd = NULL, *parent = NULL;
+    *delta = 0;
     Py_INCREF(node);
     for (;;) {
         parent = get_slot(node, &sc_parent);
@@ -757,13 +764,18 @@ window_walk(PyObject *node, Py_ssize_t index, PyObject *uuid, PyObject *skip, Py
                 goto fail;
             }
             const Py_ssize_t key_len = int_slot(node, &sc_key_len);
-            if ((key_len == -1 && PyErr_Occurred()) || PyList_Append(locked, node) < 0)
+            if (key_len == -1 && PyErr_Occurred())
                 goto fail;
-            if (apply) {
+            if (locked != NULL) {
+                if (PyList_Append(locked, node) < 0)
+                    goto fail;
+            }
+            else {
                 if (set_slot(cd, &sc_lock_ref, PyLong_FromSsize_t(lr - 1)) < 0)
                     goto fail;
+                ndec++;
                 if (lr == 1)
-                    delta += key_len;
+                    *delta += key_len;
             }
             if (uuid == Py_None) {
                 acc += key_len;
@@ -786,7 +798,7 @@ window_walk(PyObject *node, Py_ssize_t index, PyObject *uuid, PyObject *skip, Py
                     Py_DECREF(cd);
                     Py_DECREF(parent);
                     Py_DECREF(node);
-                    return Py_BuildValue("(NL)", locked, delta);
+                    return 0;
                 }
             }
         }
@@ -796,30 +808,61 @@ window_walk(PyObject *node, Py_ssize_t index, PyObject *uuid, PyObject *skip, Py
         parent = NULL;
     }
     Py_CLEAR(parent);
-    if (uuid != Py_None) {
-        raise_lock_error(PyUnicode_FromFormat(
-            "SWA lock receipt %S does not name a window boundary on this path", uuid));
-        goto fail;
-    }
-    Py_DECREF(node);
-    return Py_BuildValue("(NL)", locked, delta);
+    Py_CLEAR(node);
+    if (uuid == Py_None)
+        return 0;
+    raise_lock_error(PyUnicode_FromFormat(
+        "SWA lock receipt %S does not name a window boundary on this path", uuid));
 fail:
     Py_XDECREF(cd);
     Py_XDECREF(parent);
     Py_XDECREF(node);
-    if (apply) { /* put back the counts lowered so far, keeping the exception */
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(locked); i++) {
-            PyObject *c = component_data(PyList_GET_ITEM(locked, i), index);
-            if (c == NULL || add_lock_ref(c, 1) < 0)
-                PyErr_Clear();
-            Py_XDECREF(c);
-        }
-        PyErr_Restore(et, ev, tb);
+    if (ndec)
+        restore_window(start, index, skip, epoch, ndec);
+    return -1;
+}
+
+/* window_locked(node, index, params, window) -> locked   (``apply`` 0)
+ * window_release(node, index, params, window) -> delta  (``apply`` 1)
+ * The compiled twins of urc.components.swa_window.py_window_locked / py_window_release. */
+static PyObject *
+window_call(PyObject *const *args, Py_ssize_t nargs, int apply)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "%s(node, index, params, window)",
+                     apply ? "window_release" : "window_locked");
+        return NULL;
     }
-    Py_DECREF(locked);
-    return NULL;
+    const Py_ssize_t index = PyLong_AsSsize_t(args[1]);
+    const long long window = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *uuid, *skip, *epoch;
+    if (receipt_fields(args[2], args[1], &uuid, &skip, &epoch) < 0)
+        return NULL;
+    PyObject *locked = apply ? NULL : PyList_New(0);
+    long long delta = 0;
+    PyObject *res = NULL;
+    if ((apply || locked != NULL) &&
+        window_walk(args[0], index, uuid, skip, epoch, window, locked, &delta) == 0)
+        res = apply ? PyLong_FromLongLong(delta) : Py_NewRef(locked);
+    Py_XDECREF(locked);
+    Py_DECREF(uuid);
+    Py_DECREF(skip);
+    Py_DECREF(epoch);
+    return res;
+}
+
+static PyObject *
+window_locked(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return window_call(args, nargs, 0);
+}
+
+static PyObject *
+window_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return window_call(args, nargs, 1);
 }
 
 static PyMethodDef methods[] = {
@@ -827,8 +870,10 @@ static PyMethodDef methods[] = {
      "walk(node, ck, tokens, pos, page_size) -> (nodes, pos, partial, m)"},
     {"match_tail", (PyCFunction)(void (*)(void))match_tail, METH_FASTCALL,
      "match_tail(path, rules, clock, with_values) -> (k, hit, clock, values)"},
+    {"window_locked", (PyCFunction)(void (*)(void))window_locked, METH_FASTCALL,
+     "window_locked(node, index, params, window) -> locked"},
     {"window_release", (PyCFunction)(void (*)(void))window_release, METH_FASTCALL,
-     "window_release(node, index, params, window, apply) -> (locked, delta)"},
+     "window_release(node, index, params, window) -> delta"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -55,7 +55,7 @@ from urc.components.swa_data import SWAData
 from urc.components.swa_window import (
     deepest_window_boundary,
     free_out_of_window,
-    select_window_release,
+    select_window_walks,
     window_match_validator,
     window_path_validator,
 )
@@ -117,8 +117,8 @@ class SWAComponent(TreeComponent):
         self._epoch = 0
         # (receipt, node, cache clock, nodes to unlock) from the last ``check_release``.
         self._plan: tuple[DecLockRefParams | None, TreeNode, int, list[TreeNode]] | None = None
-        # The release walk, compiled or its Python twin (``CacheConfig.walk_impl``).
-        self._window_release = select_window_release(config.walk_impl)
+        # The window-lock walks, compiled or their Python twins (``CacheConfig.walk_impl``).
+        self._window_locked, self._window_release = select_window_walks(config.walk_impl)
 
     def new_data(self) -> SWAData:
         return SWAData()
@@ -417,12 +417,12 @@ class SWAComponent(TreeComponent):
         self.protected_size += delta
 
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        """Validate the release (see ``py_window_release``) and keep the walk as the plan of the
+        """Validate the release (see ``py_window_locked``) and keep the walk as the plan of the
         ``release_component_lock`` that follows, so an unlock walks the window once."""
         self._plan = None
         if params is not None and params.skip_swa:
             return
-        locked = self._window_release(node, _SWA_TYPE, params, self.window, False)[0]
+        locked = self._window_locked(node, _SWA_TYPE, params, self.window)
         # Valid until the tree changes: every walk that can split or recover a node ticks
         # the cache clock.
         self._plan = (params, node, self.tree.clock, locked)
@@ -449,7 +449,7 @@ class SWAComponent(TreeComponent):
                 if cd.lock_ref == 0:
                     delta += n.key_len
         else:
-            delta = self._window_release(node, _SWA_TYPE, params, self.window, True)[1]
+            delta = self._window_release(node, _SWA_TYPE, params, self.window)
         self.evictable_size += delta
         self.protected_size -= delta
 

@@ -15,7 +15,7 @@ above (a path from the root without tombstones is always valid).  A request's ow
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from urc.errors import InvalidInputError, InvalidLockError
 from urc.fastpath import WalkImpl, choose_impl
@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from urc.req import Req
 
 __all__ = [
-    "WindowReleaseFn",
+    "WindowWalks",
     "deepest_window_boundary",
     "free_out_of_window",
+    "py_window_locked",
     "py_window_release",
-    "select_window_release",
+    "select_window_walks",
     "window_match_validator",
     "window_path_validator",
 ]
@@ -144,23 +145,37 @@ def free_out_of_window(
 
 # A node was locked by a receipt (uuid, skip, epoch) iff it holds SWA, was not skipped at
 # acquire, and was not recovered after the acquire (restore stamp newer than the epoch).
+def py_window_locked(
+    node: TreeNode, index: ComponentType, params: DecLockRefParams | None, window: int
+) -> list[TreeNode]:
+    """The nodes a window-lock release from ``node`` would unlock, bottom-up: the walk up
+    counts the nodes the receipt ``params`` (``swa_uuid_for_lock``,
+    ``skip_lock_node_ids[index]``, ``swa_lock_epoch``) locked -- SWA data at
+    ``node.data[index]`` -- and ends at the node stamped with its uuid (for a receipt without
+    one: at the root, before ``window`` tokens).  Changes nothing.
+
+    Raises :class:`InvalidLockError` unless every counted node is locked and the walk ends
+    where the receipt says.  The compiled twin is ``urc._native._walk.window_locked``."""
+    return _window_walk(node, index, params, window, False)[0]
+
+
 def py_window_release(
+    node: TreeNode, index: ComponentType, params: DecLockRefParams | None, window: int
+) -> int:
+    """Release the window lock of ``params`` from ``node``: lowers the lock counts of the
+    nodes :func:`py_window_locked` names (one pass) and returns the tokens that became
+    evictable.  Raises like it, and then first restores the counts it lowered.  The compiled
+    twin is ``urc._native._walk.window_release``."""
+    return _window_walk(node, index, params, window, True)[1]
+
+
+def _window_walk(
     node: TreeNode,
     index: ComponentType,
     params: DecLockRefParams | None,
     window: int,
     apply: bool,
 ) -> tuple[list[TreeNode], int]:
-    """The nodes a window-lock release from ``node`` unlocks, bottom-up, and the tokens that
-    become evictable: the walk up counts the nodes the receipt ``params``
-    (``swa_uuid_for_lock``, ``skip_lock_node_ids[index]``, ``swa_lock_epoch``) locked -- SWA
-    data at ``node.data[index]`` -- and ends at the node stamped with its uuid (for a
-    receipt without one: at the root, before ``window`` tokens).
-
-    Raises :class:`InvalidLockError` unless every counted node is locked and the walk ends
-    where the receipt says.  With ``apply``, lowers the lock counts on the way (one pass); a
-    raise first restores the counts it lowered.  The compiled twin is
-    ``urc._native._walk.window_release``."""
     if params is None:
         uuid = skip = epoch = None
     else:
@@ -207,22 +222,27 @@ def py_window_release(
     return locked, delta
 
 
-WindowReleaseFn = Callable[
-    [TreeNode, ComponentType, "DecLockRefParams | None", int, bool], tuple[list[TreeNode], int]
-]
+class WindowWalks(NamedTuple):
+    """The window-lock walks of one implementation (:func:`select_window_walks`)."""
+
+    locked: Callable[[TreeNode, ComponentType, DecLockRefParams | None, int], list[TreeNode]]
+    release: Callable[[TreeNode, ComponentType, DecLockRefParams | None, int], int]
 
 
-def _native_window_release() -> WindowReleaseFn | None:
+_PYTHON_WALKS = WindowWalks(py_window_locked, py_window_release)
+
+
+def _native_window_walks() -> WindowWalks | None:
     try:
-        from urc._native._walk import window_release
+        from urc._native._walk import window_locked, window_release
     except ImportError:
         return None
-    return window_release  # type: ignore[no-any-return]
+    return WindowWalks(window_locked, window_release)
 
 
-_NATIVE_RELEASE = _native_window_release()
+_NATIVE_WALKS = _native_window_walks()
 
 
-def select_window_release(impl: WalkImpl) -> WindowReleaseFn:
-    """The window-release walk ``impl`` names (as :func:`urc.fastpath.select_walk`)."""
-    return choose_impl(impl, _NATIVE_RELEASE, py_window_release, "urc._native._walk")
+def select_window_walks(impl: WalkImpl) -> WindowWalks:
+    """The window-lock walks ``impl`` names (as :func:`urc.fastpath.select_walk`)."""
+    return choose_impl(impl, _NATIVE_WALKS, _PYTHON_WALKS, "urc._native._walk")
