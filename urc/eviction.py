@@ -88,7 +88,7 @@ def _demoted(cache: UnifiedRadixCache, node: TreeNode) -> None:
         cache.full.note_host_leaf(node)
     parent = node.parent
     assert parent is not None
-    if not parent.in_heap and cache.full.is_device_leaf(parent):
+    if parent.heap_entry is None and cache.full.is_device_leaf(parent):
         cache.full.note_leaf(parent)
 
 
@@ -129,7 +129,7 @@ def drop_if_empty(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]) 
         cd = node.data[_FULL]
         assert cd is not None
         if cd.value is not None:
-            if not node.in_heap and full.is_device_leaf(node):
+            if node.heap_entry is None and full.is_device_leaf(node):
                 full.note_leaf(node)
             return
         if cd.host_value is not None:
@@ -143,7 +143,7 @@ def drop_if_empty(cache: UnifiedRadixCache, node: TreeNode, tracker: list[int]) 
         parent = node.parent
         cache.delete_leaf(node)
         node = parent
-    if node.parent is not None and not node.in_heap and full.is_device_leaf(node):
+    if node.parent is not None and node.heap_entry is None and full.is_device_leaf(node):
         full.note_leaf(node)
 
 

@@ -298,7 +298,7 @@ def finish_load_back(cache: UnifiedRadixCache, ticket: LoadTicket, ok: bool = Tr
             host_lock(cache, piece, -1)  # an unpinned host-only leaf is evictable again
     cache.dec_lock_ref(ticket.anchor, ticket.anchor_receipt.to_dec_params())
     bottom = ticket.nodes[-1]
-    if not bottom.in_heap and full.is_device_leaf(bottom):
+    if bottom.heap_entry is None and full.is_device_leaf(bottom):
         full.note_leaf(bottom)
     if not ok:
         return 0

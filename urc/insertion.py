@@ -245,5 +245,5 @@ def _adopt_device_value(
     cache.full.evictable_size += node.key_len
     for c in cache.hooks.recover:
         c.recover_after_unevict(node, pos, params)
-    if not node.in_heap and cache.full.is_device_leaf(node):
+    if node.heap_entry is None and cache.full.is_device_leaf(node):
         cache.full.note_leaf(node)

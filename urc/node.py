@@ -82,9 +82,9 @@ class TreeNode:
 
     ``data[ct]`` is the ``ComponentData`` of component ``ct`` (``None`` for components the
     cache was not built with).  ``last_access_time`` is a logical clock (parent < child along
-    a matched path).  ``in_heap`` says whether the Full eviction heap holds a live entry for
-    the node, ``heap_entry`` the last entry pushed for it; ``deleted`` marks nodes removed from
-    the tree (their heap entries are stale).
+    a matched path).  ``heap_entry`` is the Full eviction heap's live entry for the node
+    (``None``: none); ``deleted`` marks nodes removed from the tree (their heap entries are
+    stale).
     """
 
     __slots__ = (
@@ -98,7 +98,6 @@ class TreeNode:
         "heap_entry",
         "hit_count",
         "id",
-        "in_heap",
         "in_host_heap",
         "key",
         "key_len",
@@ -132,7 +131,6 @@ class TreeNode:
         self.hit_count = 0
         self.priority = 0
         self.id = next(_ids)
-        self.in_heap = False
         self.heap_entry: tuple[Any, int, TreeNode] | None = None
         self.in_host_heap = False
         self.deleted = False

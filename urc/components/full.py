@@ -7,11 +7,11 @@ entries), so an entry whose node was touched since it was pushed is simply re-pu
 new key when it surfaces: an ``evict`` call costs O(k log n) for k freed leaves instead of
 rebuilding a heap of every leaf.
 
-Heap entry rules: ``node.in_heap`` is True while the heap holds an entry for the node
-(``node.heap_entry``, the last one pushed).  A node that stops being an evictable leaf because
+Heap entry rules: ``node.heap_entry`` is the entry the heap holds for the node (the last one
+pushed; ``None`` when it has none).  A node that stops being an evictable leaf because
 it was locked or deleted keeps its entry; the entry is dropped when it surfaces.  A leaf that
 gets a child is an internal node for good, or until its subtree goes: its entry is orphaned
-(``in_heap`` cleared, the entry remembered by identity in ``_dead``), so that dropping it
+(``heap_entry`` cleared, the entry remembered by identity in ``_dead``), so that dropping it
 reads no node -- on a pop, or all of them at once when they are a quarter of the heap (one
 pass over the entries, cheaper than a pop each: in a large tree the oldest entries, the
 first an eviction meets, are mostly such, and each pop would sift a cold heap).  A node that
@@ -100,11 +100,9 @@ class FullComponent(TreeComponent):
                 self._first.append(older)
                 if len(self._first) > self.tree.num_nodes + 64:
                     self._first = deque(x for x in self._first if self._goes_first(x))
-        elif n == 1 and parent.in_heap:
+        elif n == 1 and parent.heap_entry is not None:
             # Its entry is dead: orphan it (a leaf again, the node gets a fresh one).
-            parent.in_heap = False
             entry = parent.heap_entry
-            assert entry is not None, f"node {parent.id} is in the heap without an entry"
             parent.heap_entry = None
             dead = self._dead
             dead.add(id(entry))
@@ -113,8 +111,7 @@ class FullComponent(TreeComponent):
 
     def note_leaf(self, node: TreeNode) -> None:
         """Make sure ``node`` (which may have become an evictable leaf) has a heap entry."""
-        if not node.in_heap:
-            node.in_heap = True
+        if node.heap_entry is None:
             entry = node.heap_entry = (self._key(node), node.id, node)
             heapq.heappush(self._heap, entry)
             if len(self._heap) > 2 * self.tree.num_nodes + 64:
@@ -128,7 +125,7 @@ class FullComponent(TreeComponent):
             if self.is_device_leaf(node):
                 keep.append(entry)
             else:
-                node.in_heap = False
+                node.heap_entry = None
         heapq.heapify(keep)
         self._heap = keep
         self._dead.clear()  # those kept are ordinary entries now (their node is a leaf)
@@ -188,7 +185,7 @@ class FullComponent(TreeComponent):
             k, nid, node = entry
             if nid in skipped or not self.is_device_leaf(node):
                 pop(heap)
-                node.in_heap = False
+                node.heap_entry = None
                 continue
             nk = key(node)
             if nk != k:
@@ -197,7 +194,7 @@ class FullComponent(TreeComponent):
                 replace(heap, entry)
                 continue
             pop(heap)
-            node.in_heap = False
+            node.heap_entry = None
             if not self._evict_leaf(node, target - tracker[_FULL], tracker):
                 skipped[nid] = node  # could not be demoted (host full): keep it this call
         for node in skipped.values():
@@ -239,7 +236,7 @@ class FullComponent(TreeComponent):
         # Only for strategies whose keys drop on use (Belady): an insert through a leaf that
         # is in the heap is a use (the request may have matched before the leaf existed).
         node = path[-1] if path else None
-        if node is not None and node.in_heap and self.is_device_leaf(node):
+        if node is not None and node.heap_entry is not None and self.is_device_leaf(node):
             entry = node.heap_entry = (self._key(node), node.id, node)
             heapq.heappush(self._heap, entry)
 
@@ -363,8 +360,8 @@ class FullComponent(TreeComponent):
             return  # still protected by other locks or locked children
         # Only the first node can become an evictable leaf: every node above it has it (on
         # device) as a child.  A strategy whose keys drop on use wants a fresh entry.
-        if (not node.in_heap or self._rekey_on_release) and self.is_device_leaf(node):
-            node.in_heap = False
+        if (node.heap_entry is None or self._rekey_on_release) and self.is_device_leaf(node):
+            node.heap_entry = None
             self.note_leaf(node)
         delta = node.key_len
         node = node.parent  # type: ignore[assignment]
@@ -394,7 +391,7 @@ class FullComponent(TreeComponent):
         # The new parent holds no lock of its own; its one child counts if it is locked.
         p.lock_ref = 1 if c.lock_ref else 0
         p.host_lock_ref = c.host_lock_ref
-        if self._rekey_on_release and child.in_heap and self.is_device_leaf(child):
+        if self._rekey_on_release and child.heap_entry is not None and self.is_device_leaf(child):
             # ``child`` now starts further in: a key read from its first page has changed.
             entry = child.heap_entry = (self._key(child), child.id, child)
             heapq.heappush(self._heap, entry)
@@ -440,7 +437,9 @@ class FullComponent(TreeComponent):
             h_leaf = self.is_host_leaf(node)
             assert not (d_leaf and h_leaf), f"node {node.id} is both a device and a host leaf"
             if d_leaf:
-                assert node.in_heap, f"evictable leaf {node.id} is not in the eviction heap"
+                assert node.heap_entry is not None, (
+                    f"evictable leaf {node.id} is not in the eviction heap"
+                )
             if h_leaf:
                 assert node.in_host_heap, f"host leaf {node.id} is not in the host heap"
 
