@@ -7,7 +7,6 @@ the test itself still owns.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,9 +32,7 @@ from urc import (
     build_cache,
 )
 from urc.components.swa import SWAComponent, SWAData
-from urc.components.swa_window import select_window_walks
 from urc.config import build_pools
-from urc.fastpath import WalkImpl, native_available
 from urc.pools.allocator import TokenSlotAllocator
 from urc.pools.swa import SWATokenSlotAllocator
 
@@ -737,75 +734,3 @@ def test_reset_frees_both_pools(h: SWAHarness) -> None:
     assert h.alloc.available_size() == h.alloc.size
     assert h.alloc.swa_available_size() == h.alloc.swa_size
     assert len(h.swa.lru) == 0
-
-
-def _swa_locks(h: SWAHarness) -> list[tuple[int, int]]:
-    """Every node's SWA lock count, by node id."""
-    out, stack = [], [h.cache.root]
-    while stack:
-        node = stack.pop()
-        cd = node.data[SWA]
-        assert cd is not None
-        out.append((node.id, cd.lock_ref))
-        stack.extend(node.children.values())
-    return sorted(out)
-
-
-@pytest.mark.skipif(not native_available(), reason="urc._native._walk not built")
-@pytest.mark.parametrize("seed", range(10))
-@pytest.mark.parametrize(("ps", "window"), [(1, 4), (4, 8), (2, 3)])
-def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: int) -> None:
-    """Both implementations of the window walks return, raise and change the same on random
-    locked trees with SWA tombstones, for real receipts, none, and broken ones (wrong or
-    missing uuid, skip sets, epochs), dry and applied; a release that raises leaves every
-    count as it was."""
-    rng = random.Random(seed)
-    h = SWAHarness(ps, window, pages=400)
-    receipts: list[tuple[TreeNode, IncLockRefResult]] = []
-    for _ in range(8):
-        tokens = h.seq(rng.choice([0, 1000, 2000]), rng.randint(1, 6))
-        tokens = tokens[:ps] + h.seq(3000 + rng.randrange(4) * 100, rng.randint(0, 4))
-        h.insert(tokens)
-        if rng.random() < 0.7:
-            _, node = h.match(tokens[: rng.randint(1, len(tokens) // ps) * ps])
-            if node.parent is not None:
-                receipts.append((node, h.cache.inc_lock_ref(node)))
-        if rng.random() < 0.4:
-            h.evict(swa=ps * rng.randint(1, 3))
-    walks = (select_window_walks(WalkImpl.PYTHON), select_window_walks(WalkImpl.NATIVE))
-    for node, receipt in receipts:
-        p = receipt.to_dec_params()
-        uuid, skip, epoch = p.swa_uuid_for_lock, p.skip_lock_node_ids, p.swa_lock_epoch
-        path_ids = {n.id for n in h.cache.tree.path_to(node)}
-        for params in [
-            p,
-            None,
-            DecLockRefParams(None, skip_lock_node_ids=skip, swa_lock_epoch=epoch),
-            DecLockRefParams(10**6, skip_lock_node_ids=skip, swa_lock_epoch=epoch),
-            DecLockRefParams(uuid, skip_lock_node_ids={SWA: path_ids}, swa_lock_epoch=epoch),
-            DecLockRefParams(uuid),
-            DecLockRefParams(uuid, skip_lock_node_ids=skip, swa_lock_epoch=-1),
-        ]:
-            before = _swa_locks(h)
-            outs: list[object] = []
-            for w in walks:
-                try:
-                    locked = w.locked(node, SWA, params, window)
-                    res: object = [n.id for n in locked]
-                except InvalidLockError as e:
-                    locked, res = [], str(e)
-                assert _swa_locks(h) == before  # a dry walk
-                try:
-                    delta: object = w.release(node, SWA, params, window)
-                except InvalidLockError as e:
-                    delta = str(e)
-                outs.append((res, delta, _swa_locks(h)))
-                for n in locked:  # undo the release, for the other twin
-                    cd = n.data[SWA]
-                    assert cd is not None
-                    cd.lock_ref += isinstance(delta, int)
-                assert _swa_locks(h) == before  # (a release that raised restored itself)
-            assert outs[0] == outs[1], params
-    for node, receipt in receipts:
-        h.cache.dec_lock_ref(node, receipt.to_dec_params())
-    h.check()
