@@ -114,18 +114,18 @@ def _release(
     need_held: bool,
 ) -> int:
     n = pages.shape[0]
+    if not n:
+        return nxt
     # Extent j is pages[cuts[j]:cuts[j + 1]] (int64 arithmetic, wrapping like the twin's).
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
     cuts = np.concatenate(([0], breaks, [n])).astype(np.int64)
-    k = cuts.shape[0] - 1 if n else 0
+    k = cuts.shape[0] - 1
     if nxt + k > lo.shape[0]:
         raise ValueError("release: more extents than the free list holds")
-    if n and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
+    if int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]:
         raise IndexError("release: page out of range")
     if need_held and int(np.count_nonzero(state[pages])) != n:
         return -1
-    if not n:
-        return nxt
     state[pages] = 0
     firsts, lens = pages[cuts[:-1]], np.diff(cuts)
     if nxt and int(firsts[0]) == int(lo[nxt - 1] + length[nxt - 1]):
