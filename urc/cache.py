@@ -139,11 +139,11 @@ class UnifiedRadixCache:
     def num_nodes(self) -> int:
         return self.tree.num_nodes
 
-    def _new_data(self) -> list[ComponentData | None]:
+    def _new_data(self) -> tuple[ComponentData | None, ...]:
         data: list[ComponentData | None] = [None] * NUM_COMPONENT_TYPES
         for c in self.components:
             data[c.component_type] = c.new_data()
-        return data
+        return tuple(data)
 
     def component(self, ct: ComponentType) -> TreeComponent:
         """The component of type ``ct`` (``KeyError`` if the cache was built without it)."""
@@ -318,7 +318,14 @@ class UnifiedRadixCache:
             return _new_tuple(DecLockRefResult, (0,))
         if node.deleted:
             raise InvalidLockError(f"dec_lock_ref on node {node.id}, which was evicted")
-        if params is not None and params.node_id is not None and params.node_id != node.id:
+        # Identity first: a receipt holds the node's own id object, and comparing values
+        # would read that (cold) int.
+        if (
+            params is not None
+            and params.node_id is not node.id
+            and params.node_id is not None
+            and params.node_id != node.id
+        ):
             raise InvalidLockError(
                 f"receipt for node {params.node_id} used to release node {node.id}"
             )

@@ -111,7 +111,7 @@ class TreeNode:
         self,
         key: list[Any],
         parent: TreeNode | None,
-        data: list[ComponentData | None],
+        data: tuple[ComponentData | None, ...],
         namespace: tuple[str | int, ...] | None,
         time: int,
     ) -> None:
@@ -153,7 +153,7 @@ class TreeNode:
         return self.parent is None
 
     @property
-    def component_data(self) -> list[ComponentData | None]:
+    def component_data(self) -> tuple[ComponentData | None, ...]:
         """SGLang's name for :attr:`data` (indexed by ``ComponentType``)."""
         return self.data
 

@@ -83,7 +83,7 @@ class Tree:
 
     def bind(
         self,
-        new_data: Callable[[], list[ComponentData | None]],
+        new_data: Callable[[], tuple[ComponentData | None, ...]],
         split_hooks: Sequence[SplitHook] = (),
     ) -> None:
         """Complete the tree once its components exist (they are built with the tree):
