@@ -116,12 +116,17 @@ class UnifiedRadixCache:
         self._release = [c.release_component_lock for c in self._components_rev]
         # The component released first validates inside its own release (the hook contract:
         # raise before changing anything), so only the later ones need a separate check --
-        # not Full's when the first one's release proves the Full lock.
+        # not Full's (released last) when every release before it that changes anything
+        # proves the Full lock: then a failing Full release follows only releases that
+        # changed nothing.
         first = self._components_rev[0]
+        full_implied = all(
+            c.release_implies_full_lock for c in self._components_rev if c is not full
+        )
         self._check_release = [
             c.check_release
             for c in hooks.release_checks
-            if c is not first and not (c is full and first.release_implies_full_lock)
+            if c is not first and not (c is full and full_implied)
         ]
         tree.bind(self._new_data, [c.redistribute_on_node_split for c in comps])
 

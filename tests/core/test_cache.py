@@ -381,6 +381,68 @@ def test_dec_lock_ref_on_an_unlocked_node_is_a_typed_error_and_changes_nothing(
     h.check()
 
 
+@pytest.mark.parametrize(
+    "components",
+    [(FULL, ComponentType.SWA), (FULL, ComponentType.SWA, ComponentType.MAMBA)],
+    ids=["full+swa", "full+swa+mamba"],
+)
+def test_refused_second_release_through_an_swa_tombstone_changes_nothing(
+    components: tuple[ComponentType, ...],
+) -> None:
+    """A receipt released twice on an SWA tombstone without Mamba state: Mamba (released
+    first) has nothing to release, SWA's window walk passes the tombstone and would take the
+    count another lock holds on the node above, and only Full's check refuses -- it must run
+    before SWA releases, whatever the first component proves."""
+    swa, mamba = ComponentType.SWA, ComponentType.MAMBA
+    cache = build_cache(
+        CacheConfig(
+            components=components,
+            kv_size=256,
+            swa_kv_size=256,
+            sliding_window_size=4,
+            mamba_size=8,
+            max_num_reqs=4,
+            max_context_len=64,
+        )
+    )
+    alloc = cache.token_to_kv_pool_allocator
+    states = cache.pools.mamba
+    first = InsertParams(key=RadixKey(list(range(1, 9))), value=alloc.alloc(8))
+    if states is not None:
+        first.mamba_value = states.alloc(1)
+    cache.insert(first)
+    hit = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(1, 9)))))
+    tail = alloc.alloc(4)
+    alloc.free_swa(tail)  # slid out of the window: the new node is an SWA tombstone
+    cache.insert(
+        InsertParams(
+            key=RadixKey(list(range(1, 13))),
+            value=torch.cat([hit.device_indices, tail]),
+            prev_prefix_len=8,
+            swa_evicted_seqlen=12,
+        )
+    )
+    above = hit.last_device_node
+    (node,) = above.children.values()
+    assert node.data[swa].value is None and above.data[swa].value is not None  # type: ignore[union-attr]
+    if states is not None:
+        assert node.data[mamba].value is None  # type: ignore[union-attr]
+    receipt = cache.inc_lock_ref(node).to_dec_params()
+    cache.inc_lock_ref(above)  # holds the SWA count the walk from ``node`` reaches
+    cache.dec_lock_ref(node, receipt)
+
+    def counts() -> list[object]:
+        return [
+            (n.id, [cd.lock_ref for cd in n.data if cd is not None]) for n in cache.iter_nodes()
+        ] + [(c.evictable_size, c.protected_size) for c in cache.components]
+
+    before = counts()
+    with pytest.raises(InvalidLockError):
+        cache.dec_lock_ref(node, receipt)
+    assert counts() == before
+    cache.sanity_check()
+
+
 def test_cache_finished_req_inserts_and_frees_the_unaligned_tail(h: Harness) -> None:
     ps = h.page_size
     inp = seq(0, 3, ps)
