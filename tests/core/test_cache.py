@@ -391,8 +391,8 @@ def test_refused_second_release_through_an_swa_tombstone_changes_nothing(
 ) -> None:
     """A receipt released twice on an SWA tombstone without Mamba state: Mamba (released
     first) has nothing to release, SWA's window walk passes the tombstone and would take the
-    count another lock holds on the node above, and only Full's check refuses -- it must run
-    before SWA releases, whatever the first component proves."""
+    count another lock holds on the node above, and only Full's lock check refuses: it must
+    run before SWA releases anything."""
     swa, mamba = ComponentType.SWA, ComponentType.MAMBA
     cache = build_cache(
         CacheConfig(

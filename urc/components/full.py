@@ -46,9 +46,31 @@ if TYPE_CHECKING:
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
     from urc.tree import Tree
 
-__all__ = ["FullComponent"]
+__all__ = ["FullComponent", "check_full_lock"]
 
 _FULL = 0
+
+
+def _first_locked(node: TreeNode, start: int) -> TreeNode:
+    """The node with id ``start`` (a receipt's ``full_start_id``) at or above ``node``."""
+    while node.id != start:
+        parent = node.parent
+        if parent is None:
+            raise InvalidLockError(f"the receipt's lock start {start} is not above it")
+        node = parent
+    return node
+
+
+def check_full_lock(node: TreeNode, params: DecLockRefParams | None) -> None:
+    """Full's release check (changes nothing): raise :class:`InvalidLockError` unless the
+    Full lock that receipt ``params`` releases on ``node`` is held.  Also run by components
+    that release before Full and check its lock themselves (``release_implies_full_lock``)."""
+    if params is not None and params.full_start_id is not None:
+        node = _first_locked(node, params.full_start_id)
+    cd = node.full
+    assert cd is not None
+    if cd.lock_ref <= 0 and node.parent is not None:
+        raise InvalidLockError(f"dec_lock_ref on node {node.id}, which is not locked")
 
 
 class FullComponent(TreeComponent):
@@ -328,27 +350,12 @@ class FullComponent(TreeComponent):
         self.protected_size += delta
         result.delta = delta
 
-    def _first_locked(self, node: TreeNode, params: DecLockRefParams | None) -> TreeNode:
-        start = params.full_start_id if params is not None else None
-        if start is not None:
-            while node.id != start:
-                parent = node.parent
-                if parent is None:
-                    raise InvalidLockError(f"the receipt's lock start {start} is not above it")
-                node = parent
-        return node
-
     def check_release(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        if params is not None and params.full_start_id is not None:
-            node = self._first_locked(node, params)
-        cd = node.full
-        assert cd is not None
-        if cd.lock_ref <= 0 and node.parent is not None:
-            raise InvalidLockError(f"dec_lock_ref on node {node.id}, which is not locked")
+        check_full_lock(node, params)
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
         if params is not None and params.full_start_id is not None:
-            node = self._first_locked(node, params)
+            node = _first_locked(node, params.full_start_id)
             if node.parent is None:
                 return  # the lock covered host-only nodes only
         cd = node.full

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
+from urc.components.full import check_full_lock
 from urc.components.swa_data import SWAData
 from urc.components.swa_window import (
     deepest_window_boundary,
@@ -93,6 +94,8 @@ class SWAComponent(TreeComponent):
     """Sliding-window KV (see the module docstring)."""
 
     component_type = ComponentType.SWA
+    # Its release checks the node's Full lock before it changes anything.
+    release_implies_full_lock = True
 
     def __init__(
         self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
@@ -435,6 +438,12 @@ class SWAComponent(TreeComponent):
             return
         plan = self._plan
         self._plan = None
+        # Full's lock first (``release_implies_full_lock``): the walk can pass an unlocked
+        # SWA tombstone and take counts that other locks hold on the window above it.  The
+        # common case inline, Full's own check for the rest.
+        full_locks = node.full.lock_ref  # type: ignore[union-attr]
+        if full_locks <= 0 or (params is not None and params.full_start_id is not None):
+            check_full_lock(node, params)
         if (
             plan is not None
             and plan[0] is params
