@@ -1,5 +1,5 @@
-"""Build of the optional C accelerators (``urc._native._walk``, ``urc._native._pages``);
-metadata is in pyproject.toml.
+"""Build of the optional C accelerators (``urc._native._walk``, ``urc._native._pages``,
+``urc._native._gckeys``); metadata is in pyproject.toml.
 
 ``optional=True``: without a C compiler or Python headers the install still succeeds and
 ``urc.fastpath`` / ``urc.pageops`` fall back to their pure-Python twins.
@@ -15,5 +15,6 @@ setup(
             optional=True,
         ),
         Extension("urc._native._pages", sources=["urc/_native/pages.c"], optional=True),
+        Extension("urc._native._gckeys", sources=["urc/_native/gckeys.c"], optional=True),
     ]
 )

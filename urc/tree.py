@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from urc.fastpath import MatchTailFn, WalkFn, common_len, py_match_tail, py_walk
+from urc.gc_keys import untrack_key
 from urc.key import RadixKey
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
@@ -189,6 +190,7 @@ class Tree:
         """A stamped node below ``parent`` with empty data, not linked yet (see
         :meth:`link`)."""
         self.clock += 1
+        untrack_key(key)  # the tree never mutates it (urc.gc_keys)
         return TreeNode(key, parent, self.new_data(), namespace, self.clock)
 
     def link(self, parent: TreeNode, node: TreeNode) -> None:
@@ -219,7 +221,8 @@ class Tree:
         upper.priority = child.priority
         upper.child_key = child.child_key
         parent.children[child.child_key] = upper
-        child.key = child.key[k:]
+        child.key = tail = child.key[k:]
+        untrack_key(tail)
         child.key_len -= k
         child.parent = upper
         ck = child.child_key = self.page_key(child.key, 0)
