@@ -48,6 +48,29 @@ def test_native_count_held_is_the_twin(
     assert native.count_held(*args) == PYTHON_OPS.count_held(*args)
 
 
+@pytest.mark.parametrize("ops", ["python", "native"])
+@pytest.mark.parametrize(
+    ("idx", "start", "end", "bound", "held"),
+    [
+        ([], 0, 0, 0, 0),  # nothing to check: in range whatever the bound
+        ([0, 5, 6, 7, 8, 9, 10, 11], 0, 8, 16, 2),  # one below the bound: pages 0 and 1
+        ([0, 5, 6, 7, 8, 9, 10, 16], 0, 8, 16, -1),  # an entry at the bound, off a page start
+        ([16, 5, 6, 7, 8, 9, 10, 11], 1, 8, 16, 2),  # out of range but before the span
+        ([0, -1, 6, 7, 8, 9, 10, 11], 0, 8, 16, -1),  # negative: out of range too
+    ],
+)
+def test_count_held_range_checks_every_entry_of_the_span_at_pages_above_one(
+    ops: str, idx: list[int], start: int, end: int, bound: int, held: int
+) -> None:
+    """Pages of 4 (shift 2): the page lookup reads every 4th entry, the bound all of them."""
+    if ops == "native" and not native_pages_available():
+        pytest.skip("_pages not built")
+    impl = PYTHON_OPS if ops == "python" else select_page_ops(WalkImpl.NATIVE)
+    state = np.ones(4, dtype=np.int8)
+    ix = np.array(idx, dtype=np.int64)
+    assert impl.count_held(state, ix, start, end, 4, 2, bound) == held
+
+
 def _indices(idx: list[int], stride: int, tensor: bool) -> np.ndarray:
     """Strided views too; of a tensor (what the allocator passes) or not."""
     if tensor:
