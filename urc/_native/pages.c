@@ -75,6 +75,15 @@ parse_common(PyObject *const *args, Idx *idx, Py_ssize_t *step, Py_ssize_t *shif
     return get_idx(args[0], start, end, idx);
 }
 
+/* count_pages and do_release get an AVX2 clone beside the baseline one, picked at load time
+ * where GCC can (x86-64 Linux): twice the lanes for their run tests, a quarter to a third
+ * less time on a 62k-78k-slot value.  (max_of's four chains are faster without it.) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define WIDE_LOOPS __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE_LOOPS
+#endif
+
 /* Page 1 values are mostly runs of consecutive slots, ascending (a fresh stack) or
  * descending (pages pushed by a free and popped back).  A block of pages that is such a run
  * reads or clears its page states as 8-byte words instead of one byte at a time; the run
@@ -134,7 +143,7 @@ states_all(const signed char *s, int len, unsigned long long byte)
 /* How many of the contiguous pages ``pages[0, n)`` are allocated; ``*bad`` is set when one is
  * outside [0, num_pages).  No early exit and a clamped load, so the loop has no branch on
  * the data beyond the run tests. */
-static long long
+WIDE_LOOPS static long long
 count_pages(const signed char *state, unsigned long long num_pages,
             const unsigned long long *pages, Py_ssize_t n, unsigned long long *bad_out)
 {
@@ -332,7 +341,7 @@ ascending(const unsigned long long *p, int n)
  * ``next`` moves) and checked for range; only then are states read or cleared, per extent:
  * nothing changes on an error.  Extents per call: at most one per page; the first one
  * joins the top extent when it continues it. */
-static PyObject *
+WIDE_LOOPS static PyObject *
 do_release(PyObject *const *args, Py_ssize_t nargs, int need_held)
 {
     if (nargs != 9) {
