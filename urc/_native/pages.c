@@ -236,8 +236,9 @@ count_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long bad = 0;
     if (bound >= 0) {
         const unsigned long long ub = (unsigned long long)bound;
-        if (stride == 8)
-            bad = n > 0 && max_of((const unsigned long long *)ip, n) >= ub; /* contiguous */
+        if (stride == 8) { /* contiguous: the usual value */
+            bad = n > 0 && max_of((const unsigned long long *)ip, n) >= ub;
+        }
         else {
             for (Py_ssize_t i = 0; i < n; i++)
                 bad |= (unsigned long long)(*(const long long *)(ip + i * stride)) >= ub;
