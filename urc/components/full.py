@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from urc.components.base import EvictTracker, TreeComponent
+from urc.components.base import EvictionSteps, EvictTracker, TreeComponent
 from urc.errors import InvalidLockError
 from urc.eviction_policy import make_strategy
 from urc.node import ComponentData, ComponentType, Tier, TreeNode
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     import torch
 
     from urc.config import CacheConfig, CachePools
-    from urc.eviction import Evictor
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
     from urc.tree import Tree
 
@@ -79,7 +78,7 @@ class FullComponent(TreeComponent):
     component_type = ComponentType.FULL
 
     def __init__(
-        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: EvictionSteps
     ) -> None:
         super().__init__(tree, pools, config, evictor)
         self.allocator = alloc = pools.token_allocator

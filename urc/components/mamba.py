@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
+from urc.components.base import (
+    EvictionSteps,
+    EvictTracker,
+    MatchValidator,
+    PathValidator,
+    TreeComponent,
+)
 from urc.components.mamba_requests import MambaRequestSlots
 from urc.errors import (
     ConfigError,
@@ -44,8 +50,7 @@ from urc.params import EvictParams, MatchResult
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig, CachePools
-    from urc.eviction import Evictor
-    from urc.host.transfers import HostPart
+    from urc.host.protocol import HostPart
     from urc.params import (
         DecLockRefParams,
         IncLockRefResult,
@@ -94,7 +99,7 @@ class MambaComponent(TreeComponent):
     release_implies_full_lock = True
 
     def __init__(
-        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: EvictionSteps
     ) -> None:
         super().__init__(tree, pools, config, evictor)
         pool = pools.mamba

@@ -50,7 +50,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
+from urc.components.base import (
+    EvictionSteps,
+    EvictTracker,
+    MatchValidator,
+    PathValidator,
+    TreeComponent,
+)
 from urc.components.full import check_full_lock
 from urc.components.swa_data import SWAData
 from urc.components.swa_window import (
@@ -68,7 +74,6 @@ from urc.pools.swa import SWATokenSlotAllocator
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig, CachePools
-    from urc.eviction import Evictor
     from urc.params import (
         DecLockRefParams,
         EvictParams,
@@ -98,7 +103,7 @@ class SWAComponent(TreeComponent):
     release_implies_full_lock = True
 
     def __init__(
-        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: EvictionSteps
     ) -> None:
         super().__init__(tree, pools, config, evictor)
         allocator = pools.token_allocator
