@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "UnifiedRadixCache": "urc.cache",
     "CacheConfig": "urc.config",
-    "CachePools": "urc.config",
-    "EvictionPolicy": "urc.config",
+    "CachePools": "urc.pools.cache_pools",
+    "EvictionPolicy": "urc.eviction_policy",
     "build_cache": "urc.cache",
     "build_pools": "urc.config",
     "ConfigError": "urc.errors",
@@ -133,12 +133,7 @@ if TYPE_CHECKING:
         UnifiedRadixCache,
         build_cache,
     )
-    from urc.config import (
-        CacheConfig,
-        CachePools,
-        EvictionPolicy,
-        build_pools,
-    )
+    from urc.config import CacheConfig, build_pools
     from urc.errors import (
         ConfigError,
         DoubleFreeError,
@@ -154,6 +149,7 @@ if TYPE_CHECKING:
         ServiceFailedError,
         URCError,
     )
+    from urc.eviction_policy import EvictionPolicy
     from urc.fastpath import WalkImpl
     from urc.key import (
         RadixKey,
@@ -170,6 +166,7 @@ if TYPE_CHECKING:
         MatchPrefixParams,
         MatchResult,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.pools.kv_pool import (
         KVShape,
     )

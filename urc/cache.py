@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from urc import checks, eviction, insertion, locking, matching, request_caching
-from urc.config import CacheConfig, CachePools, build_pools
+from urc.config import CacheConfig, build_pools
 from urc.errors import InvalidLockError
 from urc.hooks import ComponentHooks
 from urc.host import transfers as host_transfers
@@ -34,6 +34,7 @@ from urc.params import (
     MatchPrefixParams,
     MatchResult,
 )
+from urc.pools.cache_pools import CachePools
 from urc.req import Req
 from urc.state import CacheState
 from urc.stats import CacheStats, StatsSnapshotter

@@ -31,12 +31,13 @@ import torch
 from urc.components import component_class
 from urc.components.base import EvictionSteps, TreeComponent
 from urc.components.full import FullComponent
-from urc.config import CacheConfig, CachePools
+from urc.config import CacheConfig
 from urc.counters import CacheCounters
 from urc.fastpath import select_match_tail, select_walk
 from urc.hooks import ComponentHooks
 from urc.host.protocol import HostTier, TierEvents, WritePolicy
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, TreeNode
+from urc.pools.cache_pools import CachePools
 from urc.tree import Tree
 
 __all__ = ["CacheState"]
@@ -97,7 +98,7 @@ class CacheState:
         )
         self.evictor = eviction_steps(self)
         self.components: list[TreeComponent] = [
-            component_class(ct)(tree, pools, config, self.evictor) for ct in config.components
+            component_class(ct)(tree, pools, config, self.evictor) for ct in config.types
         ]
         full = self.components[0]
         assert isinstance(full, FullComponent), f"the first component is {full!r}, not FULL"

@@ -28,7 +28,7 @@ import torch
 from urc.node import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from urc.config import CacheConfig, CachePools
+    from urc.config import CacheConfig
     from urc.host.protocol import HostPart, HostTier, TransferItem
     from urc.params import (
         DecLockRefParams,
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         MatchPrefixParams,
         MatchResult,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.req import Req
     from urc.tree import Tree
 

@@ -41,8 +41,9 @@ from urc.node import ComponentData, ComponentType, Tier, TreeNode
 if TYPE_CHECKING:
     import torch
 
-    from urc.config import CacheConfig, CachePools
+    from urc.config import CacheConfig
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
+    from urc.pools.cache_pools import CachePools
     from urc.tree import Tree
 
 __all__ = ["FullComponent", "check_full_lock"]

@@ -49,7 +49,7 @@ from urc.node import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 from urc.params import EvictParams, MatchResult
 
 if TYPE_CHECKING:
-    from urc.config import CacheConfig, CachePools
+    from urc.config import CacheConfig
     from urc.host.protocol import HostPart
     from urc.params import (
         DecLockRefParams,
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         InsertResult,
         MatchPrefixParams,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.pools.mamba import MambaPool
     from urc.req import Req
     from urc.tree import Tree
@@ -121,7 +122,7 @@ class MambaComponent(TreeComponent):
         self._values: tuple[torch.Tensor, ...] = ids.view(-1, 1).unbind(0)
         # Auxiliary components above Mamba in the lock order (SWA); see _may_lock.
         self._above = tuple(
-            ct for ct in config.components if ComponentType.FULL < ct < ComponentType.MAMBA
+            ct for ct in config.types if ComponentType.FULL < ct < ComponentType.MAMBA
         )
         # (params, slot) of the insert validated last, so commit need not read the tensor.
         self._pending: tuple[InsertParams | None, int] = (None, -1)

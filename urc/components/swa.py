@@ -73,7 +73,7 @@ from urc.node import ComponentData, ComponentType, Tier, TreeNode
 from urc.pools.swa import SWATokenSlotAllocator
 
 if TYPE_CHECKING:
-    from urc.config import CacheConfig, CachePools
+    from urc.config import CacheConfig
     from urc.params import (
         DecLockRefParams,
         EvictParams,
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
         MatchPrefixParams,
         MatchResult,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.req import Req
     from urc.tree import Tree
 
