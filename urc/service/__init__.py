@@ -137,7 +137,7 @@ then releases every lease still held (pins included) and reports how many.
 
 from __future__ import annotations
 
-from urc.service._base import LoadBackPolicy, ServiceState, TraceHook
+from urc.service._base import BackgroundWorker, LoadBackPolicy, ServiceState, TraceHook
 from urc.service._commands import Call, Command, CommandKind, InsertOutcome, MatchOutcome
 from urc.service._facade import AsyncUnifiedRadixCache
 from urc.service._lease import Lease, NodeHandle
@@ -148,7 +148,6 @@ from urc.service._observer import (
     StatsSource,
     TransferKind,
 )
-from urc.service._workers import BackgroundWorker
 
 __all__ = [
     "AsyncUnifiedRadixCache",
