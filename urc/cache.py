@@ -138,6 +138,12 @@ class UnifiedRadixCache(CacheState):
         """
         return eviction.evict(self, params)
 
+    def alloc_tokens(self, num_tokens: int, evict: bool = True) -> torch.Tensor | None:
+        """Full slots for ``num_tokens`` tokens, evicting what every pool lacks first when
+        short and ``evict`` (see :func:`urc.eviction.alloc_tokens`); None when they cannot
+        be had."""
+        return eviction.alloc_tokens(self, num_tokens, evict)
+
     # ================================================================== host tier (HiCache)
     def attach_host_tier(self, tier: HostTier, policy: WritePolicy) -> None:
         """Give the cache a host tier: from now on device leaves with a host copy are demoted

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch import Tensor
+
 from urc.errors import InvalidInputError
 from urc.host.protocol import WritePolicy
 from urc.locking import dec_lock_ref, inc_lock_ref
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Evictor",
+    "alloc_tokens",
     "cascade_evict",
     "drop_if_empty",
     "evict",
@@ -159,6 +162,26 @@ def drop_if_empty(state: CacheState, node: TreeNode, tracker: list[int]) -> None
         node = parent
     if node.parent is not None and node.heap_entry is None and full.is_device_leaf(node):
         full.note_leaf(node)
+
+
+def alloc_tokens(state: CacheState, num_tokens: int, evict_if_short: bool = True) -> Tensor | None:
+    """Full slots for ``num_tokens`` tokens from the cache's allocator; when it is short and
+    ``evict_if_short``, evict what every pool lacks (each component adds its own shortfall:
+    ``add_alloc_shortfall``, e.g. the SWA side of a paired allocator) and try once more.
+
+    Returns the slots (the caller's), or None when they cannot be had; an eviction it made
+    stays made (invisible to callers)."""
+    allocator = state.token_to_kv_pool_allocator
+    out = allocator.alloc(num_tokens)
+    if out is None and evict_if_short:
+        ps = state.page_size
+        need = -(-num_tokens // ps) * ps
+        params = EvictParams(num_tokens=max(0, need - allocator.available_size()))
+        for c in state.components:
+            params = c.add_alloc_shortfall(params, num_tokens)
+        evict(state, params)
+        out = allocator.alloc(num_tokens)
+    return out
 
 
 def evict_host(state: CacheState, num_tokens: int) -> int:

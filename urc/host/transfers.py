@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc.eviction import evict, evict_host
+from urc.eviction import alloc_tokens, evict_host
 from urc.host.protocol import BackupTicket, HostPart, HostTier, LoadTicket, TransferItem
 from urc.key import RadixKey
 from urc.locking import dec_lock_ref, host_lock, inc_lock_ref
 from urc.node import ComponentType, TreeNode
-from urc.params import EvictParams
 
 if TYPE_CHECKING:
     from urc.params import IncLockRefResult
@@ -246,14 +245,7 @@ def start_load_back(state: CacheState, node: TreeNode, threshold: int = 0) -> Lo
         full.host_lock(n, 1)
     anchor = walk
     receipt = inc_lock_ref(state, anchor)
-    alloc = state.token_to_kv_pool_allocator
-    device = alloc.alloc(tokens)
-    if device is None:
-        params = EvictParams(num_tokens=max(0, tokens - alloc.available_size()))
-        for c in state.components:
-            params = c.add_alloc_shortfall(params, tokens)
-        evict(state, params)
-        device = alloc.alloc(tokens)
+    device = alloc_tokens(state, tokens)
     if device is None:
         for n in nodes:
             host_lock(state, n, -1)  # re-enters the host heap if it is an evictable leaf again
