@@ -25,7 +25,7 @@ from urc.hooks import ComponentHooks
 from urc.host import transfers as host_transfers
 from urc.host.protocol import HostTier, TierEvents, WritePolicy
 from urc.key import RadixKey
-from urc.node import ComponentType, Tier, TreeNode
+from urc.node import FULL_INDEX, ComponentType, Tier, TreeNode
 from urc.params import (
     EvictParams,
     EvictResult,
@@ -40,8 +40,6 @@ from urc.state import CacheState
 from urc.stats import CacheStats, StatsSnapshotter
 
 __all__ = ["UnifiedRadixCache", "build_cache"]
-
-_FULL = 0
 
 
 class UnifiedRadixCache(CacheState):
@@ -305,7 +303,7 @@ class UnifiedRadixCache(CacheState):
         values = [
             cd.value
             for n in self.tree.nodes()
-            if (cd := n.data[_FULL]) is not None and cd.value is not None
+            if (cd := n.data[FULL_INDEX]) is not None and cd.value is not None
         ]
         if not values:
             return torch.empty(0, dtype=torch.int64, device=self.device)

@@ -11,14 +11,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from urc.host.protocol import WritePolicy
-from urc.node import NUM_COMPONENT_TYPES, ComponentType, TreeNode
+from urc.node import FULL_INDEX, NUM_COMPONENT_TYPES, ComponentType, TreeNode
 
 if TYPE_CHECKING:
     from urc.state import CacheState
 
 __all__ = ["check_pools", "pretty_print", "sanity_check"]
-
-_FULL = 0
 
 
 def sanity_check(state: CacheState) -> None:
@@ -42,7 +40,7 @@ def sanity_check(state: CacheState) -> None:
         )
         assert node.key_len == len(node.key) > 0, f"node {node.id} key_len {node.key_len}"
         assert node.key_len % state.page_size == 0, f"node {node.id} len {node.key_len}"
-        full = node.data[_FULL]
+        full = node.data[FULL_INDEX]
         assert full is not None
         assert full.value is not None or full.host_value is not None, (
             f"node {node.id} holds no Full data on any tier"
@@ -52,7 +50,7 @@ def sanity_check(state: CacheState) -> None:
             and parent.parent is not None
             and state.write_policy is not WritePolicy.WRITE_BACK
         ):
-            pfull = parent.data[_FULL]
+            pfull = parent.data[FULL_INDEX]
             assert pfull is not None and pfull.host_value is not None, (
                 f"node {node.id} has a host copy but its parent {parent.id} does not"
             )

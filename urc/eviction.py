@@ -21,7 +21,7 @@ from torch import Tensor
 from urc.errors import InvalidInputError
 from urc.host.protocol import WritePolicy
 from urc.locking import dec_lock_ref, inc_lock_ref
-from urc.node import NUM_COMPONENT_TYPES, Tier, TreeNode
+from urc.node import FULL_INDEX, NUM_COMPONENT_TYPES, Tier, TreeNode
 from urc.params import EvictParams, EvictResult
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ __all__ = [
     "evict_host_leaf",
 ]
 
-_FULL = 0
 _DEVICE = Tier.DEVICE
 _new_tuple = tuple.__new__
 # ``evict`` builds its result straight from the per-component tracker.
@@ -117,7 +116,7 @@ def cascade_evict(
     node goes).  Higher-priority data that is locked on a leaf is kept; locked
     lower-priority data is a bug (assertion)."""
     is_leaf = not node.children
-    if is_leaf and not node.data[_FULL].lock_ref:  # type: ignore[union-attr]
+    if is_leaf and not node.full.lock_ref:
         if evict_device_leaf(state, node, tracker):
             return
         is_leaf = False  # it could not go (write-back with a full host): tombstone it
@@ -143,7 +142,7 @@ def drop_if_empty(state: CacheState, node: TreeNode, tracker: list[int]) -> None
     tier; a childless ancestor that still has Full on device becomes an evictable leaf."""
     full = state.full
     while node.parent is not None and not node.children:
-        cd = node.data[_FULL]
+        cd = node.data[FULL_INDEX]
         assert cd is not None
         if cd.value is not None:
             if node.heap_entry is None and full.is_device_leaf(node):
@@ -197,7 +196,7 @@ def evict_host(state: CacheState, num_tokens: int) -> int:
         if n:
             key = (c.component_type, Tier.HOST)
             evicted[key] = evicted.get(key, 0) + n
-    return tracker[_FULL]
+    return tracker[FULL_INDEX]
 
 
 def evict_host_leaf(state: CacheState, node: TreeNode, tracker: list[int]) -> None:

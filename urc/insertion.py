@@ -21,15 +21,13 @@ import torch
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
 from urc.host import transfers as host_transfers
 from urc.host.protocol import WritePolicy
-from urc.node import ComponentType, TreeNode
+from urc.node import FULL_INDEX, TreeNode
 from urc.params import InsertParams, InsertResult
 
 if TYPE_CHECKING:
     from urc.state import CacheState
 
 __all__ = ["insert"]
-
-_FULL = ComponentType.FULL
 
 
 def _add_leaf(
@@ -43,7 +41,7 @@ def _add_leaf(
     tree = state.tree
     leaf = tree.new_node(parent, key, ns)
     leaf.priority = priority
-    full = leaf.data[_FULL]
+    full = leaf.data[FULL_INDEX]
     assert full is not None
     full.value = value
     full_c = state.full
@@ -239,7 +237,7 @@ def _adopt_device_value(
     state: CacheState, node: TreeNode, value: torch.Tensor, pos: int, params: InsertParams
 ) -> None:
     """Give a host-only node fresh device slots (HiCache: re-insert over an evicted node)."""
-    full = node.data[_FULL]
+    full = node.data[FULL_INDEX]
     assert full is not None and full.lock_ref == 0
     full.value = value
     state.full.evictable_size += node.key_len

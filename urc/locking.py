@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from urc.errors import InvalidInputError, InvalidLockError
-from urc.node import ComponentType, TreeNode
+from urc.node import FULL_INDEX, ComponentType, TreeNode
 from urc.params import DecLockRefParams, DecLockRefResult, IncLockRefResult
 
 if TYPE_CHECKING:
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = ["dec_lock_ref", "dec_swa_lock_only", "host_lock", "inc_lock_ref"]
 
-_FULL = 0
 # Hot-path constructions (the bench's lock and unlock phases): ``tuple.__new__`` and
 # ``object.__new__`` skip the dataclass / NamedTuple constructors' argument parsing.
 _new_tuple = tuple.__new__
@@ -130,7 +129,7 @@ def host_lock(state: CacheState, node: TreeNode, delta: int) -> None:
     """Add ``delta`` to ``node``'s Full host lock (pins its host copy against host
     eviction).  Raises :class:`~urc.errors.InvalidLockError` (nothing changed) when a
     release finds no host lock."""
-    cd = node.data[_FULL]
+    cd = node.data[FULL_INDEX]
     assert cd is not None
     if delta < 0 and cd.host_lock_ref + delta < 0:
         raise InvalidLockError(f"dec_host_lock_ref on node {node.id}, which is not host-locked")

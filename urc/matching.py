@@ -256,7 +256,7 @@ def _device_indices(
         if k >= best:
             return held if k == best else held[:hit]
         values = [held]
-    values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
+    values += [p.full.value for p in path[k:best]]  # type: ignore[misc]
     return PendingIndices(values)
 
 
@@ -275,7 +275,7 @@ def path_device_indices(state: CacheState, node: TreeNode) -> torch.Tensor:
     is not on device."""
     if node.deleted:
         raise InvalidInputError(f"path_device_indices of node {node.id}, which was evicted")
-    values = [p.full.value for p in state.tree.path_to(node)]  # type: ignore[union-attr]
+    values = [p.full.value for p in state.tree.path_to(node)]
     if not values:
         return torch.empty(0, dtype=torch.int64, device=state.device)
     if any(v is None for v in values):

@@ -163,7 +163,7 @@ def cache_unfinished_req(state: CacheState, req: Req, chunked: bool = False) -> 
         if k is not None:
             pos = protected
             for node in path[k:]:
-                v = node.full.value  # type: ignore[union-attr]
+                v = node.full.value
                 assert v is not None, f"node {node.id} on the inserted path has no device value"
                 state.req_to_token_pool.write(row, pos, v)
                 pos += node.key_len

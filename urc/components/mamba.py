@@ -45,7 +45,7 @@ from urc.errors import (
 )
 from urc.host.protocol import TransferItem
 from urc.lru import LRUList
-from urc.node import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
+from urc.node import FULL_INDEX, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 from urc.params import EvictParams, MatchResult
 
 if TYPE_CHECKING:
@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MambaComponent"]
 
-_FULL = 0
 _M = 2  # ComponentType.MAMBA
 _MAMBA = ComponentType.MAMBA
 _EVICT_ONE = EvictParams(mamba_num=1)
@@ -83,7 +82,7 @@ def _has_state_any_tier(node: TreeNode) -> bool:
     assert cd is not None
     if cd.value is not None:
         return True
-    return cd.host_value is not None and node.data[_FULL].value is None  # type: ignore[union-attr]
+    return cd.host_value is not None and node.full.value is None
 
 
 def _unlocked(node: TreeNode) -> bool:
@@ -407,7 +406,7 @@ class MambaComponent(TreeComponent):
         cd = node.data[_M]
         assert cd is not None
         slot = int(device.item())
-        if cd.value is not None or node.data[_FULL].value is None:  # type: ignore[union-attr]
+        if cd.value is not None or node.full.value is None:
             self.pool.free_slots((slot,))
             return
         assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
@@ -524,7 +523,7 @@ class MambaComponent(TreeComponent):
 
     def check_node(self, node: TreeNode) -> None:
         cd = node.data[_M]
-        full = node.data[_FULL]
+        full = node.data[FULL_INDEX]
         assert cd is not None and full is not None
         assert full.lock_ref >= cd.lock_ref, (
             f"node {node.id}: Mamba lock {cd.lock_ref} exceeds Full lock {full.lock_ref}"

@@ -27,7 +27,7 @@ from urc.eviction import alloc_tokens, evict_host
 from urc.host.protocol import BackupTicket, HostPart, HostTier, LoadTicket, TransferItem
 from urc.key import RadixKey
 from urc.locking import dec_lock_ref, host_lock, inc_lock_ref
-from urc.node import ComponentType, TreeNode
+from urc.node import FULL_INDEX, ComponentType, TreeNode
 
 if TYPE_CHECKING:
     from urc.params import IncLockRefResult
@@ -50,8 +50,6 @@ __all__ = [
     "take_pending_backups",
     "write_backup",
 ]
-
-_FULL = 0
 
 
 def pieces_of(node: TreeNode, length: int) -> list[TreeNode]:
@@ -90,7 +88,7 @@ def note_hit(state: CacheState, node: TreeNode) -> None:
     without a host copy becomes due for backup (``pending_backups``; subscribers get
     ``backup_due``)."""
     threshold = state.backup_threshold
-    cd = node.data[_FULL]
+    cd = node.data[FULL_INDEX]
     if (
         threshold is not None
         and node.hit_count >= threshold
@@ -109,7 +107,7 @@ def take_pending_backups(state: CacheState, limit: int) -> list[TreeNode]:
     pending = state.pending_backups
     while pending and len(out) < limit:
         _, node = pending.popitem()
-        cd = node.data[_FULL]
+        cd = node.data[FULL_INDEX]
         assert cd is not None
         if not node.deleted and cd.value is not None and cd.host_value is None:
             out.append(node)
@@ -129,7 +127,7 @@ def start_backup(state: CacheState, node: TreeNode) -> BackupTicket | None:
     chain: list[TreeNode] = []
     walk = node
     while walk.parent is not None:
-        cd = walk.data[_FULL]
+        cd = walk.data[FULL_INDEX]
         assert cd is not None
         if cd.host_value is not None:
             break
@@ -226,7 +224,7 @@ def start_load_back(state: CacheState, node: TreeNode, threshold: int = 0) -> Lo
     nodes: list[TreeNode] = []
     walk = node
     while walk.parent is not None:
-        cd = walk.data[_FULL]
+        cd = walk.data[FULL_INDEX]
         assert cd is not None
         if cd.value is not None:
             break
@@ -325,7 +323,7 @@ def host_prefix(state: CacheState, key: RadixKey) -> tuple[int, TreeNode]:
         child = node.children.get(tree.child_key(node, tokens, pos, key.extra_key))
         if child is None:
             break
-        cd = child.data[_FULL]
+        cd = child.data[FULL_INDEX]
         assert cd is not None
         if cd.host_value is None:
             break
@@ -440,7 +438,7 @@ def _insert_host(
         if pos < start < pos + m:
             child = tree.split(child, start - pos)
             m = start - pos
-        cd = child.data[_FULL]
+        cd = child.data[FULL_INDEX]
         assert cd is not None
         if pos < start:
             if cd.host_value is None:
@@ -467,7 +465,7 @@ def _insert_host(
     leaf = node
     for b in [*cuts, end]:
         leaf = tree.new_node(node, tokens[pos:b], ns)
-        cd = leaf.data[_FULL]
+        cd = leaf.data[FULL_INDEX]
         assert cd is not None
         cd.host_value = host_value[pos - start : b - start]
         full.add_host(cd, b - pos)

@@ -374,10 +374,6 @@ class MatchOutcome:
     host_loaded_len: int = 0
     pending_load: PendingLoad | None = None
 
-    @property
-    def device_hit_length(self) -> int:
-        return self.prefix_len
-
 
 @dataclass(frozen=True, slots=True)
 class InsertOutcome:
