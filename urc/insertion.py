@@ -49,6 +49,8 @@ def _add_leaf(
     tree.link(parent, leaf)
     full_c.note_child(parent)
     full_c.note_leaf(leaf)
+    if state.kv_events is not None:
+        state.kv_events.stored_on_device(leaf)
     return leaf
 
 
@@ -245,3 +247,5 @@ def _adopt_device_value(
         c.recover_after_unevict(node, pos, params)
     if node.heap_entry is None and state.full.is_device_leaf(node):
         state.full.note_leaf(node)
+    if state.kv_events is not None:
+        state.kv_events.stored_on_device(node)

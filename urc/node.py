@@ -140,7 +140,9 @@ class TreeNode:
         self.heap_entry: tuple[Any, int, TreeNode] | None = None
         self.in_host_heap = False
         self.deleted = False
-        self.hash_value: list[str] | None = None
+        # Page digests for KV events (urc.kv_events: SHA-256 chain from the root; kept, and
+        # split with the node, once computed).
+        self.hash_value: list[bytes] | None = None
 
     @property
     def evicted(self) -> bool:
