@@ -144,6 +144,7 @@ from __future__ import annotations
 from urc.service._base import BackgroundWorker, LoadBackPolicy, ServiceState, TraceHook
 from urc.service._commands import Call, Command, CommandKind, InsertOutcome, MatchOutcome
 from urc.service._facade import AsyncUnifiedRadixCache
+from urc.service._kv_publisher import KVEventPublisher, KVEventsConfig, KVPublisherStats
 from urc.service._lease import Lease, NodeHandle
 from urc.service._observer import (
     PullingObserver,
@@ -160,6 +161,9 @@ __all__ = [
     "Command",
     "CommandKind",
     "InsertOutcome",
+    "KVEventPublisher",
+    "KVEventsConfig",
+    "KVPublisherStats",
     "Lease",
     "LoadBackPolicy",
     "MatchOutcome",
