@@ -310,6 +310,13 @@ def _add_replay_parser(sub: Any) -> None:
         help="serve Prometheus /metrics on 127.0.0.1:PORT during the run (0: any free port)",
     )
     out.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        default=None,
+        help="publish KV events (SGLang 0.5.23's ZMQ format) on this PUB address during the "
+        "run, e.g. tcp://127.0.0.1:5557 (needs pyzmq and msgspec)",
+    )
+    out.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar (it is also off when stderr is not a terminal)",
@@ -431,11 +438,22 @@ def _run_once(args: argparse.Namespace, config: ReplayConfig, progress: bool) ->
     async def announce(url: str) -> None:
         print(f"urc replay: serving metrics at {url}", file=sys.stderr, flush=True)
 
+    publisher = None
+    if args.kv_events is not None:
+        from urc.service import KVEventPublisher, KVEventsConfig
+
+        publisher = KVEventPublisher(KVEventsConfig(endpoint=args.kv_events))
     report = anyio.run(
         lambda: run_replay(
-            config, progress=progress, metrics_port=args.metrics_port, on_metrics=announce
+            config,
+            progress=progress,
+            metrics_port=args.metrics_port,
+            on_metrics=announce,
+            kv_publisher=publisher,
         )
     )
+    if publisher is not None:
+        print(f"urc replay: KV events on {publisher.endpoint}: {publisher.stats}", file=sys.stderr)
     return dataclasses.replace(report, startup_time_s=startup)
 
 

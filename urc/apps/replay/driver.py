@@ -69,7 +69,13 @@ from urc.eviction_policy import EvictionPolicy
 from urc.key import RadixKey
 from urc.node import ComponentType, Tier
 from urc.req import Req
-from urc.service import AsyncUnifiedRadixCache, BackgroundWorker, LoadBackPolicy, TraceHook
+from urc.service import (
+    AsyncUnifiedRadixCache,
+    BackgroundWorker,
+    KVEventPublisher,
+    LoadBackPolicy,
+    TraceHook,
+)
 
 __all__ = ["OUTPUT_TOKEN_BASE", "MetricsHook", "output_token_ids", "run_replay"]
 
@@ -346,6 +352,7 @@ async def run_replay(
     on_metrics: MetricsHook | None = None,
     summary: WorkloadSummary | None = None,
     trace: TraceHook | None = None,
+    kv_publisher: KVEventPublisher | None = None,
 ) -> ReplayReport:
     """Replay ``config``'s workload through a fresh cache and service; returns the report.
 
@@ -353,7 +360,8 @@ async def run_replay(
     (0: any free port) serves ``/metrics`` on 127.0.0.1 for the duration of the run;
     ``on_metrics`` is awaited with its URL once the endpoint and the service are up.
     ``summary``: a first pass already made (a sweep reuses one).  ``trace``: the service's
-    test hook (every command the actor applies, with its result).
+    test hook (every command the actor applies, with its result).  ``kv_publisher``: publish
+    the cache's KV events for the run (read its ``stats`` afterwards).
 
     Raises :class:`~urc.apps.replay.source.EmptyWorkloadError` (no request to replay),
     :class:`~urc.apps.workloads.TraceFormatError` (malformed trace), ``OSError`` (unreadable
@@ -396,6 +404,8 @@ async def run_replay(
         )
         host = hc.tier.host_capacity(ComponentType.FULL)
         controller, storage, workers = hc.controller, hc.storage, hc.workers
+    if kv_publisher is not None:
+        workers = (*workers, kv_publisher)
 
     bar = tqdm(
         total=summary.requests,
