@@ -122,17 +122,21 @@ class KVEventPublisher:
             return
         events = cache.take_events()
         if events:
-            self._enqueue(events)
+            self.offer(events)
 
-    def _enqueue(self, events: list[KVEvent]) -> None:
+    def offer(self, events: list[KVEvent]) -> bool:
+        """Queue ``events`` as one batch for sending (the publisher drains the cache this way
+        itself; a caller may add batches of its own).  Never waits: with ``max_queued``
+        batches queued the batch is dropped, counted in :attr:`stats`, and False returned."""
         s = self._stats
         if len(self._queue) >= self.config.max_queued:
             s[2] += 1
             s[3] += len(events)
-            return
+            return False
         self._queue.append((time.time(), events))
         if self._wake is not None:
             self._wake.set()
+        return True
 
     # ------------------------------------------------------------------ the worker
     async def run(self, svc: Any) -> None:
@@ -174,6 +178,8 @@ class KVEventPublisher:
             self._cache = cache
             cache.enable_kv_events(self._notify)
             self.started.set()
+            if self._queue:  # batches offered before the start
+                wake.set()
             while True:
                 await wake.wait()
                 wake.clear()
