@@ -28,9 +28,7 @@ class RouterView:
     stored on that medium, a stored chain continues a page the router knows on that medium
     (or starts at the root), a page is never stored twice on one medium."""
 
-    pages: dict[StorageMedium, set[int]] = field(
-        default_factory=lambda: {GPU: set(), CPU: set()}
-    )
+    pages: dict[StorageMedium, set[int]] = field(default_factory=lambda: {GPU: set(), CPU: set()})
     stored: int = 0
     removed: int = 0
 

@@ -11,7 +11,8 @@ host tier that is how the pages come back to device; a ``backup`` is the match u
 find the node it backs up; ``evict_host`` does nothing), subscribes to urc's publisher, prints
 ``ready``, waits for ``published N``, takes the live frames, treats every frame from
 ``gap_from`` on as lost, asks the replay socket for the rest, decodes every payload with
-SGLang's own ``KVEventBatch`` and prints one JSON line: both streams, one record per page and one per (merged) event.
+SGLang's own ``KVEventBatch`` and prints one JSON line: both streams, one record per page
+and one per (merged) event.
 Exit status 77: SGLang 0.5.23 could not be loaded here (the test skips).
 """
 
@@ -114,7 +115,7 @@ def main() -> int:
     deadline = time.monotonic() + 5
     while len(live) < published and time.monotonic() < deadline:
         if sub.poll(100):
-            topic, seq, payload = sub.recv_multipart()
+            _topic, seq, payload = sub.recv_multipart()
             n = int.from_bytes(seq, "big")
             if n < spec["gap_from"]:
                 live[n] = payload
@@ -129,7 +130,7 @@ def main() -> int:
         if not req.poll(5000):
             print("replay timed out", file=sys.stderr)
             return 1
-        _, topic, seq, payload = req.recv_multipart()
+        _, _topic, seq, payload = req.recv_multipart()
         if seq == end:
             break
         replayed[int.from_bytes(seq, "big")] = payload

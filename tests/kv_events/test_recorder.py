@@ -120,7 +120,8 @@ def test_host_insert_publishes_the_host_pages_it_places(ps: int) -> None:
     cache.enable_kv_events()
     s = _seq(0, 4, ps)
     assert insert(cache, s)
-    cache.write_backup(cache.match_prefix(MatchPrefixParams(RadixKey(s[: 2 * ps]))).last_device_node)
+    shared = cache.match_prefix(MatchPrefixParams(RadixKey(s[: 2 * ps])))
+    cache.write_backup(shared.last_device_node)
     _assert_view(cache, router)
     host = tier.host_alloc(FULL, 6 * ps)
     assert host is not None

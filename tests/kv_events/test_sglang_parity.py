@@ -3,16 +3,17 @@
 One script of inserts, matches, evictions, write-backs (backups), load-backs, host evictions
 and resets runs on urc's service (with a host tier and the publisher) and, in a subprocess
 (``sglang_side.py``), on SGLang's ``UnifiedRadixCache`` with ``enable_kv_cache_events=True``
-(its Rust tree core, the default, and its Python one; without a host tier: a load-back there is the same tokens inserted again, a backup the
-match urc's side makes to find its node, a host eviction nothing).  The subprocess
-subscribes to urc's publisher, loses part of the stream on purpose, replays it through the
-ROUTER socket and decodes every batch with SGLang's own msgspec ``KVEventBatch``.
+(its Rust tree core, the default, and its Python one; without a host tier: a load-back there
+is the same tokens inserted again, a backup the match urc's side makes to find its node, a
+host eviction nothing).  The subprocess subscribes to urc's publisher, loses part of the
+stream on purpose, replays it through the ROUTER socket and decodes every batch with
+SGLang's own msgspec ``KVEventBatch``.
 
-Asserted, one record per page and one per merged event: urc's GPU and reset events are exactly SGLang's, in the same
-order with the same hashes, parents and tokens; everything else urc published is on
-``CPU_PINNED`` (the host tier SGLang's cache here does not have), each page with the hash its
-GPU twin has.  Needs /work/shared/sglang (development material, used in place) and the
-wheel; skips cleanly without them.
+Asserted, one record per page and one per merged event: urc's GPU and reset events are
+exactly SGLang's, in the same order with the same hashes, parents and tokens; everything
+else urc published is on ``CPU_PINNED`` (the host tier SGLang's cache here does not have),
+each page with the hash its GPU twin has.  Needs /work/shared/sglang (development material,
+used in place) and the wheel; skips cleanly without them.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from hicache_harness import make
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from urc import ComponentType, MatchPrefixParams, RadixKey, UnifiedRadixCache  # noqa: E402
-from urc.host.protocol import WritePolicy  # noqa: E402
-from urc.service import AsyncUnifiedRadixCache, KVEventPublisher, KVEventsConfig  # noqa: E402
+from urc import ComponentType, MatchPrefixParams, RadixKey, UnifiedRadixCache
+from urc.host.protocol import WritePolicy
+from urc.service import AsyncUnifiedRadixCache, KVEventPublisher, KVEventsConfig
 
 SHIM_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "sglang"
 SIDE = Path(__file__).with_name("sglang_side.py")

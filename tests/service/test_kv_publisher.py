@@ -9,8 +9,9 @@ from typing import Any
 import anyio
 import pytest
 
-zmq = pytest.importorskip("zmq")
+pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
+import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
 from urc import CacheConfig, ComponentType, ConfigError  # noqa: E402
@@ -92,8 +93,13 @@ async def test_batches_go_out_as_topic_sequence_payload_and_replay_after_a_gap()
                     assert event["type"] == "BlockStored" and event["medium"] == "GPU"
                     assert event["token_ids"][-PS:] == [100 + n] * PS
                     assert set(event) == {
-                        "type", "block_hashes", "parent_block_hash", "token_ids",
-                        "block_size", "lora_id", "medium",
+                        "type",
+                        "block_hashes",
+                        "parent_block_hash",
+                        "token_ids",
+                        "block_size",
+                        "lora_id",
+                        "medium",
                     }
                 assert pub.stats.replay_requests == 1
     finally:
