@@ -1,0 +1,214 @@
+"""A scheduler loop built from SGLang 0.5.23's own scheduler-side functions, driving a tree
+cache the way its ``Scheduler`` does (admission, chunked prefill, decode, finish, abort,
+retraction), minus the model forward.
+
+Every step that touches the cache or the pools is SGLang's code: ``match_kv_cache``,
+``PrefillAdder``'s lock (``tree_cache.lock``), ``alloc_req_slots``, ``alloc_token_slots`` /
+``alloc_paged_token_slots_extend`` / ``alloc_paged_token_slots_decode`` (which evict from
+the tree through ``evict_from_tree_cache``), ``write_cache_indices``,
+``checkpoint_kv_cache``, ``release_kv_cache`` and ``release_req`` (retraction).  What is
+written here is only the batch bookkeeping ``ScheduleBatch`` would do around them.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import torch
+
+__all__ = ["Pools", "SchedulerLoop", "make_full_context"]
+
+
+class Pools:
+    """SGLang's own pools for a FULL-attention model on CPU."""
+
+    def __init__(self, page_size: int, kv_size: int, rows: int, context_len: int) -> None:
+        from sglang.srt.mem_cache.allocator import (
+            PagedTokenToKVPoolAllocator,
+            TokenToKVPoolAllocator,
+        )
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        self.page_size = page_size
+        self.kv_size = kv_size
+        self.req_to_token_pool = ReqToTokenPool(
+            size=rows, max_context_len=context_len, device="cpu", enable_memory_saver=False
+        )
+        kv_pool = MHATokenToKVPool(
+            size=kv_size, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=4,
+            layer_num=1, device="cpu", enable_memory_saver=False,
+        )  # fmt: skip
+        kind = TokenToKVPoolAllocator if page_size == 1 else PagedTokenToKVPoolAllocator
+        extra = {} if page_size == 1 else {"page_size": page_size}
+        self.allocator = kind(
+            size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool,
+            need_sort=False, **extra,
+        )  # fmt: skip
+
+
+def make_full_context(pools: Pools, **params: Any) -> Any:
+    """SGLang's ``TreeCacheBuildContext`` of a FULL-attention model on ``pools``."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    init = CacheInitParams(
+        disable=False,
+        req_to_token_pool=pools.req_to_token_pool,
+        token_to_kv_pool_allocator=pools.allocator,
+        page_size=pools.page_size,
+        **params,
+    )
+    return TreeCacheBuildContext(
+        server_args=None, params=init, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+        model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )  # fmt: skip
+
+
+class SchedulerLoop:
+    """Requests through a tree cache with SGLang's functions (see the module docstring).
+
+    ``running``: requests holding a row (prefilling or decoding).  After every step
+    :meth:`check` asserts pool conservation and the cache's ``sanity_check()``."""
+
+    def __init__(self, cache: Any, pools: Pools, chunk: int) -> None:
+        self.cache = cache
+        self.pools = pools
+        self.chunk = chunk
+        self.running: list[Any] = []
+        self.next_token = 10_000
+
+    # ------------------------------------------------------------------ requests
+    def new_req(self, rid: str, tokens: list[int], max_new: int) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=max_new))
+
+    def prefill(self, req: Any) -> None:
+        """Admit ``req`` (``init_next_round_input``'s match and a lock when it holds no row) and run one prefill chunk
+        of at most ``chunk`` tokens; a chunk that does not finish the prompt is
+        checkpointed into the tree."""
+        from sglang.srt.mem_cache import allocation
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+        cache, ps = self.cache, self.pools.page_size
+        fresh = not req.kv.holds_kv
+        if fresh:
+            req.init_next_round_input(cache)  # refreshes the fill ids, match_kv_cache
+            req.lock = cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
+        fill = len(req.full_untruncated_fill_ids)
+        end = min(fill, req.prefix_len + self.chunk)
+        if end < fill:
+            end = max(end - end % ps, req.prefix_len + ps)
+        req.extend_end = end
+        prefix_len = req.prefix_len
+        if req.kv.holds_kv:
+            row = self.pools.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            prefix = row[:prefix_len].to(torch.int64)
+        elif prefix_len == 0:
+            prefix = torch.empty(0, dtype=torch.int64)
+        else:
+            prefix = cache.prefix_device_indices(req)
+        rows = allocation.alloc_req_slots(self.pools.req_to_token_pool, [req], cache)
+        extend = end - prefix_len
+        prefix_lens = torch.tensor([prefix_len], dtype=torch.int64)
+        seq_lens = torch.tensor([end], dtype=torch.int64)
+        extend_lens = torch.tensor([extend], dtype=torch.int64)
+        row_idx = torch.tensor(rows, dtype=torch.int64)
+        if ps == 1:
+            loc = allocation.alloc_token_slots(cache, extend)
+        else:
+            last = prefix[-1:] if len(prefix) else torch.full((1,), -1, dtype=torch.int64)
+            loc = allocation.alloc_paged_token_slots_extend(
+                cache, prefix_lens, prefix_lens, seq_lens, seq_lens, last, extend
+            )
+        allocation.write_cache_indices(
+            loc, row_idx, row_idx, prefix_lens, prefix_lens, seq_lens, seq_lens,
+            extend_lens, extend_lens, [prefix], self.pools.req_to_token_pool,
+        )  # fmt: skip
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+        if fresh:
+            self.running.append(req)
+        if end < fill:
+            checkpoint_kv_cache(req, cache)
+        else:
+            req.prefix_len = end
+            self._sample(req)
+
+    def decode(self, reqs: list[Any]) -> None:
+        """One decode step of ``reqs`` (whose prompts are done): a slot each for the last
+        sampled token (``alloc_for_decode_default``'s steps), then a new token each."""
+        from sglang.srt.mem_cache import allocation
+
+        pool = self.pools.req_to_token_pool
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
+        seq = torch.tensor([r.kv.kv_committed_len for r in reqs], dtype=torch.int64)
+        if self.pools.page_size == 1:
+            loc = allocation.alloc_token_slots(self.cache, len(reqs))
+        else:
+            last = pool.req_to_token[rows, seq - 1].to(torch.int64)
+            loc = allocation.alloc_paged_token_slots_decode(self.cache, seq + 1, seq + 1, last)
+        pool.write((rows, seq), loc.to(torch.int32))
+        for r in reqs:
+            r.kv.kv_allocated_len += 1
+            r.kv.kv_committed_len += 1
+            self._sample(r)
+
+    def _sample(self, req: Any) -> None:
+        self.next_token += 1
+        req.output_ids.append(self.next_token % 97 + 1)
+
+    def finish(self, req: Any) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        req.finished_len = len(req.output_ids)
+        release_kv_cache(req, self.cache, checkpoint=True)
+        self.running.remove(req)
+
+    def abort(self, req: Any) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req.finished_reason = FINISH_ABORT()
+        release_kv_cache(req, self.cache, checkpoint=False)
+        self.running.remove(req)
+
+    def retract(self, req: Any) -> None:
+        """Preempt ``req`` (SGLang's ``release_req``): its row is freed, it starts over."""
+        from sglang.srt.managers.schedule_batch import release_req
+
+        release_req(
+            req=req, remaing_req_count=len(self.running) - 1,
+            req_to_token_pool=self.pools.req_to_token_pool,
+            token_to_kv_pool_allocator=self.pools.allocator, tree_cache=self.cache,
+            hisparse_coordinator=None, offload_kv=False,
+        )  # fmt: skip
+        self.running.remove(req)
+
+    # ------------------------------------------------------------------ invariants
+    def held_by_requests(self) -> int:
+        """KV slots the running requests hold outside the tree (whole pages)."""
+        ps = self.pools.page_size
+        return sum(
+            -(-r.kv.kv_allocated_len // ps) * ps - r.kv.cache_protected_len
+            for r in self.running
+        )
+
+    def check(self) -> None:
+        """Every KV slot is free, in the tree, or held by a running request -- once."""
+        cache = self.cache
+        cache.sanity_check()
+        free = self.pools.allocator.available_size()
+        tree = cache.full_evictable_size() + cache.full_protected_size()
+        held = self.held_by_requests()
+        assert free + tree + held == self.pools.kv_size, (
+            f"free {free} + tree {tree} + held {held} != {self.pools.kv_size}"
+        )
+        rows_used = len(self.running)
+        assert self.pools.req_to_token_pool.available_size() + rows_used == (
+            self.pools.req_to_token_pool.size
+        )

@@ -1,0 +1,302 @@
+"""``SGLangRadixCache``: urc's tree behind SGLang 0.5.23's ``BasePrefixCache`` surface.
+
+SGLang's scheduler owns the pools: it allocates KV slots from its own
+``token_to_kv_pool_allocator`` and request rows from its ``req_to_token_pool``, then hands
+the slots to the tree (``checkpoint``) and frees what the tree did not take
+(``mem_cache/common.py``: ``release_kv_cache``).  So the tree must keep and free exactly
+those slots: urc's tree runs directly on SGLang's allocator (its ``size``,
+``available_size()`` and ``free()`` are all urc's Full component needs), and no urc pool
+sits in between -- a second pool would hold slots SGLang's own accounting cannot see.
+
+Node handles are urc's :class:`~urc.node.TreeNode` objects (SGLang's base-class default:
+``resolve_node_handle`` is the identity; ``dfs_weight_order`` walks ``node.children``).
+A tree lock is SGLang's ``TreeLock`` carrying urc's receipt.
+
+This module imports SGLang: only :func:`urc.sglang.create_cache` loads it, inside an
+SGLang process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefResult,
+    EvictResult,
+    IncLockRefResult,
+    InsertResult,
+    MatchResult,
+    TreeLock,
+)
+
+from urc import params as urc_params
+from urc.cache import UnifiedRadixCache
+from urc.key import RadixKey
+from urc.node import ComponentType, TreeNode
+from urc.sglang._keys import namespace, to_urc_key
+
+__all__ = ["SGLangRadixCache"]
+
+
+class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
+    """urc's :class:`~urc.cache.UnifiedRadixCache` (``self.urc``) serving SGLang's
+    scheduler.  Built by :func:`urc.sglang.create_cache` from SGLang's
+    ``TreeCacheBuildContext``; every method takes and returns SGLang's own objects."""
+
+    def __init__(self, core: UnifiedRadixCache, sglang_params: Any) -> None:
+        self.urc = core
+        self.req_to_token_pool = sglang_params.req_to_token_pool
+        self.token_to_kv_pool_allocator = sglang_params.token_to_kv_pool_allocator
+        self.page_size = core.page_size
+        self.disable = False
+        self.is_eagle = core.is_eagle
+        self.sliding_window_size = sglang_params.sliding_window_size
+        self.draft_swa_window = sglang_params.draft_swa_window
+        self.enable_session_radix_cache = False
+        # Surfaces of SGLang's own UnifiedRadixCache that urc does not offer here
+        # (external linker, host pool group): None tells the scheduler so.
+        self.linker = None
+        self.host_pool_group = None
+        self.device = core.device
+        if sglang_params.enable_metrics:
+            self.init_metrics_collector()
+
+    # ================================================================== structure
+    @property
+    def root_node(self) -> TreeNode:
+        return self.urc.root
+
+    def is_root(self, node: TreeNode | None) -> bool:
+        return node is None or node.parent is None
+
+    def reset(self) -> None:
+        self.urc.reset()
+
+    def supports_swa(self) -> bool:
+        return self.urc.supports_swa()
+
+    def supports_mamba(self) -> bool:
+        return self.urc.supports_mamba()
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def supports_fast_match_prefix(self) -> bool:
+        return False
+
+    # ================================================================== match, insert
+    def match_prefix(self, params: Any) -> MatchResult:
+        """The device hit of SGLang's ``params.key`` as SGLang's ``MatchResult``; the
+        indices are read later through :meth:`prefix_device_indices` (as SGLang's own)."""
+        key = to_urc_key(params.key)
+        if self.is_eagle:
+            key = key.bigram()
+        hit = self.urc.match_prefix(urc_params.MatchPrefixParams(key=key, with_indices=False))
+        last = hit.last_device_node
+        return MatchResult(
+            device_prefix_len=hit.device_prefix_len,
+            last_device_node=last,
+            last_host_node=hit.last_host_node,
+            best_match_node=hit.best_match_node,
+            host_hit_length=hit.host_hit_length,
+            full_kv_hit_length=hit.device_prefix_len + hit.host_hit_length,
+        )
+
+    def touch_prefix(self, key: Any) -> None:
+        """Refresh recency along ``key``'s cached path (a match whose result is dropped)."""
+        k = to_urc_key(key)
+        self.urc.match_prefix(
+            urc_params.MatchPrefixParams(key=k.bigram() if self.is_eagle else k, with_indices=False)
+        )
+
+    def insert(self, params: Any) -> InsertResult:
+        """SGLang's ``InsertParams`` (``key``, ``value``, ``prev_prefix_len``,
+        ``priority``): the tree takes the slots past the cached prefix and frees the
+        duplicates in ``[prev_prefix_len, prefix_len)``."""
+        key = to_urc_key(params.key)
+        if self.is_eagle:
+            key = key.bigram()
+        result = self.urc.insert(
+            urc_params.InsertParams(
+                key=key,
+                value=params.value,
+                prev_prefix_len=params.prev_prefix_len,
+                priority=params.priority,
+            )
+        )
+        return InsertResult(
+            prefix_len=result.prefix_len,
+            total_len=result.total_len,
+            last_device_node=result.last_device_node,
+        )
+
+    def path_device_indices(self, node: TreeNode) -> torch.Tensor:
+        return self.urc.path_device_indices(node)
+
+    # ================================================================== requests
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """Insert the request's row ``[0, up_to)`` (page-aligned) into the tree, point the
+        row at the tree's copy, move ``req.lock`` and ``req.last_node`` onto the node the
+        insert ended on and advance ``req.kv.cache_protected_len`` (SGLang 0.5.23's
+        ``UnifiedRadixCache.checkpoint``).  Frees only the duplicates the insert found
+        (already cached tokens in ``[cache_protected_len, prefix)``); the rest of the row
+        stays the request's, for ``release_kv_cache`` to free."""
+        kv = req.kv
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        ps = self.page_size
+        key = RadixKey(list(token_ids), namespace(req.extra_key, req.cache_salt))
+        if self.is_eagle:
+            key = key.bigram()
+        aligned = len(key) - len(key) % ps
+        if aligned <= 0:
+            return
+        key = key[:aligned] if aligned < len(key) else key
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        values = row[:aligned].to(dtype=torch.int64, copy=True)
+        insert = urc_params.InsertParams(
+            key=key,
+            value=values,
+            prev_prefix_len=kv.cache_protected_len,
+            priority=req.priority or 0,
+        )
+        result = self.urc.insert(insert)
+        kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
+        # Split at the prompt's end so eviction can drop the output without the prompt
+        # (SGLang does this for FULL-only trees).
+        prompt = len(req.origin_input_ids)
+        prompt_aligned = prompt - prompt % ps
+        if len(self.urc.components) == 1 and not self.is_eagle and 0 < prompt_aligned < aligned:
+            self.urc.insert(
+                replace(
+                    insert,
+                    key=key[:prompt_aligned],
+                    value=values[:prompt_aligned],
+                    prev_prefix_len=prompt_aligned,
+                    priority=insert.priority + 1,
+                )
+            )
+        last = result.last_device_node
+        assert last is not None, f"insert of {aligned} tokens ended on no node"
+        path = self.urc.path_device_indices(last)
+        protected = kv.cache_protected_len
+        assert len(path) == aligned and protected <= aligned + ps - 1, (
+            f"request {req.rid}: path {len(path)}, inserted {aligned}, protected {protected}"
+        )
+        if aligned > protected:
+            self.req_to_token_pool.write(
+                (kv.req_pool_idx, slice(protected, aligned)), path[protected:]
+            )
+        # Lock the new node before the old is released: both paths share the prefix.
+        new_lock = self.lock(last)
+        self.unlock(req.lock)
+        req.lock = new_lock
+        kv.cache_protected_len = aligned
+        req.last_node = last
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        """Nothing per request lives outside the tree (FULL): the row and lock are gone."""
+
+    def claim_kv_row(self, req: Any) -> bool:
+        return False
+
+    # ================================================================== locks
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        """SGLang's receipt wrapping urc's (``node_id``, and urc's receipt as the only
+        component entry: ``to_dec_params`` hands it back to :meth:`dec_lock_ref`)."""
+        receipt = self.urc.inc_lock_ref(node)
+        result = IncLockRefResult(delta=receipt.delta, node_id=node.id)
+        result.component_lock_uuids[ComponentType.FULL] = receipt  # type: ignore[index]
+        return result
+
+    def dec_lock_ref(self, node: TreeNode, params: Any = None) -> DecLockRefResult:
+        receipt = None
+        if params is not None:
+            held = params.component_lock_uuids.get(ComponentType.FULL)
+            receipt = held.to_dec_params() if held is not None else None
+        return DecLockRefResult(delta=self.urc.dec_lock_ref(node, receipt).delta)
+
+    def lock(self, node: TreeNode, skip_lock_components: Any = ()) -> TreeLock:
+        """Lock ``node``'s path for one holder (``unlock`` releases it)."""
+        return TreeLock(node, self.urc.inc_lock_ref(node).to_dec_params())
+
+    def unlock(self, lock: TreeLock | None) -> None:
+        if lock is not None:
+            self.urc.dec_lock_ref(lock.node, lock.receipt)
+
+    # ================================================================== evict
+    def evict(self, params: Any) -> EvictResult:
+        """Free at least the requested amounts where possible (SGLang's ``EvictParams``:
+        ``num_tokens``, ``swa_num_tokens``, ``mamba_num``)."""
+        start = time.perf_counter()
+        result = self.urc.evict(
+            urc_params.EvictParams(
+                num_tokens=params.num_tokens,
+                swa_num_tokens=params.swa_num_tokens,
+                mamba_num=params.mamba_num,
+            )
+        )
+        self.update_eviction_metrics(result.num_tokens_evicted, start)
+        return EvictResult(
+            num_tokens_evicted=result.num_tokens_evicted,
+            swa_num_tokens_evicted=result.swa_num_tokens_evicted,
+            mamba_num_evicted=result.mamba_num_evicted,
+        )
+
+    # ================================================================== sizes
+    def evictable_size(self) -> int:
+        return self.urc.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.urc.protected_size()
+
+    def full_evictable_size(self) -> int:
+        return self.urc.full_evictable_size()
+
+    def full_protected_size(self) -> int:
+        return self.urc.full_protected_size()
+
+    def swa_evictable_size(self) -> int:
+        return self.urc.swa_evictable_size()
+
+    def swa_protected_size(self) -> int:
+        return self.urc.swa_protected_size()
+
+    def mamba_evictable_size(self) -> int:
+        return self.urc.mamba_evictable_size()
+
+    def mamba_protected_size(self) -> int:
+        return self.urc.mamba_protected_size()
+
+    def total_size(self) -> int:
+        return self.urc.total_size()
+
+    def all_values_flatten(self) -> torch.Tensor:
+        return self.urc.all_values_flatten()
+
+    def available_and_evictable_str(self) -> str:
+        return self.urc.available_and_evictable_str()
+
+    def sanity_check(self) -> None:
+        self.urc.sanity_check()
+
+    def pretty_print(self) -> None:
+        self.urc.pretty_print()
+
+    # ================================================================== sessions
+    # Session radix caching (``--enable-session-radix-cache``) is refused at start-up;
+    # a session's id is accepted and changes nothing.
+    def open_radix_session(self, session_id: str) -> int | None:
+        return None
+
+    def ensure_session_generation(self, session_id: str) -> int:
+        return 0
+
+    def release_radix_session(self, session_id: str) -> int:
+        return 0
+
+    def has_pending_cache_operations(self) -> bool:
+        return False

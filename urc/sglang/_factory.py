@@ -1,0 +1,103 @@
+"""Build urc from SGLang's ``TreeCacheBuildContext`` (the ``--radix-cache-backend urc``
+factory), refusing at start-up every option it does not serve."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from urc.cache import UnifiedRadixCache
+from urc.config import CacheConfig, CachePools, EvictionPolicy
+from urc.errors import ConfigError
+from urc.node import ComponentType
+
+__all__ = ["check_supported", "create_cache", "unsupported_options"]
+
+# SGLang's ``--radix-eviction-policy`` values urc implements, and urc's policy for each.
+_POLICIES = {
+    "lru": EvictionPolicy.LRU,
+    "lfu": EvictionPolicy.LFU,
+    "fifo": EvictionPolicy.FIFO,
+    "priority": EvictionPolicy.PRIORITY,
+}
+
+
+def _memory() -> Any:
+    from sglang.srt.runtime_context import get_memory
+
+    return get_memory()
+
+
+def unsupported_options(ctx: Any) -> list[str]:
+    """The launch options in ``ctx`` (and the published server args) that urc does not
+    serve, each as ``"--flag: why"``; empty when urc can run this configuration."""
+    params = ctx.params
+    memory = _memory()
+    out: list[str] = []
+    if ctx.disable_radix_cache or params.disable:
+        out.append("--disable-radix-cache: nothing to plug in (SGLang's own cache serves it)")
+    if ctx.enable_hierarchical_cache or memory.enable_hierarchical_cache:
+        out.append("--enable-hierarchical-cache: urc's HiCache is not wired to SGLang's yet")
+    if ctx.is_hybrid_swa:
+        out.append("a hybrid sliding-window model (FULL+SWA): not wired to SGLang's pools yet")
+    if ctx.is_hybrid_ssm:
+        out.append("a hybrid Mamba model (FULL+MAMBA): not wired to SGLang's pools yet")
+    if ctx.is_dsa or hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
+        out.append("a DeepSeek sparse-attention model: its sidecar pools are SGLang's own")
+    if params.eviction_policy not in _POLICIES:
+        out.append(
+            f"--radix-eviction-policy {params.eviction_policy}: urc serves "
+            f"{', '.join(_POLICIES)}"
+        )
+    if params.enable_kv_cache_events:
+        out.append("--kv-events-config: urc does not publish SGLang's KV events yet")
+    if params.enable_session_radix_cache or memory.enable_session_radix_cache:
+        out.append("--enable-session-radix-cache: SGLang's session refs are its own")
+    if params.is_eagle:
+        out.append("--speculative-algorithm EAGLE: bigram keys are not wired yet")
+    if params.mtp_draft_device_pools or params.sidecar_draft_device_pools:
+        out.append("speculative draft KV pools: only SGLang's own cache copies them")
+    if params.pp_size > 1 or params.attn_cp_size > 1:
+        out.append("--pp-size / --attn-cp-size > 1: the tree is not synchronised across ranks")
+    if memory.enable_lmcache or memory.enable_flexkv:
+        out.append("--enable-lmcache / --enable-flexkv: those are SGLang's own backends")
+    if memory.enable_unified_cache_external_linker:
+        out.append("--enable-unified-cache-external-linker: SGLang's own linker")
+    return out
+
+
+def check_supported(ctx: Any) -> None:
+    """Raise :class:`~urc.errors.ConfigError` naming every unsupported option of ``ctx``."""
+    problems = unsupported_options(ctx)
+    if problems:
+        raise ConfigError(
+            "--radix-cache-backend urc cannot serve this launch: " + "; ".join(problems)
+        )
+
+
+def create_cache(ctx: Any) -> Any:
+    """SGLang's ``RadixCacheFactory``: urc on SGLang's own pools for ``ctx``.
+
+    Raises :class:`~urc.errors.ConfigError` (before anything is built) for a launch option
+    urc does not serve (:func:`unsupported_options`)."""
+    check_supported(ctx)
+    from urc.sglang._cache import SGLangRadixCache
+    from urc.sglang._pools import SGLangSlots
+
+    params = ctx.params
+    allocator = params.token_to_kv_pool_allocator
+    config = CacheConfig(
+        components=(ComponentType.FULL,),
+        page_size=params.page_size,
+        # The pools are SGLang's: these sizes only describe them (nothing is allocated).
+        kv_size=allocator.size,
+        max_num_reqs=params.req_to_token_pool.size,
+        max_context_len=params.req_to_token_pool.max_context_len,
+        device=str(allocator.device),
+        eviction_policy=_POLICIES[params.eviction_policy],
+        is_eagle=params.is_eagle,
+    )
+    pools = CachePools(
+        token_allocator=SGLangSlots(allocator),  # type: ignore[arg-type]
+        req_to_token_pool=params.req_to_token_pool,
+    )
+    return SGLangRadixCache(UnifiedRadixCache(config, pools), params)
