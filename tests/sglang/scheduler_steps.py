@@ -87,9 +87,9 @@ class SchedulerLoop:
         return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=max_new))
 
     def prefill(self, req: Any) -> None:
-        """Admit ``req`` (``init_next_round_input``'s match and a lock when it holds no row) and run one prefill chunk
-        of at most ``chunk`` tokens; a chunk that does not finish the prompt is
-        checkpointed into the tree."""
+        """Admit ``req`` (``init_next_round_input``'s match and a lock when it holds no
+        row) and run one prefill chunk of at most ``chunk`` tokens; a chunk that does not
+        finish the prompt is checkpointed into the tree."""
         from sglang.srt.mem_cache import allocation
         from sglang.srt.mem_cache.common import checkpoint_kv_cache
 
@@ -194,8 +194,7 @@ class SchedulerLoop:
         """KV slots the running requests hold outside the tree (whole pages)."""
         ps = self.pools.page_size
         return sum(
-            -(-r.kv.kv_allocated_len // ps) * ps - r.kv.cache_protected_len
-            for r in self.running
+            -(-r.kv.kv_allocated_len // ps) * ps - r.kv.cache_protected_len for r in self.running
         )
 
     def check(self) -> None:

@@ -209,7 +209,7 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         component entry: ``to_dec_params`` hands it back to :meth:`dec_lock_ref`)."""
         receipt = self.urc.inc_lock_ref(node)
         result = IncLockRefResult(delta=receipt.delta, node_id=node.id)
-        result.component_lock_uuids[ComponentType.FULL] = receipt  # type: ignore[index]
+        result.component_lock_uuids[ComponentType.FULL] = receipt
         return result
 
     def dec_lock_ref(self, node: TreeNode, params: Any = None) -> DecLockRefResult:

@@ -45,8 +45,7 @@ def unsupported_options(ctx: Any) -> list[str]:
         out.append("a DeepSeek sparse-attention model: its sidecar pools are SGLang's own")
     if params.eviction_policy not in _POLICIES:
         out.append(
-            f"--radix-eviction-policy {params.eviction_policy}: urc serves "
-            f"{', '.join(_POLICIES)}"
+            f"--radix-eviction-policy {params.eviction_policy}: urc serves {', '.join(_POLICIES)}"
         )
     if params.enable_kv_cache_events:
         out.append("--kv-events-config: urc does not publish SGLang's KV events yet")

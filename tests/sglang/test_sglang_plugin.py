@@ -1,0 +1,225 @@
+"""urc as SGLang 0.5.23's ``--radix-cache-backend urc``, against the real wheel.
+
+SGLang's own plug-in loader finds urc, its own ``create_tree_cache`` builds it from a
+``TreeCacheBuildContext`` on its own pool classes, and its own scheduler-side functions
+(``scheduler_steps``) drive requests through it: chunked prefill, decode, finish, abort and
+retraction, with pool conservation and ``sanity_check()`` after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("sglang")
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP = "sglang.srt.plugins"
+
+
+def _publish(page_size: int, **fields: Any) -> None:
+    import sglang_wheel
+
+    sglang_wheel.publish_server_args(
+        radix_cache_backend="urc", page_size=page_size, attention_backend="torch_native",
+        **fields,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def plugin_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry point as pyproject.toml declares it, visible to importlib.metadata even
+    where the installed copy of this project predates it (an editable install elsewhere):
+    a dist-info written from pyproject.toml's own table."""
+    tomllib = pytest.importorskip("tomllib")
+
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    declared = table[GROUP]
+    if any(ep.name == "urc" for ep in entry_points(group=GROUP)):
+        return
+    info = tmp_path / "unified_radix_cache_plugin-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: urc-plugin-under-test\n")
+    lines = "".join(f"{k} = {v}\n" for k, v in declared.items())
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\n{lines}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_pyproject_declares_the_plugin_entry_point() -> None:
+    tomllib = pytest.importorskip("tomllib")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"][GROUP] == {"urc": "urc.sglang:register"}
+    assert any(r.startswith("sglang") for r in project["optional-dependencies"]["sglang"])
+
+
+@pytest.mark.usefixtures("plugin_on_path")
+def test_sglang_load_plugins_registers_the_urc_backend() -> None:
+    import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+
+    plugins._plugins_loaded = False  # load_plugins runs once per process
+    plugins.load_plugins()
+    assert "urc" in registered_radix_cache_backends()
+    plugins.load_plugins()  # idempotent, as SGLang calls it in every process
+    assert registered_radix_cache_backends().count("urc") == 1
+
+
+def _register() -> None:
+    import urc.sglang
+
+    urc.sglang.register()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_create_tree_cache_returns_urc_for_a_full_attention_model(page_size: int) -> None:
+    from scheduler_steps import Pools, make_full_context
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from urc.sglang._cache import SGLangRadixCache
+
+    _register()
+    _publish(page_size)
+    pools = Pools(page_size, 256, 4, 128)
+    cache = create_tree_cache(make_full_context(pools))
+    assert isinstance(cache, SGLangRadixCache) and isinstance(cache, BasePrefixCache)
+    assert cache.token_to_kv_pool_allocator is pools.allocator
+    assert cache.req_to_token_pool is pools.req_to_token_pool
+    assert (cache.supports_swa(), cache.supports_mamba(), cache.supports_prefix_sharing()) == (
+        False,
+        False,
+        True,
+    )
+    assert cache.full_evictable_size() == cache.full_protected_size() == 0
+    assert cache.swa_protected_size() == cache.mamba_evictable_size() == 0
+    assert cache.cache_controller is None
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [
+        ({"is_hybrid_swa": True}, "sliding-window"),
+        ({"is_hybrid_ssm": True}, "Mamba"),
+        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+        ({"disable_radix_cache": True}, "--disable-radix-cache"),
+        ({"eviction_policy": "tlru"}, "--radix-eviction-policy tlru"),
+        ({"enable_kv_cache_events": True}, "--kv-events-config"),
+    ],
+)
+def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
+    change: dict[str, Any], flag: str
+) -> None:
+    from scheduler_steps import Pools, make_full_context
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from urc.errors import ConfigError
+
+    _register()
+    _publish(4)
+    pools = Pools(4, 64, 2, 64)
+    params = {k: v for k, v in change.items() if k in ("eviction_policy", "enable_kv_cache_events")}
+    ctx = make_full_context(pools, **params)
+    for k, v in change.items():
+        if k not in params:
+            setattr(ctx, k, v)
+    with pytest.raises(ConfigError, match=flag.replace("-", r"\-")):
+        create_tree_cache(ctx)
+
+
+def _drive(page_size: int, seed: int, steps: int) -> dict[str, int]:
+    """A random workload of shared-prefix requests through SGLang's scheduler functions;
+    returns how often each kind of step ran."""
+    from scheduler_steps import Pools, SchedulerLoop, make_full_context
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    _register()
+    _publish(page_size)
+    pools = Pools(page_size, 512, 8, 256)
+    loop = SchedulerLoop(create_tree_cache(make_full_context(pools)), pools, chunk=16)
+    rng = random.Random(seed)
+    bases = [[rng.randrange(1, 50) for _ in range(48)] for _ in range(3)]
+    waiting: list[Any] = []
+    done = dict.fromkeys(("prefill", "chunk", "decode", "finish", "abort", "retract"), 0)
+    for n in range(steps):
+        if len(waiting) < 3:
+            prompt = rng.choice(bases)[: rng.randrange(4, 48)]
+            prompt += [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
+            waiting.append(loop.new_req(f"r{n}", prompt, rng.randrange(1, 20)))
+        prefilling = [r for r in loop.running if r.prefix_len < len(r.origin_input_ids)]
+        decoding = [r for r in loop.running if r.prefix_len >= len(r.origin_input_ids)]
+        op = rng.random()
+        if prefilling and op < 0.3:
+            loop.prefill(prefilling[0])
+            done["chunk"] += 1
+        elif waiting and len(loop.running) < 6 and op < 0.5:
+            loop.prefill(waiting.pop(0))
+            done["prefill"] += 1
+        elif decoding and op < 0.8:
+            loop.decode(decoding)
+            done["decode"] += 1
+            for r in decoding:
+                if len(r.output_ids) >= r.sampling_params.max_new_tokens:
+                    loop.finish(r)
+                    done["finish"] += 1
+        elif loop.running and op < 0.9:
+            r = rng.choice(loop.running)
+            if r in prefilling:
+                loop.abort(r)
+                done["abort"] += 1
+            else:
+                loop.retract(r)
+                waiting.append(r)
+                done["retract"] += 1
+        loop.check()
+    while loop.running:  # drain: everything finishes, the tree keeps only evictable KV
+        decoding = [r for r in loop.running if r.prefix_len >= len(r.origin_input_ids)]
+        for r in loop.running:
+            if r not in decoding:
+                loop.prefill(r)
+        for r in decoding:
+            loop.finish(r)
+        loop.check()
+    cache = loop.cache
+    assert cache.full_protected_size() == 0
+    assert pools.allocator.available_size() + cache.full_evictable_size() == pools.kv_size
+    return done
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sglang_scheduler_functions_drive_many_requests_through_urc(
+    page_size: int, seed: int
+) -> None:
+    done = _drive(page_size, seed, steps=400)
+    # every kind of step ran, and the pool was small enough to make the tree evict
+    assert all(done.values()), done
+
+
+def test_a_retracted_request_is_readmitted_and_hits_its_own_cached_prefix() -> None:
+    from scheduler_steps import Pools, SchedulerLoop, make_full_context
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    _register()
+    _publish(4)
+    pools = Pools(4, 256, 4, 128)
+    loop = SchedulerLoop(create_tree_cache(make_full_context(pools)), pools, chunk=8)
+    req = loop.new_req("a", list(range(1, 30)), 8)
+    loop.prefill(req)  # first chunk: 8 tokens checkpointed into the tree
+    loop.check()
+    assert req.kv.cache_protected_len == 8 and loop.cache.full_protected_size() == 8
+    while req.prefix_len < len(req.origin_input_ids):
+        loop.prefill(req)
+        loop.check()
+    loop.decode([req])
+    loop.check()
+    loop.retract(req)
+    loop.check()
+    assert loop.cache.full_protected_size() == 0 and loop.cache.full_evictable_size() == 24
+    loop.prefill(req)  # the match hits the checkpointed chunks; one chunk does the rest
+    assert req.kv.cache_protected_len == 24 and req.prefix_len == 29 + 2
+    loop.check()
