@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from metrics.config import NAMESPACE, OTHER_ERROR
+from urc.node import ComponentType
 from urc.stats import CacheStats, ComponentStats
-from urc.tree import ComponentType
 
 __all__: list[str] = []
 

@@ -49,16 +49,16 @@ _EXPORTS: dict[str, str] = {
     "SlidingWindowSpec": "urc.specs",
     "WalkImpl": "urc.fastpath",
     "Req": "urc.req",
-    "ComponentType": "urc.tree",
-    "Tier": "urc.tree",
-    "TreeNode": "urc.tree",
-    "CommandKind": "urc.commands",
-    "InsertOutcome": "urc.commands",
-    "MatchOutcome": "urc.commands",
-    "Lease": "urc.lease",
-    "NodeHandle": "urc.lease",
-    "ServiceObserver": "urc.observer",
-    "TransferKind": "urc.observer",
+    "ComponentType": "urc.node",
+    "Tier": "urc.node",
+    "TreeNode": "urc.node",
+    "CommandKind": "urc.service",
+    "InsertOutcome": "urc.service",
+    "MatchOutcome": "urc.service",
+    "Lease": "urc.service",
+    "NodeHandle": "urc.service",
+    "ServiceObserver": "urc.service",
+    "TransferKind": "urc.service",
     "AsyncUnifiedRadixCache": "urc.service",
     "BackgroundWorker": "urc.service",
     "ServiceState": "urc.service",
@@ -133,11 +133,6 @@ if TYPE_CHECKING:
         UnifiedRadixCache,
         build_cache,
     )
-    from urc.commands import (
-        CommandKind,
-        InsertOutcome,
-        MatchOutcome,
-    )
     from urc.config import (
         CacheConfig,
         CachePools,
@@ -163,14 +158,7 @@ if TYPE_CHECKING:
     from urc.key import (
         RadixKey,
     )
-    from urc.lease import (
-        Lease,
-        NodeHandle,
-    )
-    from urc.observer import (
-        ServiceObserver,
-        TransferKind,
-    )
+    from urc.node import ComponentType, Tier, TreeNode
     from urc.params import (
         DecLockRefParams,
         DecLockRefResult,
@@ -191,11 +179,13 @@ if TYPE_CHECKING:
     from urc.service import (
         AsyncUnifiedRadixCache,
         BackgroundWorker,
+        CommandKind,
+        InsertOutcome,
+        Lease,
+        MatchOutcome,
+        NodeHandle,
+        ServiceObserver,
         ServiceState,
+        TransferKind,
     )
     from urc.specs import MambaSpec, SlidingWindowSpec
-    from urc.tree import (
-        ComponentType,
-        Tier,
-        TreeNode,
-    )

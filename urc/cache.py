@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from urc import checks, eviction, host_transfers, insertion, matching, request_caching
+from urc import checks, eviction, insertion, matching, request_caching
 from urc.components import component_class
 from urc.components.base import TreeComponent
 from urc.components.full import FullComponent
@@ -30,7 +30,8 @@ from urc.errors import (
 from urc.eviction import Evictor
 from urc.fastpath import select_match_tail, select_walk
 from urc.hooks import ComponentHooks
-from urc.host_protocol import HostTier, TierEvents, WritePolicy
+from urc.host import transfers as host_transfers
+from urc.host.protocol import HostTier, TierEvents, WritePolicy
 from urc.key import RadixKey
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, Tier, TreeNode
 from urc.params import (
@@ -88,7 +89,7 @@ class UnifiedRadixCache:
         # without re-validating.  Allocators of callers' own pools may lack the fast path.
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
         use_page_ops = getattr(alloc, "use_page_ops", None)
-        if use_page_ops is not None:  # the page bookkeeping follows the walk (urc.pageops)
+        if use_page_ops is not None:  # the page bookkeeping follows the walk (urc.pools.pageops)
             use_page_ops(config.walk_impl)
         self.counters = CacheCounters()
         self._snapshots = StatsSnapshotter(self)
@@ -99,7 +100,7 @@ class UnifiedRadixCache:
         # Nodes whose hit count reached the write-through threshold, waiting for a backup.
         self.pending_backups: dict[int, TreeNode] = {}
         self.backups_in_flight: set[int] = set()
-        # The tiers below device that listen (``subscribe``): see ``urc.host_protocol.TierEvents``.
+        # The tiers below device that listen (``subscribe``): see ``urc.host.protocol.TierEvents``.
         self.tier_events: tuple[TierEvents, ...] = ()
         # The tree's structure and the eviction steps first: components are built with them.
         self.tree = tree = Tree(
@@ -257,7 +258,7 @@ class UnifiedRadixCache:
         self.backup_threshold = policy.hit_threshold
 
     def subscribe(self, events: TierEvents) -> None:
-        """Deliver the tier events (:class:`~urc.host_protocol.TierEvents`) to ``events``
+        """Deliver the tier events (:class:`~urc.host.protocol.TierEvents`) to ``events``
         from now on (after the subscribers already there; subscribing twice delivers
         once)."""
         if events not in self.tier_events:
@@ -290,7 +291,7 @@ class UnifiedRadixCache:
     def insert_host(self, key: RadixKey, host_value: torch.Tensor, start: int) -> int:
         """Attach host data read from a lower tier (L3 storage) for ``key[start:start + n]``
         (``host_value``: ``n`` Full host slots, owned by the tree from now on); returns the
-        tokens placed on new host-only nodes.  See :func:`urc.host_transfers.insert_host`."""
+        tokens placed on new host-only nodes.  See :func:`urc.host.transfers.insert_host`."""
         return host_transfers.insert_host(self, key, host_value, start)
 
     def inc_host_lock_ref(self, node: TreeNode) -> None:

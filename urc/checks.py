@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from urc.host_protocol import WritePolicy
-from urc.tree import NUM_COMPONENT_TYPES, ComponentType, TreeNode
+from urc.host.protocol import WritePolicy
+from urc.node import NUM_COMPONENT_TYPES, ComponentType, TreeNode
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache

@@ -10,11 +10,11 @@ import torch
 
 from urc.errors import ConfigError
 from urc.fastpath import WalkImpl
+from urc.node import ComponentType
 from urc.pools.allocator import TokenSlotAllocator, check_page_size
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
 from urc.specs import SPEC_TYPES, ComponentSpec
-from urc.tree import ComponentType
 
 if TYPE_CHECKING:
     from urc.eviction_policy import NextUseOracle

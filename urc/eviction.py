@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from urc.errors import InvalidInputError
-from urc.host_protocol import WritePolicy
+from urc.host.protocol import WritePolicy
+from urc.node import NUM_COMPONENT_TYPES, Tier, TreeNode
 from urc.params import EvictParams, EvictResult
-from urc.tree import NUM_COMPONENT_TYPES, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from urc.tree import TreeNode
+    from urc.node import TreeNode
 
 __all__ = [
     "MatchRules",

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from urc import host_transfers
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
-from urc.host_protocol import WritePolicy
+from urc.host import transfers as host_transfers
+from urc.host.protocol import WritePolicy
 from urc.node import ComponentType, TreeNode
 from urc.params import InsertParams, InsertResult
 

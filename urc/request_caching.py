@@ -15,9 +15,9 @@ import torch
 
 from urc.errors import InvalidInputError
 from urc.key import RadixKey
+from urc.node import TreeNode
 from urc.params import InsertParams, InsertResult, MatchPrefixParams
 from urc.req import Req
-from urc.tree import TreeNode
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from urc.tree import ComponentType, SizeUnit, Tier
+from urc.node import ComponentType, SizeUnit, Tier
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache

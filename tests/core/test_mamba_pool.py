@@ -7,8 +7,8 @@ import torch
 
 from urc.config import CacheConfig
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
+from urc.node import ComponentType
 from urc.pools.mamba import MambaPool, build_mamba_pool
-from urc.tree import ComponentType
 
 
 def _pool(size: int = 6) -> MambaPool:

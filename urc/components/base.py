@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
+from urc.node import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig, CachePools
     from urc.eviction import Evictor
-    from urc.host_protocol import HostTier, TransferItem
-    from urc.host_transfers import HostPart
+    from urc.host.protocol import HostTier, TransferItem
+    from urc.host.transfers import HostPart
     from urc.params import (
         DecLockRefParams,
         EvictParams,
@@ -360,7 +360,7 @@ class TreeComponent(ABC):
 
     def commit_host_insert(self, node: TreeNode, start: int, parts: Sequence[HostPart]) -> None:
         """``node`` (key positions ``[start, start + node.key_len)``) just got Full host data
-        read from a lower tier (``urc.host_transfers.insert_host``); attach this component's host
+        read from a lower tier (``urc.host.transfers.insert_host``); attach this component's host
         copy from ``parts`` if one fits, recording the rows taken in ``part.taken`` (the
         rest is freed by the caller).  Default for per-token data: the part that covers the
         whole node, sliced to it.  A node that already has a host copy keeps it."""
@@ -390,7 +390,7 @@ class TreeComponent(ABC):
         slots to fill (allocate them here if this component has a pool of its own), or
         ``None`` when there is nothing to load.  ``full_device`` are the Full slots reserved
         for the node.  Default: per-token data addressed by Full slots."""
-        from urc.host_protocol import TransferItem
+        from urc.host.protocol import TransferItem
 
         cd = node.data[self.component_type]
         assert cd is not None

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from urc.components.base import EvictTracker, TreeComponent
 from urc.errors import InvalidLockError
 from urc.eviction_policy import make_strategy
-from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+from urc.node import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
     import torch

@@ -37,15 +37,15 @@ from urc.errors import (
     InvalidInputError,
     InvalidLockError,
 )
-from urc.host_protocol import TransferItem
+from urc.host.protocol import TransferItem
 from urc.lru import LRUList
+from urc.node import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 from urc.params import EvictParams, MatchResult
-from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig, CachePools
     from urc.eviction import Evictor
-    from urc.host_transfers import HostPart
+    from urc.host.transfers import HostPart
     from urc.params import (
         DecLockRefParams,
         IncLockRefResult,

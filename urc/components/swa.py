@@ -61,10 +61,10 @@ from urc.components.swa_window import (
     window_path_validator,
 )
 from urc.errors import ConfigError, InvalidInputError
-from urc.host_protocol import TransferItem
+from urc.host.protocol import TransferItem
 from urc.lru import LRUList
+from urc.node import ComponentData, ComponentType, Tier, TreeNode
 from urc.pools.swa import SWATokenSlotAllocator
-from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig, CachePools

@@ -49,9 +49,9 @@ import numpy as np
 import torch
 
 from urc.errors import ConfigError, InvalidIndicesError
-from urc.pageops import Unmap
 from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
 from urc.pools.kv_pool import KVPool, KVShape
+from urc.pools.pageops import Unmap
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig
@@ -104,7 +104,7 @@ class SWAPagePool:
         shift: int,
     ) -> int:
         """Release the pages ``page_map`` names for the Full pages ``idx[start:end][::step] >>
-        shift`` and clear those entries (:func:`urc.pageops.py_unmap`); returns how many
+        shift`` and clear those entries (:func:`urc.pools.pageops.py_unmap`); returns how many
         pages were released (cleared entries release nothing)."""
         top = self._top
         self._top = unmap(page_map, self.state, self._stack, top, idx, start, end, step, shift)
