@@ -17,24 +17,50 @@ from typing import Any
 
 import torch
 
-__all__ = ["Pools", "SchedulerLoop", "make_full_context"]
+__all__ = ["Pools", "SchedulerLoop", "make_context"]
 
 
 class Pools:
-    """SGLang's own pools for a FULL-attention model on CPU."""
+    """SGLang's own pools on CPU: a FULL-attention model's (``kind="full"``) or a hybrid
+    sliding-window model's (``"swa"``: ``SWAKVPool`` and the paired
+    ``SWATokenToKVPoolAllocator``, ``window`` tokens)."""
 
-    def __init__(self, page_size: int, kv_size: int, rows: int, context_len: int) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        kv_size: int,
+        rows: int,
+        context_len: int,
+        kind: str = "full",
+        window: int = 16,
+    ) -> None:
         from sglang.srt.mem_cache.allocator import (
             PagedTokenToKVPoolAllocator,
             TokenToKVPoolAllocator,
         )
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
+        self.kind = kind
+        self.window = window
         self.page_size = page_size
         self.kv_size = kv_size
         self.req_to_token_pool = ReqToTokenPool(
             size=rows, max_context_len=context_len, device="cpu", enable_memory_saver=False
         )
+        if kind == "swa":
+            from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+            from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+            swa_pool = SWAKVPool(
+                size=kv_size, size_swa=kv_size, page_size=page_size, dtype=torch.bfloat16,
+                head_num=1, head_dim=4, swa_attention_layer_ids=[0],
+                full_attention_layer_ids=[1], device="cpu",
+            )  # fmt: skip
+            self.allocator = SWATokenToKVPoolAllocator(
+                size=kv_size, size_swa=kv_size, page_size=page_size, dtype=torch.bfloat16,
+                device="cpu", kvcache=swa_pool, need_sort=False,
+            )  # fmt: skip
+            return
         kv_pool = MHATokenToKVPool(
             size=kv_size, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=4,
             layer_num=1, device="cpu", enable_memory_saver=False,
@@ -47,11 +73,14 @@ class Pools:
         )  # fmt: skip
 
 
-def make_full_context(pools: Pools, **params: Any) -> Any:
-    """SGLang's ``TreeCacheBuildContext`` of a FULL-attention model on ``pools``."""
+def make_context(pools: Pools, **params: Any) -> Any:
+    """SGLang's ``TreeCacheBuildContext`` of the model ``pools`` are for."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
+    swa = pools.kind == "swa"
+    if swa:
+        params.setdefault("sliding_window_size", pools.window)
     init = CacheInitParams(
         disable=False,
         req_to_token_pool=pools.req_to_token_pool,
@@ -60,9 +89,10 @@ def make_full_context(pools: Pools, **params: Any) -> Any:
         **params,
     )
     return TreeCacheBuildContext(
-        server_args=None, params=init, is_hybrid_swa=False, is_hybrid_ssm=False,
+        server_args=None, params=init, is_hybrid_swa=swa, is_hybrid_ssm=False,
         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
         model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+        full_tokens_per_layer=pools.kv_size,
     )  # fmt: skip
 
 
@@ -77,7 +107,17 @@ class SchedulerLoop:
         self.pools = pools
         self.chunk = chunk
         self.running: list[Any] = []
+        # Running requests whose prompt (with the outputs of an earlier, retracted run)
+        # is not fully prefilled yet.
+        self.prefilling: list[Any] = []
         self.next_token = 10_000
+        # Whether a check saw the tree keep fewer SWA than Full tokens (SWA tombstones).
+        self.saw_swa_tombstones = False
+        # The fewest free Full slots a check saw (near 0: allocations had to evict).
+        self.min_free = pools.kv_size
+
+    def decoding(self) -> list[Any]:
+        return [r for r in self.running if r not in self.prefilling]
 
     # ------------------------------------------------------------------ requests
     def new_req(self, rid: str, tokens: list[int], max_new: int) -> Any:
@@ -131,10 +171,12 @@ class SchedulerLoop:
         req.kv.kv_allocated_len = req.kv.kv_committed_len = end
         if fresh:
             self.running.append(req)
+            self.prefilling.append(req)
         if end < fill:
             checkpoint_kv_cache(req, cache)
         else:
             req.prefix_len = end
+            self.prefilling.remove(req)
             self._sample(req)
 
     def decode(self, reqs: list[Any]) -> None:
@@ -143,6 +185,13 @@ class SchedulerLoop:
         from sglang.srt.mem_cache import allocation
 
         pool = self.pools.req_to_token_pool
+        if self.cache.supports_swa():  # ScheduleBatch.maybe_evict_swa, every step
+            for r in reqs:
+                self.cache.evict_sliding_windows(r, r.seqlen - 1)
+                # (with SGLANG_OPT_RELEASE_PREFILL_SWA) past the window the prefix's SWA
+                # is released from the request's lock
+                if r.decode_batch_idx >= self.cache.swa_retain_window:
+                    self.cache.release_swa_prefix_lock(r)
         rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
         seq = torch.tensor([r.kv.kv_committed_len for r in reqs], dtype=torch.int64)
         if self.pools.page_size == 1:
@@ -154,6 +203,7 @@ class SchedulerLoop:
         for r in reqs:
             r.kv.kv_allocated_len += 1
             r.kv.kv_committed_len += 1
+            r.decode_batch_idx += 1
             self._sample(r)
 
     def _sample(self, req: Any) -> None:
@@ -176,6 +226,8 @@ class SchedulerLoop:
         req.finished_reason = FINISH_ABORT()
         release_kv_cache(req, self.cache, checkpoint=False)
         self.running.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
 
     def retract(self, req: Any) -> None:
         """Preempt ``req`` (SGLang's ``release_req``): its row is freed, it starts over."""
@@ -188,25 +240,47 @@ class SchedulerLoop:
             hisparse_coordinator=None, offload_kv=False,
         )  # fmt: skip
         self.running.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
 
     # ------------------------------------------------------------------ invariants
-    def held_by_requests(self) -> int:
-        """KV slots the running requests hold outside the tree (whole pages)."""
+    def held_by_requests(self) -> tuple[int, int]:
+        """Full and SWA slots the running requests hold outside the tree (whole pages; a
+        page holds SWA while its first slot maps an SWA slot)."""
         ps = self.pools.page_size
-        return sum(
-            -(-r.kv.kv_allocated_len // ps) * ps - r.kv.cache_protected_len for r in self.running
-        )
+        full = swa = 0
+        mapping = getattr(self.pools.allocator, "full_to_swa_index_mapping", None)
+        for r in self.running:
+            kv = r.kv
+            end = -(-kv.kv_allocated_len // ps) * ps
+            full += end - kv.cache_protected_len
+            if mapping is not None and end > kv.cache_protected_len:
+                row = self.pools.req_to_token_pool.req_to_token[kv.req_pool_idx]
+                firsts = row[kv.cache_protected_len : end : ps].to(torch.int64)
+                swa += int((mapping[firsts] > 0).sum()) * ps
+        return full, swa
 
     def check(self) -> None:
-        """Every KV slot is free, in the tree, or held by a running request -- once."""
+        """Every KV slot (Full, and SWA for a hybrid model) is free, in the tree, or held
+        by a running request -- once; and the cache's own ``sanity_check()`` passes."""
         cache = self.cache
         cache.sanity_check()
-        free = self.pools.allocator.available_size()
-        tree = cache.full_evictable_size() + cache.full_protected_size()
-        held = self.held_by_requests()
-        assert free + tree + held == self.pools.kv_size, (
-            f"free {free} + tree {tree} + held {held} != {self.pools.kv_size}"
+        alloc = self.pools.allocator
+        held_full, held_swa = self.held_by_requests()
+        swa = cache.supports_swa()
+        free = alloc.full_available_size() if swa else alloc.available_size()
+        full_tree = cache.full_evictable_size() + cache.full_protected_size()
+        self.min_free = min(self.min_free, free)
+        assert free + full_tree + held_full == self.pools.kv_size, (
+            f"free {free} + tree {full_tree} + held {held_full} != {self.pools.kv_size}"
         )
+        if swa:
+            free = alloc.swa_available_size()
+            tree = cache.swa_evictable_size() + cache.swa_protected_size()
+            assert free + tree + held_swa == self.pools.kv_size, (
+                f"SWA: free {free} + tree {tree} + held {held_swa} != {self.pools.kv_size}"
+            )
+            self.saw_swa_tombstones |= tree < full_tree
         rows_used = len(self.running)
         assert self.pools.req_to_token_pool.available_size() + rows_used == (
             self.pools.req_to_token_pool.size

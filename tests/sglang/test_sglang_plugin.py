@@ -75,9 +75,10 @@ def _register() -> None:
     urc.sglang.register()
 
 
+@pytest.mark.parametrize("kind", ["full", "swa"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_create_tree_cache_returns_urc_for_a_full_attention_model(page_size: int) -> None:
-    from scheduler_steps import Pools, make_full_context
+def test_create_tree_cache_returns_urc_on_sglang_pools(kind: str, page_size: int) -> None:
+    from scheduler_steps import Pools, make_context
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.registry import create_tree_cache
 
@@ -85,16 +86,18 @@ def test_create_tree_cache_returns_urc_for_a_full_attention_model(page_size: int
 
     _register()
     _publish(page_size)
-    pools = Pools(page_size, 256, 4, 128)
-    cache = create_tree_cache(make_full_context(pools))
+    pools = Pools(page_size, 256, 4, 128, kind=kind)
+    cache = create_tree_cache(make_context(pools))
     assert isinstance(cache, SGLangRadixCache) and isinstance(cache, BasePrefixCache)
     assert cache.token_to_kv_pool_allocator is pools.allocator
     assert cache.req_to_token_pool is pools.req_to_token_pool
+    swa = kind == "swa"
     assert (cache.supports_swa(), cache.supports_mamba(), cache.supports_prefix_sharing()) == (
-        False,
+        swa,
         False,
         True,
     )
+    assert cache.sliding_window_size == (pools.window if swa else None)
     assert cache.full_evictable_size() == cache.full_protected_size() == 0
     assert cache.swa_protected_size() == cache.mamba_evictable_size() == 0
     assert cache.cache_controller is None
@@ -103,7 +106,6 @@ def test_create_tree_cache_returns_urc_for_a_full_attention_model(page_size: int
 @pytest.mark.parametrize(
     ("change", "flag"),
     [
-        ({"is_hybrid_swa": True}, "sliding-window"),
         ({"is_hybrid_ssm": True}, "Mamba"),
         ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
@@ -114,7 +116,7 @@ def test_create_tree_cache_returns_urc_for_a_full_attention_model(page_size: int
 def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
     change: dict[str, Any], flag: str
 ) -> None:
-    from scheduler_steps import Pools, make_full_context
+    from scheduler_steps import Pools, make_context
     from sglang.srt.mem_cache.registry import create_tree_cache
 
     from urc.errors import ConfigError
@@ -123,7 +125,7 @@ def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
     _publish(4)
     pools = Pools(4, 64, 2, 64)
     params = {k: v for k, v in change.items() if k in ("eviction_policy", "enable_kv_cache_events")}
-    ctx = make_full_context(pools, **params)
+    ctx = make_context(pools, **params)
     for k, v in change.items():
         if k not in params:
             setattr(ctx, k, v)
@@ -131,16 +133,16 @@ def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
         create_tree_cache(ctx)
 
 
-def _drive(page_size: int, seed: int, steps: int) -> dict[str, int]:
+def _drive(kind: str, page_size: int, seed: int, steps: int) -> tuple[dict[str, int], Any]:
     """A random workload of shared-prefix requests through SGLang's scheduler functions;
     returns how often each kind of step ran."""
-    from scheduler_steps import Pools, SchedulerLoop, make_full_context
+    from scheduler_steps import Pools, SchedulerLoop, make_context
     from sglang.srt.mem_cache.registry import create_tree_cache
 
     _register()
     _publish(page_size)
-    pools = Pools(page_size, 512, 8, 256)
-    loop = SchedulerLoop(create_tree_cache(make_full_context(pools)), pools, chunk=16)
+    pools = Pools(page_size, 512, 8, 256, kind=kind)
+    loop = SchedulerLoop(create_tree_cache(make_context(pools)), pools, chunk=16)
     rng = random.Random(seed)
     bases = [[rng.randrange(1, 50) for _ in range(48)] for _ in range(3)]
     waiting: list[Any] = []
@@ -149,9 +151,9 @@ def _drive(page_size: int, seed: int, steps: int) -> dict[str, int]:
         if len(waiting) < 3:
             prompt = rng.choice(bases)[: rng.randrange(4, 48)]
             prompt += [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
-            waiting.append(loop.new_req(f"r{n}", prompt, rng.randrange(1, 20)))
-        prefilling = [r for r in loop.running if r.prefix_len < len(r.origin_input_ids)]
-        decoding = [r for r in loop.running if r.prefix_len >= len(r.origin_input_ids)]
+            waiting.append(loop.new_req(f"r{n}", prompt, rng.randrange(1, 40)))
+        prefilling = list(loop.prefilling)
+        decoding = loop.decoding()
         op = rng.random()
         if prefilling and op < 0.3:
             loop.prefill(prefilling[0])
@@ -177,7 +179,7 @@ def _drive(page_size: int, seed: int, steps: int) -> dict[str, int]:
                 done["retract"] += 1
         loop.check()
     while loop.running:  # drain: everything finishes, the tree keeps only evictable KV
-        decoding = [r for r in loop.running if r.prefix_len >= len(r.origin_input_ids)]
+        decoding = loop.decoding()
         for r in loop.running:
             if r not in decoding:
                 loop.prefill(r)
@@ -186,28 +188,31 @@ def _drive(page_size: int, seed: int, steps: int) -> dict[str, int]:
         loop.check()
     cache = loop.cache
     assert cache.full_protected_size() == 0
-    assert pools.allocator.available_size() + cache.full_evictable_size() == pools.kv_size
-    return done
+    return done, loop
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    ("kind", "page_size", "seed"),
+    [("full", 1, 0), ("full", 4, 1), ("full", 16, 2), ("swa", 1, 3), ("swa", 4, 4), ("swa", 16, 5)],
+)
 def test_sglang_scheduler_functions_drive_many_requests_through_urc(
-    page_size: int, seed: int
+    kind: str, page_size: int, seed: int
 ) -> None:
-    done = _drive(page_size, seed, steps=400)
-    # every kind of step ran, and the pool was small enough to make the tree evict
-    assert all(done.values()), done
+    done, loop = _drive(kind, page_size, seed, steps=300)
+    assert all(done.values()), done  # every kind of step ran
+    assert loop.min_free < 4 * page_size  # the pool ran full: allocations evicted from urc
+    if kind == "swa":
+        assert loop.saw_swa_tombstones
 
 
 def test_a_retracted_request_is_readmitted_and_hits_its_own_cached_prefix() -> None:
-    from scheduler_steps import Pools, SchedulerLoop, make_full_context
+    from scheduler_steps import Pools, SchedulerLoop, make_context
     from sglang.srt.mem_cache.registry import create_tree_cache
 
     _register()
     _publish(4)
     pools = Pools(4, 256, 4, 128)
-    loop = SchedulerLoop(create_tree_cache(make_full_context(pools)), pools, chunk=8)
+    loop = SchedulerLoop(create_tree_cache(make_context(pools)), pools, chunk=8)
     req = loop.new_req("a", list(range(1, 30)), 8)
     loop.prefill(req)  # first chunk: 8 tokens checkpointed into the tree
     loop.check()

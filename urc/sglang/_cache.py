@@ -32,6 +32,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
     TreeLock,
 )
+from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType as SGLangComponent
 
 from urc import params as urc_params
 from urc.cache import UnifiedRadixCache
@@ -155,14 +157,17 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         if aligned <= 0:
             return
         key = key[:aligned] if aligned < len(key) else key
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        values = row[:aligned].to(dtype=torch.int64, copy=True)
         insert = urc_params.InsertParams(
             key=key,
-            value=values,
+            value=None,
             prev_prefix_len=kv.cache_protected_len,
             priority=req.priority or 0,
         )
+        if self.urc.supports_swa():
+            self._prepare_swa(req, len(token_ids), insert)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        values = row[:aligned].to(dtype=torch.int64, copy=True)
+        insert.value = values
         result = self.urc.insert(insert)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         # Split at the prompt's end so eviction can drop the output without the prompt
@@ -196,6 +201,33 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         req.lock = new_lock
         kv.cache_protected_len = aligned
         req.last_node = last
+
+    def _prepare_swa(self, req: Any, n_tokens: int, insert: urc_params.InsertParams) -> None:
+        """SGLang's SWA steps before a checkpoint's insert: a running request first frees
+        its own SWA slots that slid out of the window (as ``evict_sliding_windows``), then
+        the insert learns where the request's SWA stops (below: a tombstone)."""
+        kv = req.kv
+        if not req.finished():
+            free_swa_out_of_window_slots(
+                req,
+                n_tokens - 1,
+                sliding_window_size=self.swa_retain_window,
+                page_size=self.page_size,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+                retain_floor=self.swa_retain_floor(req),
+            )
+        insert.set_evicted_seqlen(ComponentType.SWA, kv.get_evicted_seqlen(SGLangComponent.SWA))
+
+    def release_swa_prefix_lock(self, req: Any) -> None:
+        """The request's window moved past its prefix: release the SWA part of its lock
+        (the Full part stays until ``unlock``), once."""
+        lock = req.lock
+        if lock is None or lock.swa_released or not self.urc.supports_swa():
+            return
+        if lock.node.parent is not None:
+            self.urc.dec_swa_lock_only(lock.node, lock.receipt)
+        lock.swa_released = True
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """Nothing per request lives outside the tree (FULL): the row and lock are gone."""

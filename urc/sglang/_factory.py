@@ -37,8 +37,12 @@ def unsupported_options(ctx: Any) -> list[str]:
         out.append("--disable-radix-cache: nothing to plug in (SGLang's own cache serves it)")
     if ctx.enable_hierarchical_cache or memory.enable_hierarchical_cache:
         out.append("--enable-hierarchical-cache: urc's HiCache is not wired to SGLang's yet")
-    if ctx.is_hybrid_swa:
-        out.append("a hybrid sliding-window model (FULL+SWA): not wired to SGLang's pools yet")
+    if ctx.is_hybrid_swa and ctx.full_tokens_per_layer == 0:
+        out.append("a pure sliding-window model: SGLang serves it with its PureSWARadixCache")
+    if ctx.is_hybrid_swa and getattr(params.token_to_kv_pool_allocator, "swa_req_ring", False):
+        out.append("a per-request SWA ring (unified_kv): the tree holds no SWA slots there")
+    if ctx.is_hybrid_swa and not params.swa_gates_prefix_match:
+        out.append("an SWA pool only a draft reads: its matches are not gated by the window")
     if ctx.is_hybrid_ssm:
         out.append("a hybrid Mamba model (FULL+MAMBA): not wired to SGLang's pools yet")
     if ctx.is_dsa or hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
@@ -80,15 +84,31 @@ def create_cache(ctx: Any) -> Any:
     urc does not serve (:func:`unsupported_options`)."""
     check_supported(ctx)
     from urc.sglang._cache import SGLangRadixCache
-    from urc.sglang._pools import SGLangSlots
+    from urc.sglang._pools import SGLangSlots, SGLangSWASlots
 
     params = ctx.params
     allocator = params.token_to_kv_pool_allocator
+    components = [ComponentType.FULL]
+    slots: Any
+    sizes: dict[str, Any] = {}
+    if ctx.is_hybrid_swa:
+        components.append(ComponentType.SWA)
+        slots = SGLangSWASlots(allocator)
+        sizes.update(
+            kv_size=allocator.size_full,
+            swa_kv_size=allocator.size_swa,
+            # What the request's own frees keep behind it and what a lock pins: the
+            # window every SWA reader needs (the model's, or a draft's if wider).
+            sliding_window_size=params.swa_retain_window,
+        )
+    else:
+        slots = SGLangSlots(allocator)
+        sizes.update(kv_size=allocator.size)
     config = CacheConfig(
-        components=(ComponentType.FULL,),
+        components=tuple(components),
         page_size=params.page_size,
         # The pools are SGLang's: these sizes only describe them (nothing is allocated).
-        kv_size=allocator.size,
+        **sizes,
         max_num_reqs=params.req_to_token_pool.size,
         max_context_len=params.req_to_token_pool.max_context_len,
         device=str(allocator.device),
@@ -96,7 +116,7 @@ def create_cache(ctx: Any) -> Any:
         is_eagle=params.is_eagle,
     )
     pools = CachePools(
-        token_allocator=SGLangSlots(allocator),  # type: ignore[arg-type]
+        token_allocator=slots,
         req_to_token_pool=params.req_to_token_pool,
     )
     return SGLangRadixCache(UnifiedRadixCache(config, pools), params)
