@@ -33,6 +33,7 @@ class Pools:
         context_len: int,
         kind: str = "full",
         window: int = 16,
+        mamba_size: int = 24,
     ) -> None:
         from sglang.srt.mem_cache.allocator import (
             PagedTokenToKVPoolAllocator,
@@ -42,11 +43,15 @@ class Pools:
 
         self.kind = kind
         self.window = window
+        self.mamba_size = mamba_size
         self.page_size = page_size
         self.kv_size = kv_size
         self.req_to_token_pool = ReqToTokenPool(
             size=rows, max_context_len=context_len, device="cpu", enable_memory_saver=False
         )
+        if kind == "mamba":
+            self._mamba_pools(rows, context_len)
+            return
         if kind == "swa":
             from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
             from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -72,6 +77,42 @@ class Pools:
             need_sort=False, **extra,
         )  # fmt: skip
 
+    def _mamba_pools(self, rows: int, context_len: int) -> None:
+        """``HybridReqToTokenPool`` (Mamba state slots: ``mamba_size``) and the KV pool of
+        the full-attention layers (``HybridLinearKVPool``), no extra buffer."""
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+        assert self.page_size == 1, "the no_buffer Mamba strategy runs at page size 1"
+        self.req_to_token_pool = HybridReqToTokenPool(
+            size=rows, mamba_size=self.mamba_size, mamba_spec_state_size=rows,
+            max_context_len=context_len, device="cpu", enable_memory_saver=False,
+            cache_params=_mamba_cache_params(), mamba_layer_ids=[0],
+            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None,
+        )  # fmt: skip
+        kv_pool = HybridLinearKVPool(
+            size=self.kv_size, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=4,
+            full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False,
+            mamba_pool=self.req_to_token_pool.mamba_pool,
+        )  # fmt: skip
+        self.allocator = TokenToKVPoolAllocator(
+            size=self.kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool,
+            need_sort=False,
+        )  # fmt: skip
+
+
+def _mamba_cache_params() -> Any:
+    """SGLang's state shape of a tiny Mamba2 layer (bf16 SSM state)."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=1, head_dim=8,
+            state_size=2, conv_kernel=2,
+        )  # fmt: skip
+        return Mamba2CacheParams(shape=shape, layers=[0])
+
 
 def make_context(pools: Pools, **params: Any) -> Any:
     """SGLang's ``TreeCacheBuildContext`` of the model ``pools`` are for."""
@@ -79,6 +120,7 @@ def make_context(pools: Pools, **params: Any) -> Any:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     swa = pools.kind == "swa"
+    ssm = pools.kind == "mamba"
     if swa:
         params.setdefault("sliding_window_size", pools.window)
     init = CacheInitParams(
@@ -89,7 +131,7 @@ def make_context(pools: Pools, **params: Any) -> Any:
         **params,
     )
     return TreeCacheBuildContext(
-        server_args=None, params=init, is_hybrid_swa=swa, is_hybrid_ssm=False,
+        server_args=None, params=init, is_hybrid_swa=swa, is_hybrid_ssm=ssm,
         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
         model_config=None, tp_size=1, tp_rank=0, tp_group=None,
         full_tokens_per_layer=pools.kv_size,
@@ -261,8 +303,9 @@ class SchedulerLoop:
         return full, swa
 
     def check(self) -> None:
-        """Every KV slot (Full, and SWA for a hybrid model) is free, in the tree, or held
-        by a running request -- once; and the cache's own ``sanity_check()`` passes."""
+        """Every KV slot (Full, and SWA for a hybrid model) and every Mamba state slot is
+        free, in the tree, or held by a running request -- once; and the cache's own
+        ``sanity_check()`` passes."""
         cache = self.cache
         cache.sanity_check()
         alloc = self.pools.allocator
@@ -281,6 +324,14 @@ class SchedulerLoop:
                 f"SWA: free {free} + tree {tree} + held {held_swa} != {self.pools.kv_size}"
             )
             self.saw_swa_tombstones |= tree < full_tree
+        if cache.supports_mamba():
+            mamba = self.pools.req_to_token_pool.mamba_allocator
+            free = mamba.available_size()
+            tree = cache.mamba_evictable_size() + cache.mamba_protected_size()
+            held = sum(r.kv.holds_mamba for r in self.running)
+            assert free + tree + held == mamba.size, (
+                f"Mamba: free {free} + tree {tree} + held {held} != {mamba.size}"
+            )
         rows_used = len(self.running)
         assert self.pools.req_to_token_pool.available_size() + rows_used == (
             self.pools.req_to_token_pool.size

@@ -254,5 +254,8 @@ def publish_server_args(**fields: Any) -> Any:
     from sglang.srt.server_args import ServerArgs
 
     args = ServerArgs(model_path="dummy", **fields)
+    # SGLang reads the Mamba checkpoint granularity from the model's config or its FLA
+    # kernels (CUDA); a pre-seeded value is its documented way around both.
+    args._mamba_cache_chunk_size = max(64, fields.get("page_size", 1))
     get_context().set_server_args(args)
     return args

@@ -75,8 +75,10 @@ def _register() -> None:
     urc.sglang.register()
 
 
-@pytest.mark.parametrize("kind", ["full", "swa"])
-@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize(
+    ("kind", "page_size"),
+    [("full", 1), ("full", 4), ("full", 16), ("swa", 1), ("swa", 4), ("swa", 16), ("mamba", 1)],
+)
 def test_create_tree_cache_returns_urc_on_sglang_pools(kind: str, page_size: int) -> None:
     from scheduler_steps import Pools, make_context
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -91,10 +93,10 @@ def test_create_tree_cache_returns_urc_on_sglang_pools(kind: str, page_size: int
     assert isinstance(cache, SGLangRadixCache) and isinstance(cache, BasePrefixCache)
     assert cache.token_to_kv_pool_allocator is pools.allocator
     assert cache.req_to_token_pool is pools.req_to_token_pool
-    swa = kind == "swa"
+    swa, mamba = kind == "swa", kind == "mamba"
     assert (cache.supports_swa(), cache.supports_mamba(), cache.supports_prefix_sharing()) == (
         swa,
-        False,
+        mamba,
         True,
     )
     assert cache.sliding_window_size == (pools.window if swa else None)
@@ -106,7 +108,7 @@ def test_create_tree_cache_returns_urc_on_sglang_pools(kind: str, page_size: int
 @pytest.mark.parametrize(
     ("change", "flag"),
     [
-        ({"is_hybrid_ssm": True}, "Mamba"),
+        ({"is_hybrid_ssm": True, "enable_mamba_extra_buffer": True}, "extra_buffer"),
         ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
         ({"eviction_policy": "tlru"}, "--radix-eviction-policy tlru"),
@@ -124,7 +126,8 @@ def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
     _register()
     _publish(4)
     pools = Pools(4, 64, 2, 64)
-    params = {k: v for k, v in change.items() if k in ("eviction_policy", "enable_kv_cache_events")}
+    init_fields = ("eviction_policy", "enable_kv_cache_events", "enable_mamba_extra_buffer")
+    params = {k: v for k, v in change.items() if k in init_fields}
     ctx = make_context(pools, **params)
     for k, v in change.items():
         if k not in params:
@@ -193,7 +196,16 @@ def _drive(kind: str, page_size: int, seed: int, steps: int) -> tuple[dict[str, 
 
 @pytest.mark.parametrize(
     ("kind", "page_size", "seed"),
-    [("full", 1, 0), ("full", 4, 1), ("full", 16, 2), ("swa", 1, 3), ("swa", 4, 4), ("swa", 16, 5)],
+    [
+        ("full", 1, 0),
+        ("full", 4, 1),
+        ("full", 16, 2),
+        ("swa", 1, 3),
+        ("swa", 4, 4),
+        ("swa", 16, 5),
+        ("mamba", 1, 6),
+        ("mamba", 1, 7),
+    ],
 )
 def test_sglang_scheduler_functions_drive_many_requests_through_urc(
     kind: str, page_size: int, seed: int

@@ -26,6 +26,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefResult,
+    EvictParams,
     EvictResult,
     IncLockRefResult,
     InsertResult,
@@ -99,14 +100,51 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
             key = key.bigram()
         hit = self.urc.match_prefix(urc_params.MatchPrefixParams(key=key, with_indices=False))
         last = hit.last_device_node
+        if params.cow_mamba and hit.device_prefix_len and not self._copy_on_write(params.req, last):
+            root = self.urc.root  # no slot for the request's copy: a hit without its state
+            return MatchResult(0, root, root, root)
         return MatchResult(
             device_prefix_len=hit.device_prefix_len,
             last_device_node=last,
             last_host_node=hit.last_host_node,
             best_match_node=hit.best_match_node,
             host_hit_length=hit.host_hit_length,
+            mamba_branching_seqlen=hit.mamba_branching_seqlen,
             full_kv_hit_length=hit.device_prefix_len + hit.host_hit_length,
         )
+
+    def _copy_on_write(self, req: Any, node: TreeNode) -> bool:
+        """SGLang's Mamba copy-on-write at a hit on ``node``: the request gets a state slot
+        of its own (evicting one unlocked state if the pool is full) and is told to start
+        from the node's state (``req.kv.mamba_cow_src_index``: the forward copies it).
+        False when no slot could be had."""
+        if not self.urc.supports_mamba():
+            return True
+        src = self.urc.component(ComponentType.MAMBA).state_slot(node)  # type: ignore[attr-defined]
+        if src is None:
+            return True
+        kv = req.kv
+        if not kv.holds_mamba:
+            receipt = self.urc.inc_lock_ref(node)  # the source must survive the eviction
+            try:
+                dst = self._alloc_mamba_slot()
+            finally:
+                self.urc.dec_lock_ref(node, receipt.to_dec_params())
+            if dst is None:
+                return False
+            kv.mamba_pool_idx = dst[0]
+        kv.mamba_cow_src_index = torch.tensor([src], dtype=torch.int64, device=self.device)
+        kv.mamba_needs_clear = False
+        return True
+
+    def _alloc_mamba_slot(self) -> torch.Tensor | None:
+        """One Mamba slot for a request, evicting one unlocked tree state if none is free."""
+        allocator = self.req_to_token_pool.mamba_allocator
+        slot: torch.Tensor | None = allocator.alloc(1)
+        if slot is None:
+            self.evict(EvictParams(mamba_num=1))
+            slot = allocator.alloc(1)
+        return slot
 
     def touch_prefix(self, key: Any) -> None:
         """Refresh recency along ``key``'s cached path (a match whose result is dropped)."""
@@ -154,7 +192,11 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         if self.is_eagle:
             key = key.bigram()
         aligned = len(key) - len(key) % ps
+        mamba = self.urc.supports_mamba()
+        finished = req.finished()
         if aligned <= 0:
+            if mamba and finished:
+                self.on_release(req, checkpointed=False)
             return
         key = key[:aligned] if aligned < len(key) else key
         insert = urc_params.InsertParams(
@@ -168,7 +210,11 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         values = row[:aligned].to(dtype=torch.int64, copy=True)
         insert.value = values
+        if mamba:
+            insert.mamba_value = self._mamba_value(req, finished)
         result = self.urc.insert(insert)
+        if mamba:
+            self._after_mamba_insert(req, finished, insert, result.mamba_exist)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         # Split at the prompt's end so eviction can drop the output without the prompt
         # (SGLang does this for FULL-only trees).
@@ -202,6 +248,35 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         kv.cache_protected_len = aligned
         req.last_node = last
 
+    def _mamba_value(self, req: Any, finished: bool) -> torch.Tensor:
+        """The state slot a checkpoint hands the tree (SGLang's no_buffer strategy): a
+        finished request donates its own; a running one a fresh copy of it."""
+        own: torch.Tensor = req.kv.mamba_pool_idx.view(1).to(torch.int64)
+        if finished:
+            return own.clone()
+        copy = self._alloc_mamba_slot()
+        if copy is None:
+            raise RuntimeError(f"request {req.rid}: no Mamba slot for a checkpoint's state")
+        pool = self.urc.component(ComponentType.MAMBA).pool  # type: ignore[attr-defined]
+        pool.copy(int(own[0]), int(copy[0]))
+        return copy.to(torch.int64)
+
+    def _after_mamba_insert(
+        self, req: Any, finished: bool, insert: urc_params.InsertParams, existed: bool
+    ) -> None:
+        """Free the slot the tree did not take (the node had a state already); a running
+        request's tracking restarts (SGLang's ``cleanup_after_caching_req``)."""
+        kv = req.kv
+        if finished:
+            if existed:
+                self.req_to_token_pool.free_mamba_cache(req)
+            return
+        if existed:
+            assert insert.mamba_value is not None
+            self.req_to_token_pool.mamba_allocator.free(insert.mamba_value)
+        kv.mamba_last_track_seqlen = None
+        kv.mamba_prev_track_seqlen = None
+
     def _prepare_swa(self, req: Any, n_tokens: int, insert: urc_params.InsertParams) -> None:
         """SGLang's SWA steps before a checkpoint's insert: a running request first frees
         its own SWA slots that slid out of the window (as ``evict_sliding_windows``), then
@@ -230,7 +305,10 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         lock.swa_released = True
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
-        """Nothing per request lives outside the tree (FULL): the row and lock are gone."""
+        """The row and lock are gone; a request released without a checkpoint gives its
+        Mamba state slot back (a checkpoint already gave it to the tree or freed it)."""
+        if not checkpointed and self.urc.supports_mamba() and req.kv.holds_mamba:
+            self.req_to_token_pool.free_mamba_cache(req)
 
     def claim_kv_row(self, req: Any) -> bool:
         return False

@@ -44,7 +44,21 @@ def unsupported_options(ctx: Any) -> list[str]:
     if ctx.is_hybrid_swa and not params.swa_gates_prefix_match:
         out.append("an SWA pool only a draft reads: its matches are not gated by the window")
     if ctx.is_hybrid_ssm:
-        out.append("a hybrid Mamba model (FULL+MAMBA): not wired to SGLang's pools yet")
+        pool = params.req_to_token_pool
+        if ctx.is_hybrid_swa:
+            out.append("a model with both sliding-window and Mamba layers: not wired yet")
+        if params.enable_mamba_extra_buffer or params.enable_mamba_extra_buffer_lazy:
+            out.append(
+                "--mamba-radix-cache-strategy extra_buffer: urc serves no_buffer "
+                "(the request's ping-pong track buffers are not wired yet)"
+            )
+        if getattr(pool, "mamba_ckpt_pool", None) is not None:
+            out.append("--enable-int8-mamba-checkpoint: the int8 checkpoint pool is not wired")
+        mamba_pool = getattr(pool, "mamba_pool", None)
+        if getattr(mamba_pool, "replayssm_write_pos", None) is not None:
+            out.append("a ReplaySSM (GDN) Mamba pool: its state lags the ring, not wired")
+        if params.mtp_draft_mamba_pools:
+            out.append("speculative draft Mamba pools: only SGLang's own cache copies them")
     if ctx.is_dsa or hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
         out.append("a DeepSeek sparse-attention model: its sidecar pools are SGLang's own")
     if params.eviction_policy not in _POLICIES:
@@ -84,7 +98,7 @@ def create_cache(ctx: Any) -> Any:
     urc does not serve (:func:`unsupported_options`)."""
     check_supported(ctx)
     from urc.sglang._cache import SGLangRadixCache
-    from urc.sglang._pools import SGLangSlots, SGLangSWASlots
+    from urc.sglang._pools import SGLangMambaSlots, SGLangSlots, SGLangSWASlots
 
     params = ctx.params
     allocator = params.token_to_kv_pool_allocator
@@ -104,6 +118,15 @@ def create_cache(ctx: Any) -> Any:
     else:
         slots = SGLangSlots(allocator)
         sizes.update(kv_size=allocator.size)
+    mamba = None
+    if ctx.is_hybrid_ssm:
+        from sglang.srt.runtime_context import mamba_checkpoint_grid
+
+        components.append(ComponentType.MAMBA)
+        mamba = SGLangMambaSlots(params.req_to_token_pool)
+        # Where a request snapshots its state so the next request can branch there.
+        grid = mamba_checkpoint_grid(params.page_size)
+        sizes.update(mamba_size=mamba.size, mamba_chunk_size=grid)
     config = CacheConfig(
         components=tuple(components),
         page_size=params.page_size,
@@ -118,5 +141,6 @@ def create_cache(ctx: Any) -> Any:
     pools = CachePools(
         token_allocator=slots,
         req_to_token_pool=params.req_to_token_pool,
+        mamba=mamba,
     )
     return SGLangRadixCache(UnifiedRadixCache(config, pools), params)

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from urc.errors import InvalidIndicesError
 from urc.pools.swa import SWATokenSlotAllocator
 
-__all__ = ["SGLangSWASlots", "SGLangSlots"]
+__all__ = ["SGLangMambaSlots", "SGLangSWASlots", "SGLangSlots"]
 
 
 class SGLangSlots:
@@ -132,3 +133,74 @@ class SGLangSWASlots(SWATokenSlotAllocator):
 
     def num_swa_mapped(self, full_idx: torch.Tensor) -> int:
         return int((self._mapping[full_idx] > 0).sum()) if full_idx.shape[0] else 0
+
+
+class SGLangMambaSlots:
+    """SGLang's Mamba state slots (``HybridReqToTokenPool``: its ``mamba_allocator`` and
+    ``mamba_pool``) with the surface of urc's :class:`~urc.pools.mamba.MambaPool` that urc's
+    Mamba component uses.  SGLang numbers slots from 1; which slots the tree owns is kept
+    here (SGLang's allocator only knows free and taken)."""
+
+    conv = None  # host mirrors are for urc's own HiCache tiers, not wired here
+    temporal = None
+
+    def __init__(self, req_to_token_pool: Any) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = req_to_token_pool.mamba_allocator
+        self.size: int = self.allocator.size + 1
+        self.device = torch.device(self.allocator.device)
+        self._tree: set[int] = set()
+
+    def _tensor(self, slots: Any) -> torch.Tensor:
+        return torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+
+    def available_size(self) -> int:
+        return int(self.allocator.available_size())
+
+    def alloc_slot(self) -> int | None:
+        out = self.allocator.alloc(1)
+        return None if out is None else int(out[0])
+
+    def free_slots(self, slots: Any) -> None:
+        slots = list(slots)
+        if slots:
+            self.allocator.free(self._tensor(slots))
+
+    def check_held(self, slot: int, what: str = "Mamba slot") -> None:
+        """Raise :class:`~urc.errors.InvalidIndicesError` unless ``slot`` is taken and not
+        the tree's (a slot a request holds)."""
+        if not 0 < slot < self.size:
+            raise InvalidIndicesError(f"{what} {slot} outside [1, {self.size})")
+        if slot in self._tree:
+            raise InvalidIndicesError(f"{what} {slot} is owned by the tree")
+        if bool((self.allocator.free_slots == slot).any()):
+            raise InvalidIndicesError(f"{what} {slot} is not allocated")
+
+    def adopt(self, slot: int) -> None:
+        self._tree.add(slot)
+
+    def release_tree_slot(self, slot: int) -> None:
+        self._tree.remove(slot)
+        self.allocator.free(self._tensor((slot,)))
+
+    def is_tree_owned(self, slot: int) -> bool:
+        return slot in self._tree
+
+    def num_tree_owned(self) -> int:
+        return len(self._tree)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy state ``src`` into ``dst`` (SGLang's physical slots)."""
+        translate = self.req_to_token_pool.translate_mamba_indices
+        self.req_to_token_pool.mamba_pool.copy_from(
+            translate(self._tensor((src,))), translate(self._tensor((dst,)))
+        )
+
+    def clear(self) -> None:
+        self._tree.clear()
+
+    def check_consistency(self) -> None:
+        """Every tree-owned slot is taken in SGLang's allocator."""
+        free = set(self.allocator.free_slots.tolist())
+        shared = self._tree & free
+        assert not shared, f"tree-owned Mamba slots {sorted(shared)[:8]} are free in SGLang"
