@@ -2,8 +2,9 @@
 cache the way its ``Scheduler`` does (admission, chunked prefill, decode, finish, abort,
 retraction), minus the model forward.
 
-Every step that touches the cache or the pools is SGLang's code: ``match_kv_cache``,
-``PrefillAdder``'s lock (``tree_cache.lock``), ``alloc_req_slots``, ``alloc_token_slots`` /
+Every step that touches the cache or the pools is SGLang's code: ``Req``'s
+``init_next_round_input`` (``match_kv_cache``), ``PrefillAdder`` (``add_one_req``, which locks
+the match, and ``add_chunked_req``), ``alloc_req_slots``, ``alloc_token_slots`` /
 ``alloc_paged_token_slots_extend`` / ``alloc_paged_token_slots_decode`` (which evict from
 the tree through ``evict_from_tree_cache``), ``write_cache_indices``,
 ``checkpoint_kv_cache``, ``release_kv_cache`` and ``release_req`` (retraction).  What is
@@ -168,23 +169,30 @@ class SchedulerLoop:
 
         return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=max_new))
 
-    def prefill(self, req: Any) -> None:
-        """Admit ``req`` (``init_next_round_input``'s match and a lock when it holds no
-        row) and run one prefill chunk of at most ``chunk`` tokens; a chunk that does not
-        finish the prompt is checkpointed into the tree."""
+    def prefill(self, req: Any) -> bool:
+        """Admit ``req`` through SGLang's ``PrefillAdder`` (a new request: its
+        ``init_next_round_input`` match first, then ``add_one_req``, which locks the match;
+        a running one: ``add_chunked_req``) and run the chunk it grants (at most ``chunk``
+        tokens); a chunk that does not finish the prompt is checkpointed into the tree.
+        False when the adder refused it (no room): nothing changed but the match."""
+        from sglang.srt.managers.schedule_policy import PrefillAdder
         from sglang.srt.mem_cache import allocation
-        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 
         cache, ps = self.cache, self.pools.page_size
+        adder = PrefillAdder(ps, cache, self.pools.allocator, None, 0.5, 1 << 16, self.chunk)
         fresh = not req.kv.holds_kv
         if fresh:
             req.init_next_round_input(cache)  # refreshes the fill ids, match_kv_cache
-            req.lock = cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
+            adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+        else:
+            adder.add_chunked_req(req)
+        if req not in adder.can_run_list:
+            if fresh and req.kv.holds_mamba:  # the copy-on-write slot of the match
+                release_kv_cache(req, cache, checkpoint=False)
+            return False
         fill = len(req.full_untruncated_fill_ids)
-        end = min(fill, req.prefix_len + self.chunk)
-        if end < fill:
-            end = max(end - end % ps, req.prefix_len + ps)
-        req.extend_end = end
+        end = req.extend_end
         prefix_len = req.prefix_len
         if req.kv.holds_kv:
             row = self.pools.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
@@ -220,6 +228,7 @@ class SchedulerLoop:
             req.prefix_len = end
             self.prefilling.remove(req)
             self._sample(req)
+        return True
 
     def decode(self, reqs: list[Any]) -> None:
         """One decode step of ``reqs`` (whose prompts are done): a slot each for the last

@@ -159,11 +159,11 @@ def _drive(kind: str, page_size: int, seed: int, steps: int) -> tuple[dict[str, 
         decoding = loop.decoding()
         op = rng.random()
         if prefilling and op < 0.3:
-            loop.prefill(prefilling[0])
-            done["chunk"] += 1
+            done["chunk"] += loop.prefill(prefilling[0])
         elif waiting and len(loop.running) < 6 and op < 0.5:
-            loop.prefill(waiting.pop(0))
-            done["prefill"] += 1
+            if loop.prefill(waiting[0]):
+                waiting.pop(0)
+                done["prefill"] += 1
         elif decoding and op < 0.8:
             loop.decode(decoding)
             done["decode"] += 1
@@ -181,7 +181,9 @@ def _drive(kind: str, page_size: int, seed: int, steps: int) -> tuple[dict[str, 
                 waiting.append(r)
                 done["retract"] += 1
         loop.check()
-    while loop.running:  # drain: everything finishes, the tree keeps only evictable KV
+    for _ in range(100):  # drain: everything finishes, the tree keeps only evictable KV
+        if not loop.running:
+            break
         decoding = loop.decoding()
         for r in loop.running:
             if r not in decoding:
@@ -189,8 +191,8 @@ def _drive(kind: str, page_size: int, seed: int, steps: int) -> tuple[dict[str, 
         for r in decoding:
             loop.finish(r)
         loop.check()
-    cache = loop.cache
-    assert cache.full_protected_size() == 0
+    assert not loop.running
+    assert loop.cache.full_protected_size() == 0
     return done, loop
 
 
