@@ -81,10 +81,13 @@ class Pools:
     def _mamba_pools(self, rows: int, context_len: int) -> None:
         """``HybridReqToTokenPool`` (Mamba state slots: ``mamba_size``) and the KV pool of
         the full-attention layers (``HybridLinearKVPool``), no extra buffer."""
-        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator import (
+            PagedTokenToKVPoolAllocator,
+            TokenToKVPoolAllocator,
+        )
         from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
-        assert self.page_size == 1, "the no_buffer Mamba strategy runs at page size 1"
+        ps = self.page_size
         self.req_to_token_pool = HybridReqToTokenPool(
             size=rows, mamba_size=self.mamba_size, mamba_spec_state_size=rows,
             max_context_len=context_len, device="cpu", enable_memory_saver=False,
@@ -92,13 +95,15 @@ class Pools:
             enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None,
         )  # fmt: skip
         kv_pool = HybridLinearKVPool(
-            size=self.kv_size, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=4,
+            size=self.kv_size, dtype=torch.bfloat16, page_size=ps, head_num=1, head_dim=4,
             full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False,
             mamba_pool=self.req_to_token_pool.mamba_pool,
         )  # fmt: skip
-        self.allocator = TokenToKVPoolAllocator(
+        kind = TokenToKVPoolAllocator if ps == 1 else PagedTokenToKVPoolAllocator
+        extra = {} if ps == 1 else {"page_size": ps}
+        self.allocator = kind(
             size=self.kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool,
-            need_sort=False,
+            need_sort=False, **extra,
         )  # fmt: skip
 
 

@@ -105,6 +105,17 @@ def test_create_tree_cache_returns_urc_on_sglang_pools(kind: str, page_size: int
     assert cache.cache_controller is None
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority"])
+def test_sglang_eviction_policy_selects_urcs_policy_of_that_name(policy: str) -> None:
+    from scheduler_steps import Pools, make_context
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    _register()
+    _publish(1)
+    cache = create_tree_cache(make_context(Pools(1, 64, 2, 64), eviction_policy=policy))
+    assert cache.urc.config.eviction_policy.value == policy
+
+
 @pytest.mark.parametrize(
     ("change", "flag"),
     [

@@ -12,13 +12,17 @@ from urc.node import ComponentType
 
 __all__ = ["check_supported", "create_cache", "unsupported_options"]
 
-# SGLang's ``--radix-eviction-policy`` values urc implements, and urc's policy for each.
-_POLICIES = {
-    "lru": EvictionPolicy.LRU,
-    "lfu": EvictionPolicy.LFU,
-    "fifo": EvictionPolicy.FIFO,
-    "priority": EvictionPolicy.PRIORITY,
-}
+# SGLang's ``--radix-eviction-policy`` values urc implements: an ``EvictionPolicy`` member of
+# the same name (urc's own offline or experimental orders are not SGLang's to select).
+_NOT_SGLANG = {EvictionPolicy.BELADY, EvictionPolicy.FORK_AWARE}
+
+
+def _policy(name: str) -> EvictionPolicy | None:
+    try:
+        policy = EvictionPolicy(name)
+    except ValueError:
+        return None
+    return None if policy in _NOT_SGLANG else policy
 
 
 def _memory() -> Any:
@@ -61,10 +65,11 @@ def unsupported_options(ctx: Any) -> list[str]:
             out.append("speculative draft Mamba pools: only SGLang's own cache copies them")
     if ctx.is_dsa or hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
         out.append("a DeepSeek sparse-attention model: its sidecar pools are SGLang's own")
-    if params.eviction_policy not in _POLICIES:
-        out.append(
-            f"--radix-eviction-policy {params.eviction_policy}: urc serves {', '.join(_POLICIES)}"
-        )
+    if _policy(params.eviction_policy) is None:
+        served = ", ".join(p.value for p in EvictionPolicy if p not in _NOT_SGLANG)
+        out.append(f"--radix-eviction-policy {params.eviction_policy}: urc serves {served}")
+    if params.eviction_policy_config:
+        out.append("--radix-eviction-policy-config: urc's policies take no parameters here")
     if params.enable_kv_cache_events:
         out.append("--kv-events-config: urc does not publish SGLang's KV events yet")
     if params.enable_session_radix_cache or memory.enable_session_radix_cache:
@@ -102,6 +107,8 @@ def create_cache(ctx: Any) -> Any:
 
     params = ctx.params
     allocator = params.token_to_kv_pool_allocator
+    policy = _policy(params.eviction_policy)
+    assert policy is not None, params.eviction_policy  # check_supported
     components = [ComponentType.FULL]
     slots: Any
     sizes: dict[str, Any] = {}
@@ -135,7 +142,7 @@ def create_cache(ctx: Any) -> Any:
         max_num_reqs=params.req_to_token_pool.size,
         max_context_len=params.req_to_token_pool.max_context_len,
         device=str(allocator.device),
-        eviction_policy=_POLICIES[params.eviction_policy],
+        eviction_policy=policy,
         is_eagle=params.is_eagle,
     )
     pools = CachePools(
