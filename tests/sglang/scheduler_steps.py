@@ -43,6 +43,7 @@ class Pools:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
         self.kind = kind
+        self.k0: torch.Tensor | None = None
         self.window = window
         self.mamba_size = mamba_size
         self.page_size = page_size
@@ -77,6 +78,9 @@ class Pools:
             size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool,
             need_sort=False, **extra,
         )  # fmt: skip
+        # The "forward" writes each token's id into its K (layer 0); a matched prefix must
+        # read its own tokens back (through HiCache's host copies too).
+        self.k0 = kv_pool.k_buffer[0]
 
     def _mamba_pools(self, rows: int, context_len: int) -> None:
         """``HybridReqToTokenPool`` (Mamba state slots: ``mamba_size``) and the KV pool of
@@ -120,8 +124,9 @@ def _mamba_cache_params() -> Any:
         return Mamba2CacheParams(shape=shape, layers=[0])
 
 
-def make_context(pools: Pools, **params: Any) -> Any:
-    """SGLang's ``TreeCacheBuildContext`` of the model ``pools`` are for."""
+def make_context(pools: Pools, hicache: bool = False, **params: Any) -> Any:
+    """SGLang's ``TreeCacheBuildContext`` of the model ``pools`` are for (``hicache``: as
+    ``--enable-hierarchical-cache`` builds it)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
@@ -138,7 +143,7 @@ def make_context(pools: Pools, **params: Any) -> Any:
     )
     return TreeCacheBuildContext(
         server_args=None, params=init, is_hybrid_swa=swa, is_hybrid_ssm=ssm,
-        enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+        enable_hierarchical_cache=hicache, disable_radix_cache=False, tp_worker=None,
         model_config=None, tp_size=1, tp_rank=0, tp_group=None,
         full_tokens_per_layer=pools.kv_size,
     )  # fmt: skip
@@ -223,6 +228,13 @@ class SchedulerLoop:
             loc, row_idx, row_idx, prefix_lens, prefix_lens, seq_lens, seq_lens,
             extend_lens, extend_lens, [prefix], self.pools.req_to_token_pool,
         )  # fmt: skip
+        k0 = self.pools.k0
+        if k0 is not None:  # the prefix's KV is its own tokens'; the forward writes the rest
+            tokens = torch.tensor(list(req.full_untruncated_fill_ids[:end]), dtype=k0.dtype)
+            assert torch.equal(k0[prefix, 0, 0], tokens[:prefix_len]), (
+                f"request {req.rid}: its cached prefix holds other tokens' KV"
+            )
+            k0[loc, 0, 0] = tokens[prefix_len:end]
         req.kv.kv_allocated_len = req.kv.kv_committed_len = end
         if fresh:
             self.running.append(req)
@@ -256,6 +268,9 @@ class SchedulerLoop:
             last = pool.req_to_token[rows, seq - 1].to(torch.int64)
             loc = allocation.alloc_paged_token_slots_decode(self.cache, seq + 1, seq + 1, last)
         pool.write((rows, seq), loc.to(torch.int32))
+        k0 = self.pools.k0
+        if k0 is not None:
+            k0[loc, 0, 0] = torch.tensor([r.output_ids[-1] for r in reqs], dtype=k0.dtype)
         for r in reqs:
             r.kv.kv_allocated_len += 1
             r.kv.kv_committed_len += 1
@@ -321,6 +336,7 @@ class SchedulerLoop:
         free, in the tree, or held by a running request -- once; and the cache's own
         ``sanity_check()`` passes."""
         cache = self.cache
+        cache.check_hicache_events()  # the scheduler's loop does, with HiCache on
         cache.sanity_check()
         alloc = self.pools.allocator
         held_full, held_swa = self.held_by_requests()

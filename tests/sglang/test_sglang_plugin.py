@@ -53,7 +53,7 @@ def test_pyproject_declares_the_plugin_entry_point() -> None:
     tomllib = pytest.importorskip("tomllib")
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"][GROUP] == {"urc": "urc.sglang:register"}
+    assert project["entry-points"][GROUP] == {"urc": "urc.apps.sglang:register"}
     assert any(r.startswith("sglang") for r in project["optional-dependencies"]["sglang"])
 
 
@@ -70,9 +70,9 @@ def test_sglang_load_plugins_registers_the_urc_backend() -> None:
 
 
 def _register() -> None:
-    import urc.sglang
+    import urc.apps.sglang
 
-    urc.sglang.register()
+    urc.apps.sglang.register()
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_create_tree_cache_returns_urc_on_sglang_pools(kind: str, page_size: int
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.registry import create_tree_cache
 
-    from urc.sglang._cache import SGLangRadixCache
+    from urc.apps.sglang._cache import SGLangRadixCache
 
     _register()
     _publish(page_size)
@@ -120,7 +120,7 @@ def test_sglang_eviction_policy_selects_urcs_policy_of_that_name(policy: str) ->
     ("change", "flag"),
     [
         ({"is_hybrid_ssm": True, "enable_mamba_extra_buffer": True}, "extra_buffer"),
-        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+        ({"enable_hierarchical_cache": True, "is_hybrid_swa": True}, "hybrid"),
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
         ({"eviction_policy": "tlru"}, "--radix-eviction-policy tlru"),
         ({"enable_kv_cache_events": True}, "--kv-events-config"),
@@ -147,16 +147,38 @@ def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
         create_tree_cache(ctx)
 
 
-def _drive(kind: str, page_size: int, seed: int, steps: int) -> tuple[dict[str, int], Any]:
-    """A random workload of shared-prefix requests through SGLang's scheduler functions;
-    returns how often each kind of step ran."""
+def test_hicache_with_an_l3_storage_backend_fails_at_start_up_naming_the_flag() -> None:
+    from scheduler_steps import Pools, make_context
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from urc.errors import ConfigError
+
+    _register()
+    _publish(4, enable_hierarchical_cache=True, hicache_storage_backend="file")
+    with pytest.raises(ConfigError, match="hicache-storage-backend"):
+        create_tree_cache(make_context(Pools(4, 64, 2, 64), hicache=True))
+
+
+def _hicache_args(policy: str | None) -> dict[str, Any]:
+    if policy is None:
+        return {}
+    return {"enable_hierarchical_cache": True, "hicache_write_policy": policy, "hicache_ratio": 1.0}
+
+
+def _drive(
+    kind: str, page_size: int, seed: int, steps: int, hicache: str | None = None
+) -> tuple[dict[str, int], Any]:
+    """A random workload of shared-prefix requests through SGLang's scheduler functions
+    (with HiCache: ``hicache`` is its write policy); returns how often each kind of step
+    ran, and the loop."""
     from scheduler_steps import Pools, SchedulerLoop, make_context
     from sglang.srt.mem_cache.registry import create_tree_cache
 
     _register()
-    _publish(page_size)
+    _publish(page_size, **_hicache_args(hicache))
     pools = Pools(page_size, 512, 8, 256, kind=kind)
-    loop = SchedulerLoop(create_tree_cache(make_context(pools)), pools, chunk=16)
+    cache = create_tree_cache(make_context(pools, hicache=hicache is not None))
+    loop = SchedulerLoop(cache, pools, chunk=16)
     rng = random.Random(seed)
     bases = [[rng.randrange(1, 50) for _ in range(48)] for _ in range(3)]
     waiting: list[Any] = []
@@ -228,6 +250,21 @@ def test_sglang_scheduler_functions_drive_many_requests_through_urc(
     assert loop.min_free < 4 * page_size  # the pool ran full: allocations evicted from urc
     if kind == "swa":
         assert loop.saw_swa_tombstones
+
+
+@pytest.mark.parametrize(
+    ("policy", "page_size", "seed"),
+    [("write_back", 1, 8), ("write_through", 4, 9), ("write_through_selective", 16, 10)],
+)
+def test_with_hicache_evicted_prefixes_come_back_from_host_with_their_own_kv(
+    policy: str, page_size: int, seed: int
+) -> None:
+    # The loop checks at every admission that a matched prefix's KV is its own tokens'.
+    done, loop = _drive("full", page_size, seed, steps=300, hicache=policy)
+    counters = loop.cache.urc.counters
+    assert loop.cache.host is not None
+    assert counters.backed_up_tokens > 0 and counters.loaded_back_tokens > 0, counters
+    assert all(done.values()), done
 
 
 def test_a_retracted_request_is_readmitted_and_hits_its_own_cached_prefix() -> None:

@@ -18,7 +18,7 @@ import torch
 from urc.errors import InvalidIndicesError
 from urc.pools.swa import SWATokenSlotAllocator
 
-__all__ = ["SGLangMambaSlots", "SGLangSWASlots", "SGLangSlots"]
+__all__ = ["SGLangKVBuffers", "SGLangMambaSlots", "SGLangSWASlots", "SGLangSlots"]
 
 
 class SGLangSlots:
@@ -204,3 +204,17 @@ class SGLangMambaSlots:
         free = set(self.allocator.free_slots.tolist())
         shared = self._tree & free
         assert not shared, f"tree-owned Mamba slots {sorted(shared)[:8]} are free in SGLang"
+
+
+class SGLangKVBuffers:
+    """The device KV of SGLang's ``MHATokenToKVPool`` (one K and one V tensor per layer,
+    indexed by slot) as urc's host tier mirrors it (``slot_buffers``)."""
+
+    def __init__(self, kv_pool: Any) -> None:
+        self.kv_pool = kv_pool
+
+    def slot_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        return [(t, 0) for t in [*self.kv_pool.k_buffer, *self.kv_pool.v_buffer]]
+
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t, _ in self.slot_buffers())

@@ -40,7 +40,7 @@ def unsupported_options(ctx: Any) -> list[str]:
     if ctx.disable_radix_cache or params.disable:
         out.append("--disable-radix-cache: nothing to plug in (SGLang's own cache serves it)")
     if ctx.enable_hierarchical_cache or memory.enable_hierarchical_cache:
-        out.append("--enable-hierarchical-cache: urc's HiCache is not wired to SGLang's yet")
+        out.extend(_unsupported_hicache(ctx, memory))
     if ctx.is_hybrid_swa and ctx.full_tokens_per_layer == 0:
         out.append("a pure sliding-window model: SGLang serves it with its PureSWARadixCache")
     if ctx.is_hybrid_swa and getattr(params.token_to_kv_pool_allocator, "swa_req_ring", False):
@@ -87,6 +87,40 @@ def unsupported_options(ctx: Any) -> list[str]:
     return out
 
 
+def _unsupported_hicache(ctx: Any, memory: Any) -> list[str]:
+    """What urc's host tier (HiCache L2, synchronous copies) cannot serve of SGLang's
+    HiCache options."""
+    out = []
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        out.append("--enable-hierarchical-cache with a hybrid (SWA or Mamba) model")
+    kv = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    if not (isinstance(getattr(kv, "k_buffer", None), list) and kv.v_buffer is not None):
+        out.append(
+            f"--enable-hierarchical-cache with a {type(kv).__name__}: urc mirrors "
+            "per-layer K/V buffers (MHATokenToKVPool) only"
+        )
+    if memory.hicache_storage_backend is not None:
+        out.append("--hicache-storage-backend: urc's L3 stores are not wired to SGLang yet")
+    if memory.hicache_host_memory_mode != "cache":
+        out.append(f"--hicache-host-memory-mode {memory.hicache_host_memory_mode}")
+    return out
+
+
+def _hicache_config(allocator: Any, memory: Any) -> Any:
+    """urc's ``HiCacheConfig`` for SGLang's ``--hicache-*`` options (write policy; host
+    size from ``--hicache-size`` in GB, else ``--hicache-ratio``, default 2)."""
+    from hicache import HiCacheConfig
+    from urc.apps.sglang._pools import SGLangKVBuffers
+    from urc.host.protocol import WritePolicy
+
+    policy = WritePolicy(memory.hicache_write_policy)
+    if memory.hicache_size:
+        per_slot = SGLangKVBuffers(allocator.get_kvcache()).bytes_per_slot()
+        tokens = int(memory.hicache_size * (1 << 30) // max(per_slot, 1))
+        return HiCacheConfig(write_policy=policy, host_tokens=tokens)
+    return HiCacheConfig(write_policy=policy, host_ratio=memory.hicache_ratio or 2.0)
+
+
 def check_supported(ctx: Any) -> None:
     """Raise :class:`~urc.errors.ConfigError` naming every unsupported option of ``ctx``."""
     problems = unsupported_options(ctx)
@@ -102,8 +136,13 @@ def create_cache(ctx: Any) -> Any:
     Raises :class:`~urc.errors.ConfigError` (before anything is built) for a launch option
     urc does not serve (:func:`unsupported_options`)."""
     check_supported(ctx)
-    from urc.sglang._cache import SGLangRadixCache
-    from urc.sglang._pools import SGLangMambaSlots, SGLangSlots, SGLangSWASlots
+    from urc.apps.sglang._cache import SGLangRadixCache
+    from urc.apps.sglang._pools import (
+        SGLangKVBuffers,
+        SGLangMambaSlots,
+        SGLangSlots,
+        SGLangSWASlots,
+    )
 
     params = ctx.params
     allocator = params.token_to_kv_pool_allocator
@@ -145,9 +184,17 @@ def create_cache(ctx: Any) -> Any:
         eviction_policy=policy,
         is_eagle=params.is_eagle,
     )
+    hicache = ctx.enable_hierarchical_cache or _memory().enable_hierarchical_cache
     pools = CachePools(
         token_allocator=slots,
         req_to_token_pool=params.req_to_token_pool,
+        kv_pool=SGLangKVBuffers(allocator.get_kvcache()) if hicache else None,  # type: ignore[arg-type]
         mamba=mamba,
     )
-    return SGLangRadixCache(UnifiedRadixCache(config, pools), params)
+    core = UnifiedRadixCache(config, pools)
+    host = None
+    if hicache:
+        from hicache.host_tier import attach_hicache
+
+        host = attach_hicache(core, _hicache_config(allocator, _memory()))
+    return SGLangRadixCache(core, params, host)

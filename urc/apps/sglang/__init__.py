@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from urc.sglang._factory import check_supported, create_cache, unsupported_options
+from urc.apps.sglang._factory import check_supported, create_cache, unsupported_options
 
 __all__ = ["BACKEND_NAME", "check_supported", "create_cache", "register", "unsupported_options"]
 
