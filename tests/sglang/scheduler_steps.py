@@ -67,6 +67,7 @@ class Pools:
                 size=kv_size, size_swa=kv_size, page_size=page_size, dtype=torch.bfloat16,
                 device="cpu", kvcache=swa_pool, need_sort=False,
             )  # fmt: skip
+            self.k0 = swa_pool.full_kv_pool.k_buffer[0]  # the full-attention layer's K
             return
         kv_pool = MHATokenToKVPool(
             size=kv_size, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=4,

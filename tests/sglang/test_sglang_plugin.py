@@ -120,7 +120,7 @@ def test_sglang_eviction_policy_selects_urcs_policy_of_that_name(policy: str) ->
     ("change", "flag"),
     [
         ({"is_hybrid_ssm": True, "enable_mamba_extra_buffer": True}, "extra_buffer"),
-        ({"enable_hierarchical_cache": True, "is_hybrid_swa": True}, "hybrid"),
+        ({"enable_hierarchical_cache": True, "is_hybrid_ssm": True}, "with a Mamba model"),
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
         ({"eviction_policy": "tlru"}, "--radix-eviction-policy tlru"),
         ({"enable_kv_cache_events": True}, "--kv-events-config"),
@@ -253,14 +253,20 @@ def test_sglang_scheduler_functions_drive_many_requests_through_urc(
 
 
 @pytest.mark.parametrize(
-    ("policy", "page_size", "seed"),
-    [("write_back", 1, 8), ("write_through", 4, 9), ("write_through_selective", 16, 10)],
+    ("kind", "policy", "page_size", "seed"),
+    [
+        ("full", "write_back", 1, 8),
+        ("full", "write_through", 4, 9),
+        ("full", "write_through_selective", 16, 10),
+        ("swa", "write_back", 4, 11),
+        ("swa", "write_through", 1, 12),
+    ],
 )
 def test_with_hicache_evicted_prefixes_come_back_from_host_with_their_own_kv(
-    policy: str, page_size: int, seed: int
+    kind: str, policy: str, page_size: int, seed: int
 ) -> None:
     # The loop checks at every admission that a matched prefix's KV is its own tokens'.
-    done, loop = _drive("full", page_size, seed, steps=300, hicache=policy)
+    done, loop = _drive(kind, page_size, seed, steps=300, hicache=policy)
     counters = loop.cache.urc.counters
     assert loop.cache.host is not None
     assert counters.backed_up_tokens > 0 and counters.loaded_back_tokens > 0, counters

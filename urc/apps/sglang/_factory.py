@@ -3,6 +3,7 @@ factory), refusing at start-up every option it does not serve."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from urc.cache import UnifiedRadixCache
@@ -91,10 +92,11 @@ def _unsupported_hicache(ctx: Any, memory: Any) -> list[str]:
     """What urc's host tier (HiCache L2, synchronous copies) cannot serve of SGLang's
     HiCache options."""
     out = []
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
-        out.append("--enable-hierarchical-cache with a hybrid (SWA or Mamba) model")
+    if ctx.is_hybrid_ssm:
+        out.append("--enable-hierarchical-cache with a Mamba model")
     kv = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    if not (isinstance(getattr(kv, "k_buffer", None), list) and kv.v_buffer is not None):
+    halves = [kv.full_kv_pool, kv.swa_kv_pool] if ctx.is_hybrid_swa else [kv]
+    if not all(isinstance(getattr(h, "k_buffer", None), list) for h in halves):
         out.append(
             f"--enable-hierarchical-cache with a {type(kv).__name__}: urc mirrors "
             "per-layer K/V buffers (MHATokenToKVPool) only"
@@ -115,7 +117,8 @@ def _hicache_config(allocator: Any, memory: Any) -> Any:
 
     policy = WritePolicy(memory.hicache_write_policy)
     if memory.hicache_size:
-        per_slot = SGLangKVBuffers(allocator.get_kvcache()).bytes_per_slot()
+        kvcache = allocator.get_kvcache()
+        per_slot = SGLangKVBuffers(getattr(kvcache, "full_kv_pool", kvcache)).bytes_per_slot()
         tokens = int(memory.hicache_size * (1 << 30) // max(per_slot, 1))
         return HiCacheConfig(write_policy=policy, host_tokens=tokens)
     return HiCacheConfig(write_policy=policy, host_ratio=memory.hicache_ratio or 2.0)
@@ -185,10 +188,19 @@ def create_cache(ctx: Any) -> Any:
         is_eagle=params.is_eagle,
     )
     hicache = ctx.enable_hierarchical_cache or _memory().enable_hierarchical_cache
+    kv_pool = swa = None
+    if hicache:  # the device buffers urc's host tier mirrors
+        kvcache = allocator.get_kvcache()
+        if ctx.is_hybrid_swa:
+            kv_pool = SGLangKVBuffers(kvcache.full_kv_pool)
+            swa = SimpleNamespace(kv_pool=SGLangKVBuffers(kvcache.swa_kv_pool))
+        else:
+            kv_pool = SGLangKVBuffers(kvcache)
     pools = CachePools(
         token_allocator=slots,
         req_to_token_pool=params.req_to_token_pool,
-        kv_pool=SGLangKVBuffers(allocator.get_kvcache()) if hicache else None,  # type: ignore[arg-type]
+        kv_pool=kv_pool,  # type: ignore[arg-type]
+        swa=swa,
         mamba=mamba,
     )
     core = UnifiedRadixCache(config, pools)

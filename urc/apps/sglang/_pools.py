@@ -73,8 +73,19 @@ class SGLangSWASlots(SWATokenSlotAllocator):
 
     # ------------------------------------------------------------------ alloc / free
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        out: torch.Tensor | None = self.allocator.alloc(num_tokens)
-        return out
+        """Paired Full and SWA slots for ``num_tokens`` (whole pages), or None.  (SGLang's
+        own ``alloc`` serves page size 1 only; its paged requests allocate per request.)"""
+        a = self.allocator
+        if self.page_size == 1:
+            out: torch.Tensor | None = a.alloc(num_tokens)
+            return out
+        if num_tokens > a.full_available_size() or num_tokens > a.swa_available_size():
+            return None
+        full = a.full_attn_allocator.alloc(num_tokens)
+        swa = a.swa_attn_allocator.alloc(num_tokens)
+        assert full is not None and swa is not None
+        a.set_full_to_swa_mapping(full, swa)
+        return full  # type: ignore[no-any-return]
 
     def free(self, indices: torch.Tensor) -> None:
         if indices.shape[0] == 0:
@@ -208,7 +219,9 @@ class SGLangMambaSlots:
 
 class SGLangKVBuffers:
     """The device KV of SGLang's ``MHATokenToKVPool`` (one K and one V tensor per layer,
-    indexed by slot) as urc's host tier mirrors it (``slot_buffers``)."""
+    indexed by slot) as urc's host tier mirrors it (``slot_buffers``).  As the ``kv_pool``
+    of urc's SWA pools entry (``CachePools.swa``) it stands for the SWA half of an
+    ``SWAKVPool``."""
 
     def __init__(self, kv_pool: Any) -> None:
         self.kv_pool = kv_pool
