@@ -296,3 +296,43 @@ def test_a_retracted_request_is_readmitted_and_hits_its_own_cached_prefix() -> N
     loop.prefill(req)  # the match hits the checkpointed chunks; one chunk does the rest
     assert req.kv.cache_protected_len == 24 and req.prefix_len == 29 + 2
     loop.check()
+
+
+def test_the_schedulers_other_calls_are_served() -> None:
+    """touch_prefix, dfs_weight_order, the size and log strings, events, sessions, reset:
+    what the scheduler calls besides the request path, on SGLang's own objects."""
+    from array import array
+
+    from scheduler_steps import Pools, SchedulerLoop, make_context
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    _register()
+    _publish(1)
+    pools = Pools(1, 256, 4, 128)
+    loop = SchedulerLoop(create_tree_cache(make_context(pools)), pools, chunk=64)
+    cache = loop.cache
+    reqs = [loop.new_req(f"r{i}", [1, 2, 3, 4 + i, 5, 6], 4) for i in range(3)]
+    for r in reqs:
+        assert loop.prefill(r)
+    assert cache.is_root(cache.root_node) and cache.is_root(reqs[0].last_node)
+    for r in reqs:
+        loop.finish(r)
+    loop.check()
+    keys = [RadixKey(array("q", [1, 2, 3, 4 + i, 5, 6]), None) for i in range(3)]
+    nodes = [cache.match_prefix(MatchPrefixParams(key=k)).last_device_node for k in keys]
+    assert not any(cache.is_root(n) for n in nodes)
+    assert sorted(cache.dfs_weight_order(nodes)) == [0, 1, 2]
+    clock = nodes[0].last_access_time
+    cache.touch_prefix(keys[0])
+    assert nodes[0].last_access_time > clock  # the touched path is the newest
+    assert "Available full tokens" in cache.available_and_evictable_str()
+    assert cache.total_size() == cache.full_evictable_size() + cache.full_protected_size()
+    assert cache.take_events() == [] and cache.session_records() == {}
+    assert cache.open_radix_session("s") is None and cache.release_radix_session("s") == 0
+    assert cache.full_evictable_size() > 0
+    cache.reset()
+    loop.check()
+    assert cache.full_evictable_size() == 0
+    assert pools.allocator.available_size() == pools.kv_size
