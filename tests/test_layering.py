@@ -118,7 +118,7 @@ def _is_app(module: str) -> bool:
 
 def test_the_scan_sees_the_packages() -> None:
     assert {"urc.cache", "urc.tree", "hicache.controller", "metrics.exporter"} <= set(MODULES)
-    assert ("urc.tree", "Tree") in IMPORTS["urc.cache"]
+    assert ("urc.tree", "Tree") in IMPORTS["urc.state"]
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "UnifiedRadixCache": "urc.cache",
     "CacheConfig": "urc.config",
-    "CachePools": "urc.config",
-    "EvictionPolicy": "urc.config",
+    "CachePools": "urc.pools.cache_pools",
+    "EvictionPolicy": "urc.eviction_policy",
     "build_cache": "urc.cache",
     "build_pools": "urc.config",
     "ConfigError": "urc.errors",
@@ -64,6 +64,9 @@ _EXPORTS: dict[str, str] = {
     "ServiceState": "urc.service",
 }
 
+# ``_EXPORTS`` is the list of public names; ``__all__`` and the ``TYPE_CHECKING`` imports
+# below (for linters and type checkers) repeat it, and ``tests/test_public_api.py`` checks
+# that the three agree.
 __all__ = [
     "AsyncUnifiedRadixCache",
     "BackgroundWorker",
@@ -89,13 +92,13 @@ __all__ = [
     "KeyValueMismatchError",
     "Lease",
     "LeaseError",
+    "MambaSpec",
     "MatchOutcome",
     "MatchPrefixParams",
     "MatchResult",
     "NodeHandle",
     "OutOfMemoryError",
     "PoolError",
-    "MambaSpec",
     "RadixKey",
     "Req",
     "ServiceClosedError",
@@ -133,12 +136,7 @@ if TYPE_CHECKING:
         UnifiedRadixCache,
         build_cache,
     )
-    from urc.config import (
-        CacheConfig,
-        CachePools,
-        EvictionPolicy,
-        build_pools,
-    )
+    from urc.config import CacheConfig, build_pools
     from urc.errors import (
         ConfigError,
         DoubleFreeError,
@@ -154,6 +152,7 @@ if TYPE_CHECKING:
         ServiceFailedError,
         URCError,
     )
+    from urc.eviction_policy import EvictionPolicy
     from urc.fastpath import WalkImpl
     from urc.key import (
         RadixKey,
@@ -170,6 +169,7 @@ if TYPE_CHECKING:
         MatchPrefixParams,
         MatchResult,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.pools.kv_pool import (
         KVShape,
     )

@@ -149,7 +149,7 @@ def py_match_tail(
         node.last_access_time = clock
         hit += node.key_len
         if values is not None:
-            values.append(node.full.value)  # type: ignore[union-attr]
+            values.append(node.full.value)
     return k, hit, clock, values
 
 

@@ -136,7 +136,7 @@ def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[s
 
 
 def test_eviction_policy_choices_come_from_the_enum(tmp_path: Path) -> None:
-    from urc.config import EvictionPolicy
+    from urc.eviction_policy import EvictionPolicy
 
     parser = build_parser()
     for policy in EvictionPolicy:

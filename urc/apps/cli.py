@@ -127,7 +127,7 @@ def _add_replay_parser(sub: Any) -> None:
     from urc.apps.replay import DEFAULT_CHUNK_SIZE, Capacity, ModelProfile
     from urc.apps.replay.sweep import DEFAULT_SWEEP
     from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
-    from urc.config import EvictionPolicy
+    from urc.eviction_policy import EvictionPolicy
     from urc.host.protocol import WritePolicy
 
     p = sub.add_parser(
@@ -320,7 +320,7 @@ def _config(args: argparse.Namespace) -> ReplayConfig:
     from hicache.config import StorageBackupPolicy
     from urc.apps.replay import ModelProfile, ReplayConfig
     from urc.apps.workloads import WorkloadKind
-    from urc.config import EvictionPolicy
+    from urc.eviction_policy import EvictionPolicy
     from urc.host.protocol import WritePolicy
 
     return ReplayConfig(

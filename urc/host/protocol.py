@@ -1,5 +1,5 @@
-"""The core's side of host_transfers: the host-tier protocol HiCache implements, write policies, and
-the tickets of two-phase transfers.
+"""The core's side of the host tier: the protocol HiCache implements, write policies, the
+tickets of two-phase transfers, and the host data a lower tier hands in (:class:`HostPart`).
 
 The core never imports ``hicache``: a cache is given an object satisfying :class:`HostTier`
 (``UnifiedRadixCache.attach_host_tier``) and moves data through it.  Transfers are two-phase so
@@ -21,7 +21,15 @@ from urc.node import ComponentType, TreeNode
 if TYPE_CHECKING:
     from urc.params import IncLockRefResult
 
-__all__ = ["BackupTicket", "HostTier", "LoadTicket", "TierEvents", "TransferItem", "WritePolicy"]
+__all__ = [
+    "BackupTicket",
+    "HostPart",
+    "HostTier",
+    "LoadTicket",
+    "TierEvents",
+    "TransferItem",
+    "WritePolicy",
+]
 
 
 class WritePolicy(Enum):
@@ -122,3 +130,21 @@ class LoadTicket:
     anchor_receipt: IncLockRefResult
     device: torch.Tensor
     tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class HostPart:
+    """Host data of one auxiliary component read from a lower tier, for :func:`insert_host`.
+
+    ``host`` holds host units of the component's own pool (already reserved and filled) for
+    key positions ``[start, end)`` (both page-aligned).  Per-token data (SWA) has one slot per
+    token; a per-position state (Mamba) is a point, ``start == end``: one slot, the state
+    after the first ``end`` tokens.  New host-only nodes are cut at every ``start`` and
+    ``end`` so that a part covers whole nodes; the component's ``commit_host_insert`` takes
+    what fits a node and records the rows of ``host`` it took in ``taken``; the rest is freed.
+    """
+
+    start: int
+    end: int
+    host: torch.Tensor
+    taken: list[tuple[int, int]] = field(default_factory=list)

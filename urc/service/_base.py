@@ -9,7 +9,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 from anyio import CancelScope
@@ -28,13 +28,31 @@ from urc.service._snapshots import LoopSnapshots
 
 if TYPE_CHECKING:
     from urc.service._lease import LeaseOwner
-    from urc.service._workers import BackgroundWorker
 
-__all__ = ["LoadBackPolicy", "ServiceBase", "ServiceState", "TraceHook"]
+__all__ = [
+    "BackgroundWorker",
+    "LoadBackPolicy",
+    "ServiceBase",
+    "ServiceState",
+    "TraceHook",
+    "WorkerFn",
+]
 
 # Trace hook: called by the actor after applying each command, before the reply is delivered,
 # with (command, result, error).  For tests (history recording, fault injection).
 TraceHook = Callable[[Command, Any, BaseException | None], None]
+
+
+# A worker is given the service (an ``AsyncUnifiedRadixCache``); typed ``Any`` here because
+# this module sits below the facade it is a part of (a worker's own signature names it).
+WorkerFn = Callable[[Any], Awaitable[None]]
+
+
+class BackgroundWorker(Protocol):
+    """A background coroutine of the service (HiCache backup, host eviction, prefetch):
+    ``run(svc)`` gets the :class:`~urc.service.AsyncUnifiedRadixCache` it runs in."""
+
+    async def run(self, svc: Any) -> None: ...
 
 
 class ServiceState(Enum):

@@ -4,69 +4,16 @@ of :mod:`urc.service`)."""
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
-from urc.service._commands import (
-    Alloc,
-    AllocMamba,
-    AllocReqMamba,
-    AllocReqRow,
-    CacheFinishedReq,
-    CacheUnfinishedReq,
-    Call,
-    Command,
-    Evict,
-    FinishReqLoad,
-    Free,
-    FreeMamba,
-    Insert,
-    Lock,
-    Match,
-    MatchReq,
-    Release,
-    SanityCheck,
-    SlideReqWindow,
-    StartReqLoad,
-    Stats,
-    WriteReqSlots,
-)
+from urc.service._commands import COMMAND_TYPES, Command, OnCancel
 
-__all__ = ["ON_CANCEL", "OnCancel", "ServiceCall"]
+__all__ = ["ON_CANCEL", "ServiceCall"]
 
 
-class OnCancel(Enum):
-    """What happens to a command whose caller is cancelled after sending it."""
-
-    SKIP = 0  # skipped if the actor has not taken it yet; a lease it produced is released
-    APPLY = 1  # applied anyway (a release: the lease is already marked released)
-    AWAIT = 2  # the caller waits (shielded) for the outcome: slots or a request change owner
-
-
-# Looked up by command type (a C-level hash; an Enum member hashes in Python).
-ON_CANCEL: dict[type[Any], OnCancel] = {
-    Match: OnCancel.SKIP,
-    Lock: OnCancel.SKIP,
-    Evict: OnCancel.SKIP,
-    Stats: OnCancel.SKIP,
-    SanityCheck: OnCancel.SKIP,
-    Release: OnCancel.APPLY,
-    Insert: OnCancel.AWAIT,
-    MatchReq: OnCancel.AWAIT,
-    StartReqLoad: OnCancel.AWAIT,
-    FinishReqLoad: OnCancel.AWAIT,
-    Alloc: OnCancel.AWAIT,
-    Free: OnCancel.AWAIT,
-    AllocMamba: OnCancel.AWAIT,
-    FreeMamba: OnCancel.AWAIT,
-    AllocReqRow: OnCancel.AWAIT,
-    WriteReqSlots: OnCancel.AWAIT,
-    AllocReqMamba: OnCancel.AWAIT,
-    SlideReqWindow: OnCancel.AWAIT,
-    CacheFinishedReq: OnCancel.AWAIT,
-    CacheUnfinishedReq: OnCancel.AWAIT,
-    Call: OnCancel.AWAIT,
-}
+# Each command's cancellation policy (its ``on_cancel``), looked up by command type: a
+# C-level hash, where an attribute read through the instance would cost more.
+ON_CANCEL: dict[type[Any], OnCancel] = {cls: cls.on_cancel for cls in COMMAND_TYPES}
 
 
 class ServiceCall:

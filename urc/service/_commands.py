@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, get_args
 
 import torch
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from urc.service._request_ops import PendingLoad
 
 __all__ = [
+    "COMMAND_TYPES",
+    "OnCancel",
     "Alloc",
     "AllocMamba",
     "AllocReqMamba",
@@ -83,6 +85,14 @@ class CommandKind(Enum):
     CALL = "call"
 
 
+class OnCancel(Enum):
+    """What happens to a command whose caller is cancelled after sending it."""
+
+    SKIP = 0  # skipped if the actor has not taken it yet; a lease it produced is released
+    APPLY = 1  # applied anyway (a release: the lease is already marked released)
+    AWAIT = 2  # the caller waits (shielded) for the outcome: slots or a request change owner
+
+
 @dataclass(frozen=True, slots=True)
 class Match:
     """Longest cached prefix of ``key``; with ``lock`` also lock it (the result has a lease).
@@ -91,6 +101,7 @@ class Match:
     """
 
     kind: ClassVar[CommandKind] = CommandKind.MATCH
+    on_cancel: ClassVar[OnCancel] = OnCancel.SKIP
     key: RadixKey
     lock: bool = False
     cow_mamba: bool = False
@@ -107,6 +118,7 @@ class MatchReq:
     :class:`FinishReqLoad` must follow)."""
 
     kind: ClassVar[CommandKind] = CommandKind.MATCH_REQ
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     cow_mamba: bool = False
     load_back: int | None = None
@@ -119,6 +131,7 @@ class StartReqLoad:
     followed by a :class:`FinishReqLoad`.  The lock is unchanged."""
 
     kind: ClassVar[CommandKind] = CommandKind.START_REQ_LOAD
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     threshold: int = 0
 
@@ -129,6 +142,7 @@ class FinishReqLoad:
     ``req`` and move its lock to the longer hit (``cow_mamba`` as for :class:`MatchReq`)."""
 
     kind: ClassVar[CommandKind] = CommandKind.FINISH_REQ_LOAD
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     load: PendingLoad
     ok: bool = True
@@ -140,6 +154,7 @@ class AllocReqRow:
     """Give ``req`` a ``req_to_token`` row; the result is its index."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC_REQ_ROW
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
 
 
@@ -149,6 +164,7 @@ class WriteReqSlots:
     owns them) and set its committed length to ``committed``."""
 
     kind: ClassVar[CommandKind] = CommandKind.WRITE_REQ_SLOTS
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     slots: torch.Tensor
     committed: int
@@ -159,6 +175,7 @@ class AllocReqMamba:
     """Give ``req`` its live Mamba state slot unless it has one; the result is that slot."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC_REQ_MAMBA
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
 
 
@@ -168,6 +185,7 @@ class SlideReqWindow:
     the result is the SWA tokens freed."""
 
     kind: ClassVar[CommandKind] = CommandKind.SLIDE_REQ_WINDOW
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     seq_len: int
 
@@ -177,6 +195,7 @@ class Insert:
     """Insert ``key`` -> ``value`` (see ``UnifiedRadixCache.insert`` for slot ownership)."""
 
     kind: ClassVar[CommandKind] = CommandKind.INSERT
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     key: RadixKey
     value: torch.Tensor
     prev_prefix_len: int = 0
@@ -191,6 +210,7 @@ class Lock:
     """Lock the node behind ``node`` (from an earlier match); the result is a lease."""
 
     kind: ClassVar[CommandKind] = CommandKind.LOCK
+    on_cancel: ClassVar[OnCancel] = OnCancel.SKIP
     node: NodeHandle
 
 
@@ -199,6 +219,7 @@ class Release:
     """Release ``lease`` (already marked released by the caller)."""
 
     kind: ClassVar[CommandKind] = CommandKind.RELEASE
+    on_cancel: ClassVar[OnCancel] = OnCancel.APPLY
     lease: Lease
 
 
@@ -207,6 +228,7 @@ class Evict:
     """Evict at least the amounts in ``params`` where possible."""
 
     kind: ClassVar[CommandKind] = CommandKind.EVICT
+    on_cancel: ClassVar[OnCancel] = OnCancel.SKIP
     params: EvictParams
 
 
@@ -215,6 +237,7 @@ class Alloc:
     """Allocate ``num_tokens`` Full KV slots for the caller, evicting first if ``evict``."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     num_tokens: int
     evict: bool = True
 
@@ -224,6 +247,7 @@ class Free:
     """Give caller-owned Full KV slots back to the allocator."""
 
     kind: ClassVar[CommandKind] = CommandKind.FREE
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     indices: torch.Tensor
 
 
@@ -232,6 +256,7 @@ class AllocMamba:
     """Allocate ``num`` Mamba state slots for the caller, evicting states first if ``evict``."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC_MAMBA
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     num: int = 1
     evict: bool = True
 
@@ -241,6 +266,7 @@ class FreeMamba:
     """Give caller-owned Mamba state slots back to the pool (all or nothing)."""
 
     kind: ClassVar[CommandKind] = CommandKind.FREE_MAMBA
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     indices: torch.Tensor
 
 
@@ -249,6 +275,7 @@ class CacheFinishedReq:
     """``cache_finished_req(req, is_insert)``."""
 
     kind: ClassVar[CommandKind] = CommandKind.CACHE_FINISHED_REQ
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     is_insert: bool = True
 
@@ -258,6 +285,7 @@ class CacheUnfinishedReq:
     """``cache_unfinished_req(req, chunked)``."""
 
     kind: ClassVar[CommandKind] = CommandKind.CACHE_UNFINISHED_REQ
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     chunked: bool = False
 
@@ -267,6 +295,7 @@ class Stats:
     """A ``CacheStats`` snapshot."""
 
     kind: ClassVar[CommandKind] = CommandKind.STATS
+    on_cancel: ClassVar[OnCancel] = OnCancel.SKIP
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +303,7 @@ class SanityCheck:
     """``sanity_check()`` then ``check_pools(held)`` (``held``: units owned by requests)."""
 
     kind: ClassVar[CommandKind] = CommandKind.SANITY_CHECK
+    on_cancel: ClassVar[OnCancel] = OnCancel.SKIP
     held: Mapping[ComponentType, int] | None = None
 
 
@@ -289,6 +319,7 @@ class Call:
     """
 
     kind: ClassVar[CommandKind] = CommandKind.CALL
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     fn: Callable[[UnifiedRadixCache], Any]
     undo: Callable[[UnifiedRadixCache, Any], None] | None = None
 
@@ -317,6 +348,9 @@ Command: TypeAlias = (
     | Call
 )
 
+#: Every command class (the members of :data:`Command`).
+COMMAND_TYPES: tuple[type[Command], ...] = get_args(Command)
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class MatchOutcome:
@@ -339,10 +373,6 @@ class MatchOutcome:
     mamba_branching_seqlen: int | None = None
     host_loaded_len: int = 0
     pending_load: PendingLoad | None = None
-
-    @property
-    def device_hit_length(self) -> int:
-        return self.prefix_len
 
 
 @dataclass(frozen=True, slots=True)

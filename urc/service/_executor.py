@@ -13,7 +13,7 @@ the pools what a command's result would have handed to a caller that is gone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,7 +21,6 @@ from urc.cache import UnifiedRadixCache
 from urc.errors import InvalidInputError, InvalidLockError, LeaseError, OutOfMemoryError
 from urc.node import TreeNode
 from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams, MatchResult
-from urc.pools.swa import SWATokenSlotAllocator
 from urc.service import _request_ops as request_ops
 from urc.service._commands import (
     Alloc,
@@ -54,6 +53,23 @@ from urc.service._lease import Lease, LeaseOwner, NodeHandle
 __all__ = ["CommandExecutor", "give_back"]
 
 
+_HANDLERS: dict[type[Any], Callable[..., Any]] = {}
+_H = TypeVar("_H", bound=Callable[..., Any])
+
+
+def handles(command_type: type[Any]) -> Callable[[_H], _H]:
+    """Register the decorated :class:`CommandExecutor` method as the handler of
+    ``command_type`` (one per command: a new operation is a facade method, a command class
+    and one handler here)."""
+
+    def register(handler: _H) -> _H:
+        assert command_type not in _HANDLERS, f"two handlers for {command_type.__name__}"
+        _HANDLERS[command_type] = handler
+        return handler
+
+    return register
+
+
 class CommandExecutor:
     """Applies commands to ``cache``; leases it issues name ``owner`` as their releaser.
 
@@ -69,28 +85,9 @@ class CommandExecutor:
         # Lease id -> (lease, locked node, acquire receipt); the only place nodes are kept.
         self.leases: dict[int, tuple[Lease, TreeNode, IncLockRefResult]] = {}
         self._next_lease_id = 1
+        # Each command type's handler, bound (see ``handles``).
         self._dispatch: dict[type[Any], Callable[[Any], Any]] = {
-            Match: self._match,
-            MatchReq: self._match_req,
-            StartReqLoad: self._start_req_load,
-            FinishReqLoad: self._finish_req_load,
-            AllocReqRow: self._alloc_req_row,
-            WriteReqSlots: self._write_req_slots,
-            AllocReqMamba: self._alloc_req_mamba,
-            SlideReqWindow: self._slide_req_window,
-            Insert: self._insert,
-            Lock: self._lock,
-            Release: self._release,
-            Evict: self._evict,
-            Alloc: self._alloc,
-            Free: self._free,
-            AllocMamba: self._alloc_mamba,
-            FreeMamba: self._free_mamba,
-            CacheFinishedReq: self._cache_finished,
-            CacheUnfinishedReq: self._cache_unfinished,
-            Stats: self._stats,
-            SanityCheck: self._sanity_check,
-            Call: self._call,
+            cls: handler.__get__(self) for cls, handler in _HANDLERS.items()
         }
 
     def apply(self, command: Command) -> Any:
@@ -130,6 +127,7 @@ class CommandExecutor:
         return count
 
     # ------------------------------------------------------------------ handlers
+    @handles(Match)
     def _match(self, cmd: Match) -> MatchOutcome:
         res = self.cache.match_prefix(MatchPrefixParams(cmd.key, cmd.cow_mamba, cmd.req))
         node = res.last_device_node
@@ -144,14 +142,17 @@ class CommandExecutor:
             res.mamba_branching_seqlen,
         )
 
+    @handles(MatchReq)
     def _match_req(self, cmd: MatchReq) -> MatchOutcome:
         res, load = request_ops.match_req(self.cache, cmd.req, cmd.cow_mamba, cmd.load_back)
         return _req_outcome(res, load)
 
+    @handles(StartReqLoad)
     def _start_req_load(self, cmd: StartReqLoad) -> MatchOutcome:
         res, load = request_ops.start_req_load(self.cache, cmd.req, cmd.threshold)
         return _req_outcome(res, load)
 
+    @handles(FinishReqLoad)
     def _finish_req_load(self, cmd: FinishReqLoad) -> MatchOutcome | None:
         """The re-matched outcome, or ``None`` when nothing was loaded (the request's match
         stands)."""
@@ -164,18 +165,23 @@ class CommandExecutor:
         gained = max(0, int(res.indices.shape[0]) - load.prefix_len)
         return _req_outcome(res, None, min(gained, load.host_hit_length))
 
+    @handles(AllocReqRow)
     def _alloc_req_row(self, cmd: AllocReqRow) -> int:
         return request_ops.alloc_req_row(self.cache, cmd.req)
 
+    @handles(WriteReqSlots)
     def _write_req_slots(self, cmd: WriteReqSlots) -> None:
         request_ops.write_req_slots(self.cache, cmd.req, cmd.slots, cmd.committed)
 
+    @handles(AllocReqMamba)
     def _alloc_req_mamba(self, cmd: AllocReqMamba) -> torch.Tensor:
         return request_ops.alloc_req_mamba(self.cache, cmd.req)
 
+    @handles(SlideReqWindow)
     def _slide_req_window(self, cmd: SlideReqWindow) -> int:
         return request_ops.slide_req_window(self.cache, cmd.req, cmd.seq_len)
 
+    @handles(Insert)
     def _insert(self, cmd: Insert) -> InsertOutcome:
         res = self.cache.insert(
             InsertParams(
@@ -190,6 +196,7 @@ class CommandExecutor:
         )
         return InsertOutcome(res.prefix_len, res.total_len, res.mamba_exist)
 
+    @handles(Lock)
     def _lock(self, cmd: Lock) -> Lease:
         node = cmd.node.node
         if node.evicted:
@@ -203,42 +210,30 @@ class CommandExecutor:
             walk = walk.parent
         return self._new_lease(node, depth)
 
+    @handles(Release)
     def _release(self, cmd: Release) -> None:
         self.release_lease(cmd.lease)
 
+    @handles(Evict)
     def _evict(self, cmd: Evict) -> Any:
         return self.cache.evict(cmd.params)
 
+    @handles(Alloc)
     def _alloc(self, cmd: Alloc) -> torch.Tensor:
         n = cmd.num_tokens
         if n < 0:
             raise InvalidInputError(f"cannot allocate {n} slots")
-        allocator = self.cache.token_to_kv_pool_allocator
-        out = allocator.alloc(n)
-        if out is None and cmd.evict:
-            # Evicting is invisible to callers, so it may happen even if the alloc then fails.
-            # Both sides of a paired (Full + SWA) allocator may be short: evict what each lacks.
-            ps = allocator.page_size
-            need = -(-n // ps) * ps
-            swa_short = 0
-            if isinstance(allocator, SWATokenSlotAllocator):
-                swa_short = max(0, need - allocator.swa_available_size())
-            self.cache.evict(
-                EvictParams(
-                    num_tokens=max(0, need - allocator.available_size()),
-                    swa_num_tokens=swa_short,
-                )
-            )
-            out = allocator.alloc(n)
+        out = self.cache.alloc_tokens(n, cmd.evict)
         if out is None:
-            free = f"{allocator.available_size()} free"
-            if isinstance(allocator, SWATokenSlotAllocator):
-                free += f" ({allocator.swa_available_size()} SWA)"
-            raise OutOfMemoryError(
-                f"cannot allocate {n} slots: {free}, {self.cache.evictable_size()} evictable"
+            cache = self.cache
+            pools = ", ".join(
+                f"{c.component_type.name}: {c.pool_available()} free, {c.evictable_size} evictable"
+                for c in cache.components
             )
+            raise OutOfMemoryError(f"cannot allocate {n} slots ({pools})")
         return out
 
+    @handles(Free)
     def _free(self, cmd: Free) -> None:
         self.cache.token_to_kv_pool_allocator.free(cmd.indices)
 
@@ -248,6 +243,7 @@ class CommandExecutor:
             raise InvalidInputError("this cache has no Mamba component")
         return pool
 
+    @handles(AllocMamba)
     def _alloc_mamba(self, cmd: AllocMamba) -> torch.Tensor:
         n = cmd.num
         if n < 0:
@@ -264,22 +260,28 @@ class CommandExecutor:
             )
         return out
 
+    @handles(FreeMamba)
     def _free_mamba(self, cmd: FreeMamba) -> None:
         self._mamba_pool().free(cmd.indices)
 
+    @handles(CacheFinishedReq)
     def _cache_finished(self, cmd: CacheFinishedReq) -> None:
         self.cache.cache_finished_req(cmd.req, cmd.is_insert)
 
+    @handles(CacheUnfinishedReq)
     def _cache_unfinished(self, cmd: CacheUnfinishedReq) -> None:
         self.cache.cache_unfinished_req(cmd.req, cmd.chunked)
 
+    @handles(Stats)
     def _stats(self, cmd: Stats) -> Any:
         return self.cache.stats()
 
+    @handles(SanityCheck)
     def _sanity_check(self, cmd: SanityCheck) -> None:
         self.cache.sanity_check()
         self.cache.check_pools(cmd.held)
 
+    @handles(Call)
     def _call(self, cmd: Call) -> Any:
         return cmd.fn(self.cache)
 

@@ -24,8 +24,8 @@ from anyio import (
 from urc.errors import URCError
 from urc.service._anyio_private import stream_buffer_holds
 from urc.service._base import ServiceBase, ServiceState
-from urc.service._call import ON_CANCEL, OnCancel, ServiceCall
-from urc.service._commands import Command, CommandKind, Release
+from urc.service._call import ON_CANCEL, ServiceCall
+from urc.service._commands import Command, CommandKind, OnCancel, Release
 from urc.service._executor import give_back
 
 __all__ = ["Transport"]

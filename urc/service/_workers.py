@@ -4,29 +4,16 @@ the service's task group, cancelled first at close; an exception ends that worke
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
 
 import anyio
 from anyio import CancelScope
 
 from urc.errors import ServiceError
-from urc.service._base import ServiceBase, ServiceState
+from urc.service._base import ServiceBase, ServiceState, WorkerFn
 
-if TYPE_CHECKING:
-    from urc.service._facade import AsyncUnifiedRadixCache
-
-__all__ = ["BackgroundWorker", "WorkerSupervisor"]
+__all__ = ["WorkerSupervisor"]
 
 logger = logging.getLogger("urc.service")
-
-WorkerFn = Callable[["AsyncUnifiedRadixCache"], Awaitable[None]]
-
-
-class BackgroundWorker(Protocol):
-    """A background coroutine of the service (HiCache backup, host eviction, prefetch)."""
-
-    async def run(self, svc: AsyncUnifiedRadixCache) -> None: ...
 
 
 class WorkerSupervisor(ServiceBase):
@@ -53,7 +40,7 @@ class WorkerSupervisor(ServiceBase):
     async def _run_worker(self, fn: WorkerFn, scope: CancelScope) -> None:
         try:
             with scope:
-                await fn(self)  # type: ignore[arg-type]  # ``self`` is the facade
+                await fn(self)  # ``self`` is the facade
         except Exception as exc:
             # A ServiceError after close or failure is a consequence, not a cause.
             if not (isinstance(exc, ServiceError) and self._state is not ServiceState.RUNNING):

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from urc.cache import UnifiedRadixCache, build_cache
-from urc.config import CacheConfig, EvictionPolicy
+from urc.config import CacheConfig
+from urc.eviction_policy import EvictionPolicy
 from urc.fastpath import common_len
 from urc.key import RadixKey
 from urc.node import ComponentType

@@ -28,9 +28,9 @@ import torch
 
 from hicache.config import StorageBackupPolicy
 from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
-from urc.config import CacheConfig, EvictionPolicy
+from urc.config import CacheConfig
 from urc.errors import ConfigError
-from urc.eviction_policy import NextUseOracle
+from urc.eviction_policy import EvictionPolicy, NextUseOracle
 from urc.host.protocol import WritePolicy
 from urc.node import ComponentType
 from urc.pools.allocator import check_page_size

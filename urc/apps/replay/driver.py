@@ -64,8 +64,8 @@ from urc.apps.replay.report import TIERS, LatencyRecorder, ReplayReport
 from urc.apps.replay.source import EmptyWorkloadError, WorkloadSummary, aiter_requests, summarize
 from urc.apps.workloads import TraceRequest
 from urc.cache import UnifiedRadixCache, build_cache
-from urc.config import EvictionPolicy
 from urc.errors import ConfigError, OutOfMemoryError, ServiceError
+from urc.eviction_policy import EvictionPolicy
 from urc.key import RadixKey
 from urc.node import ComponentType, Tier
 from urc.req import Req
