@@ -7,9 +7,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from urc.cache import UnifiedRadixCache
-from urc.config import CacheConfig, CachePools, EvictionPolicy
+from urc.config import CacheConfig
 from urc.errors import ConfigError
+from urc.eviction_policy import EvictionPolicy
 from urc.node import ComponentType
+from urc.pools.cache_pools import CachePools
 
 __all__ = ["check_supported", "create_cache", "unsupported_options"]
 
@@ -199,9 +201,10 @@ def create_cache(ctx: Any) -> Any:
     pools = CachePools(
         token_allocator=slots,
         req_to_token_pool=params.req_to_token_pool,
+        # Duck-typed stand-ins on SGLang's pools (see urc.apps.sglang._pools).
         kv_pool=kv_pool,  # type: ignore[arg-type]
-        swa=swa,
-        mamba=mamba,
+        swa=swa,  # type: ignore[arg-type]
+        mamba=mamba,  # type: ignore[arg-type]
     )
     core = UnifiedRadixCache(config, pools)
     host = None
