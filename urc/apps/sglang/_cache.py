@@ -4,9 +4,10 @@ SGLang's scheduler owns the pools: it allocates KV slots from its own
 ``token_to_kv_pool_allocator`` and request rows from its ``req_to_token_pool``, then hands
 the slots to the tree (``checkpoint``) and frees what the tree did not take
 (``mem_cache/common.py``: ``release_kv_cache``).  So the tree must keep and free exactly
-those slots: urc's tree runs directly on SGLang's allocator (its ``size``,
-``available_size()`` and ``free()`` are all urc's Full component needs), and no urc pool
-sits in between -- a second pool would hold slots SGLang's own accounting cannot see.
+those slots: urc's components run on SGLang's own allocators and pools, seen through thin
+views with the surface they use (:mod:`urc.apps.sglang._pools`: no state of their own but
+which Mamba slots the tree owns), and no urc pool sits in between -- a second pool would
+hold slots SGLang's own accounting cannot see.
 
 Node handles are urc's :class:`~urc.node.TreeNode` objects (SGLang's base-class default:
 ``resolve_node_handle`` is the identity; ``dfs_weight_order`` walks ``node.children``).
