@@ -25,9 +25,11 @@ from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
+import anyio.lowlevel
+
 from urc.node import TreeNode
 from urc.replay.config import ReplayConfig
-from urc.replay.source import aiter_requests
+from urc.replay.source import CHECKPOINT_EVERY, aiter_requests
 
 __all__ = ["NextUseTable", "build_next_use"]
 
@@ -111,4 +113,6 @@ async def build_next_use(config: ReplayConfig) -> NextUseTable:
     async with aclosing(requests):
         async for r in requests:
             table.add(r.index, r.input_ids, r.namespace)
+            if r.index % CHECKPOINT_EVERY == 0:
+                await anyio.lowlevel.checkpoint()  # interruptible (nothing here suspends)
     return table

@@ -361,7 +361,7 @@ async def run_replay(
     """
     t_setup = perf_counter()
     if summary is None:
-        summary = await summarize(config)
+        summary = await summarize(config, progress=progress)
     if summary.requests == 0:
         raise EmptyWorkloadError(f"{config.source_name}: the workload holds no request")
     ps = config.page_size

@@ -16,18 +16,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from urc.replay.config import Capacity, ReplayConfig
+from urc.replay.config import ReplayConfig
 from urc.replay.driver import run_replay
+from urc.replay.options import DEFAULT_SWEEP, Capacity
 from urc.replay.report import IDEAL_SCOPE, ReplayReport
 from urc.replay.source import EmptyWorkloadError, summarize
 from urc.tree import Tier
 
 __all__ = ["DEFAULT_SWEEP", "SweepPoint", "SweepResult", "run_sweep"]
-
-DEFAULT_SWEEP: tuple[Capacity, ...] = tuple(
-    Capacity(fraction=f) for f in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
-)
-"""Device capacities of a plain ``--sweep``, as fractions of the unique prompt tokens."""
 
 _BAR_WIDTH = 50
 
@@ -153,7 +149,7 @@ async def run_sweep(
     """Replay ``config`` once per device capacity in ``capacities`` (see the module doc).
 
     Raises what :func:`~urc.replay.run_replay` raises."""
-    summary = await summarize(config)
+    summary = await summarize(config, progress=progress)
     if summary.requests == 0:
         raise EmptyWorkloadError(f"{config.source_name}: the workload holds no request")
     points = []
