@@ -73,7 +73,8 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        parser.exit(message=f"{parser.prog} {version()}\n")
+        print(f"{parser.prog} {version()}")
+        parser.exit()
 
 
 def build_parser(*, with_replay_options: bool = True) -> argparse.ArgumentParser:

@@ -124,8 +124,9 @@ try:
     urc.cli.main([{arg!r}])
 except SystemExit:
     pass
+light = set(["urc.replay", "urc.replay.arguments", "urc.replay.options"])  # flag rules
 heavy = sorted(
-    m for m in set(sys.modules) - before
+    m for m in set(sys.modules) - before - light
     if m.startswith(("urc.replay", "urc.workloads", "hicache", "metrics", "prometheus_client"))
 )
 print("HEAVY", heavy, "TORCH", "torch" in sys.modules)

@@ -2,8 +2,9 @@
 picked from.
 
 :func:`run_sweep` makes the workload's first pass once and replays it once per device
-capacity (every other setting as configured: keep the host tier for a HiCache curve, or turn
-it off with ``host_tokens=0`` for a single-tier one).  :class:`SweepResult` prints a table
+capacity (every other setting as configured: ``host_tokens=0`` gives the curve of the device
+tier alone, what ``urc replay --sweep`` runs unless ``--host-tokens`` is given; a host tier
+gives a HiCache curve, whose points all include the same host capacity).  :class:`SweepResult` prints a table
 and an ASCII chart (always) and writes a PNG when matplotlib is importable (it is not a
 dependency).  Deterministic runs give the same curve every time.
 """
@@ -85,7 +86,7 @@ class SweepResult:
         host = (
             f"host {first.host_tokens:,} tokens ({first.write_policy})"
             if first is not None and first.host_tokens
-            else "no host tier"
+            else "no host tier: the device tier alone; --host-tokens adds one"
         )
         lines = [
             f"urc replay --sweep: {self.source}",
