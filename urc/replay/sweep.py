@@ -4,9 +4,9 @@ picked from.
 :func:`run_sweep` makes the workload's first pass once and replays it once per device
 capacity (every other setting as configured: ``host_tokens=0`` gives the curve of the device
 tier alone, what ``urc replay --sweep`` runs unless ``--host-tokens`` is given; a host tier
-gives a HiCache curve, whose points all include the same host capacity).  :class:`SweepResult` prints a table
-and an ASCII chart (always) and writes a PNG when matplotlib is importable (it is not a
-dependency).  Deterministic runs give the same curve every time.
+gives a HiCache curve, whose points all include the same host capacity).
+:class:`SweepResult` prints a table and an ASCII chart (always) and writes a PNG when
+matplotlib is importable (it is not a dependency).  Deterministic runs give the same curve every time.
 """
 
 from __future__ import annotations
