@@ -6,7 +6,8 @@ capacity (every other setting as configured: ``host_tokens=0`` gives the curve o
 tier alone, what ``urc replay --sweep`` runs unless ``--host-tokens`` is given; a host tier
 gives a HiCache curve, whose points all include the same host capacity).
 :class:`SweepResult` prints a table and an ASCII chart (always) and writes a PNG when
-matplotlib is importable (it is not a dependency).  Deterministic runs give the same curve every time.
+matplotlib is importable (it is not a dependency).  Deterministic runs give the same curve
+every time.
 """
 
 from __future__ import annotations
