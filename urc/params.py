@@ -10,7 +10,7 @@ import torch
 
 from urc.errors import InvalidInputError
 from urc.key import RadixKey
-from urc.tree import ComponentType, TreeNode
+from urc.node import ComponentType, TreeNode
 
 if TYPE_CHECKING:
     from urc.req import Req

@@ -28,7 +28,7 @@ from urc import (
     RadixKey,
     build_cache,
 )
-from urc.tree import Tier, TreeNode
+from urc.node import Tier, TreeNode
 
 FULL = ComponentType.FULL
 

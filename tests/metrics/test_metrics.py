@@ -42,7 +42,9 @@ from metrics import (
     make_observer,
 )
 from urc import RadixKey, Tier
-from urc.commands import (
+from urc.errors import URCError
+from urc.params import EvictParams
+from urc.service._commands import (
     Alloc,
     CommandKind,
     Evict,
@@ -50,10 +52,8 @@ from urc.commands import (
     MatchOutcome,
     Release,
 )
-from urc.errors import URCError
-from urc.lease import Lease
-from urc.observer import ServiceObserver, TransferKind
-from urc.params import EvictParams
+from urc.service._lease import Lease
+from urc.service._observer import ServiceObserver, TransferKind
 from urc.stats import ComponentStats
 
 

@@ -19,9 +19,9 @@ from time import perf_counter
 
 import pytest
 
-from urc.cli import build_parser, main
-from urc.replay import ReplayConfig
-from urc.replay.options import (
+from urc.apps.cli import build_parser, main
+from urc.apps.replay import ReplayConfig
+from urc.apps.replay.options import (
     EVICTION_POLICY_VALUES,
     L3_BACKUP_VALUES,
     TRACE_BLOCK_SIZE,
@@ -31,7 +31,7 @@ from urc.replay.options import (
 )
 
 # (flags, the flag the error must name): argparse's own checks, then the rules of
-# urc.replay.options, then what only the command line checks (paths, matplotlib).
+# urc.apps.replay.options, then what only the command line checks (paths, matplotlib).
 USAGE_ERRORS = [
     (["--window", "x"], "--window"),
     (["--device-tokens", "lots"], "--device-tokens"),
@@ -99,9 +99,9 @@ def test_option_errors_name_fields_for_python_callers_and_flags_for_the_cli() ->
 # What ``urc`` imports before it answers (a fresh interpreter each time).
 _PROBE = """
 import sys
-import urc.cli
+import urc.apps.cli
 try:
-    status = urc.cli.main({argv!r})
+    status = urc.apps.cli.main({argv!r})
 except SystemExit as exc:
     status = exc.code
 print("STATUS", status, "TORCH", "torch" in sys.modules, "ANYIO", "anyio" in sys.modules)
@@ -152,9 +152,9 @@ def test_help_states_each_default_once_and_never_none(capsys: pytest.CaptureFixt
 
 def test_parser_choices_are_the_enums_values() -> None:
     from hicache.config import StorageBackupPolicy
-    from urc.config import EvictionPolicy
-    from urc.host_protocol import WritePolicy
-    from urc.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
+    from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
+    from urc.eviction_policy import EvictionPolicy
+    from urc.host.protocol import WritePolicy
 
     assert tuple(p.value for p in EvictionPolicy) == EVICTION_POLICY_VALUES
     assert tuple(p.value for p in WritePolicy) == WRITE_POLICY_VALUES
@@ -226,7 +226,7 @@ def test_ctrl_c_during_setup_exits_promptly_with_status_130(tmp_path: Path) -> N
     master, slave = pty.openpty()  # stderr a terminal: the progress bars are on
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
     proc = subprocess.Popen(
-        [sys.executable, "-m", "urc.cli", "replay", "--num-requests", "1000000"],
+        [sys.executable, "-m", "urc.apps.cli", "replay", "--num-requests", "1000000"],
         stdout=subprocess.DEVNULL,
         stderr=slave,
         cwd=Path(__file__).resolve().parents[2],

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from trace_paths import conversation_trace, requires_conversation_trace
 
-from urc.workloads import (
+from urc.apps.workloads import (
     TOKEN_ID_LIMIT,
     VOCAB_SIZE,
     TraceFormatError,

@@ -31,7 +31,9 @@ from urc import (
     UnifiedRadixCache,
     build_cache,
 )
-from urc.commands import (
+from urc.params import EvictParams
+from urc.service import AsyncUnifiedRadixCache, ServiceState
+from urc.service._commands import (
     Alloc,
     CacheFinishedReq,
     CacheUnfinishedReq,
@@ -49,11 +51,9 @@ from urc.commands import (
     SanityCheck,
     Stats,
 )
-from urc.executor import CommandExecutor
-from urc.lease import Lease, NodeHandle
-from urc.observer import ServiceObserver, TransferKind
-from urc.params import EvictParams
-from urc.service import AsyncUnifiedRadixCache, ServiceState
+from urc.service._executor import CommandExecutor
+from urc.service._lease import Lease, NodeHandle
+from urc.service._observer import ServiceObserver, TransferKind
 from urc.stats import CacheStats
 
 FULL = ComponentType.FULL
@@ -728,7 +728,7 @@ async def test_pulling_observer_gets_a_snapshot_source() -> None:
     ones from the source on the loop or from another thread, and the final one after close."""
     import anyio.to_thread
 
-    from urc.observer import PullingObserver, ServiceSnapshot
+    from urc.service._observer import PullingObserver, ServiceSnapshot
 
     with anyio.fail_after(TIMEOUT):
         obs = PullingRecorder()

@@ -4,7 +4,8 @@ The cache walks keys and the tree (``urc.tree.Tree``) keeps the node structure; 
 physical action -- allocating, freeing, copying, translating indices, locking, choosing what
 to evict -- happens in a component hook.  A component is built with its collaborators: the
 tree, the pools, the config (its spec) and the cache-wide eviction steps
-(``urc.eviction.Evictor``); it never sees the cache itself.  A cache holds one component per
+(:class:`EvictionSteps`, implemented by ``urc.eviction.Evictor``); it never sees the cache
+itself.  A cache holds one component per
 :class:`~urc.tree.ComponentType`; FULL is always present and is the anchor: a node exists
 while its Full data exists on some tier.
 
@@ -20,36 +21,57 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
+from urc.node import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from urc.config import CacheConfig, CachePools
-    from urc.eviction import Evictor
-    from urc.host_protocol import HostTier, TransferItem
-    from urc.host_transfers import HostPart
+    from urc.config import CacheConfig
+    from urc.host.protocol import HostPart, HostTier, TransferItem
     from urc.params import (
         DecLockRefParams,
         EvictParams,
+        EvictResult,
         IncLockRefResult,
         InsertParams,
         InsertResult,
         MatchPrefixParams,
         MatchResult,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.req import Req
     from urc.tree import Tree
 
-__all__ = ["EvictTracker", "MatchValidator", "PathValidator", "TreeComponent"]
+__all__ = ["EvictTracker", "EvictionSteps", "MatchValidator", "PathValidator", "TreeComponent"]
 
 MatchValidator = Callable[[TreeNode], bool]
 # ``check(i)``: may a match of a known path end at its ``i``-th node (1-based)?
 PathValidator = Callable[[int], bool]
 # Units freed so far by one ``evict`` call, indexed by ComponentType.
 EvictTracker = list[int]
+
+
+class EvictionSteps(Protocol):
+    """The cache-wide eviction steps a component's eviction driver and allocator call (each
+    frees through every component's hooks, by priority; :mod:`urc.eviction`)."""
+
+    def evict(self, params: EvictParams, protect: TreeNode | None = None) -> EvictResult:
+        """Evict as ``UnifiedRadixCache.evict`` does, keeping ``protect``'s path."""
+        ...
+
+    def evict_device_leaf(self, node: TreeNode, tracker: EvictTracker) -> bool:
+        """Evict (or demote) the unlocked device leaf ``node``; False when it must stay."""
+        ...
+
+    def cascade(self, node: TreeNode, trigger: TreeComponent, tracker: EvictTracker) -> None:
+        """Evict ``trigger``'s data on ``node`` and what depends on it."""
+        ...
+
+    def evict_host_leaf(self, node: TreeNode, tracker: EvictTracker) -> None:
+        """Free every host copy of the host-only leaf ``node`` and delete it."""
+        ...
 
 
 class TreeComponent(ABC):
@@ -63,7 +85,7 @@ class TreeComponent(ABC):
     release_implies_full_lock: ClassVar[bool] = False
 
     def __init__(
-        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: EvictionSteps
     ) -> None:
         # Collaborators: the tree's structure, the pools, the config (and this component's
         # spec in it), and the cache-wide eviction steps.  No reference to the cache.
@@ -360,7 +382,7 @@ class TreeComponent(ABC):
 
     def commit_host_insert(self, node: TreeNode, start: int, parts: Sequence[HostPart]) -> None:
         """``node`` (key positions ``[start, start + node.key_len)``) just got Full host data
-        read from a lower tier (``urc.host_transfers.insert_host``); attach this component's host
+        read from a lower tier (``urc.host.transfers.insert_host``); attach this component's host
         copy from ``parts`` if one fits, recording the rows taken in ``part.taken`` (the
         rest is freed by the caller).  Default for per-token data: the part that covers the
         whole node, sliced to it.  A node that already has a host copy keeps it."""
@@ -390,7 +412,7 @@ class TreeComponent(ABC):
         slots to fill (allocate them here if this component has a pool of its own), or
         ``None`` when there is nothing to load.  ``full_device`` are the Full slots reserved
         for the node.  Default: per-token data addressed by Full slots."""
-        from urc.host_protocol import TransferItem
+        from urc.host.protocol import TransferItem
 
         cd = node.data[self.component_type]
         assert cd is not None
