@@ -12,7 +12,7 @@ workload's unique prompt tokens (see :mod:`urc.apps.replay.options`).
 
 Defaults (device and host 0.25 each, write-back, chunks of :data:`DEFAULT_CHUNK_SIZE`) keep
 the conversation trace (145M prompt tokens, 91M unique) within 0.4 points of its ideal hit
-rate in about 1.2 GB: a cached token costs ~19 bytes (a key pointer in the tree, an int64
+rate in about 1.1 GB: a cached token costs ~19 bytes (a key pointer in the tree, an int64
 slot index, a 2-byte KV row), on device or on host.
 """
 
