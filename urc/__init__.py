@@ -64,6 +64,9 @@ _EXPORTS: dict[str, str] = {
     "ServiceState": "urc.service",
 }
 
+# ``_EXPORTS`` is the list of public names; ``__all__`` and the ``TYPE_CHECKING`` imports
+# below (for linters and type checkers) repeat it, and ``tests/test_public_api.py`` checks
+# that the three agree.
 __all__ = [
     "AsyncUnifiedRadixCache",
     "BackgroundWorker",
@@ -89,13 +92,13 @@ __all__ = [
     "KeyValueMismatchError",
     "Lease",
     "LeaseError",
+    "MambaSpec",
     "MatchOutcome",
     "MatchPrefixParams",
     "MatchResult",
     "NodeHandle",
     "OutOfMemoryError",
     "PoolError",
-    "MambaSpec",
     "RadixKey",
     "Req",
     "ServiceClosedError",

@@ -39,9 +39,10 @@ __all__ = [
     "evict_host_leaf",
 ]
 
+# The bench's evict phase: the tier as a module constant (an Enum attribute load costs
+# ~0.1 µs) and ``evict``'s result built straight from the per-component tracker.
 _DEVICE = Tier.DEVICE
 _new_tuple = tuple.__new__
-# ``evict`` builds its result straight from the per-component tracker.
 assert len(EvictResult._fields) == NUM_COMPONENT_TYPES
 
 

@@ -322,4 +322,6 @@ class DecLockRefResult(NamedTuple):
     delta: int | None = None
 
 
+# ``to_dec_params`` builds its result field by field (the bench's unlock phase: a
+# dataclass constructor's keyword parsing would cost as much as the release).
 _new_object = object.__new__

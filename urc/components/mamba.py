@@ -6,7 +6,7 @@ key ends at ``p`` -- a leaf, or a *checkpoint* node -- so a node's ``value`` is 
 int64 tensor (the slot) or ``None``.  A match is valid only on a node with state: a request
 resumes from exactly that state, and copy-on-write (``cow_mamba``) gives it its own copy.
 
-Rules (ARCHITECTURE §4):
+Rules (docs/architecture.md §5):
 
 - A split gives the new upper node no state (the state belongs to the end of the key).
 - Insert: the target node adopts ``InsertParams.mamba_value``'s slot; if it already has state

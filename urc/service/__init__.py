@@ -5,7 +5,11 @@ command, send it, await the reply), :mod:`~urc.service._transport` (send, wait f
 cancel, abandon, give back), :mod:`~urc.service._actor` (the loop, drain, fail),
 :mod:`~urc.service._workers` (background workers), :mod:`~urc.service._lifecycle` (start,
 close), :mod:`~urc.service._base` (the shared state), :mod:`~urc.service._call` (what travels
-on the stream), :mod:`~urc.service._anyio_private` (the only use of anyio internals).
+on the stream), :mod:`~urc.service._anyio_private` (the only use of anyio internals); the
+command layer: :mod:`~urc.service._commands` (one frozen class per operation, with its
+cancellation policy), :mod:`~urc.service._executor` (one ``@handles`` method per command),
+:mod:`~urc.service._request_ops`, :mod:`~urc.service._lease`, :mod:`~urc.service._observer`,
+:mod:`~urc.service._snapshots`.  Only this package's ``__all__`` is public.
 
 Usage::
 
@@ -14,8 +18,8 @@ Usage::
         ...
         await hit.lease.release()
 
-Design (ARCHITECTURE §6)
-------------------------
+Design (docs/architecture.md §1-§2)
+-----------------------------------
 Every public coroutine builds a frozen command (:mod:`urc.service._commands`), wraps it in a call
 (the command plus a one-shot reply slot), sends the call on a bounded anyio memory object
 stream (``max_queued`` buffered calls) and awaits the reply: on asyncio a bare
