@@ -152,3 +152,22 @@ async def test_events_recorded_as_the_service_closes_are_still_sent() -> None:
 def test_bad_publisher_configs_are_refused(kw: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         KVEventsConfig(**kw)
+
+
+def test_the_publishers_counters_are_scraped_from_its_stats() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from metrics.kv_events import KVPublisherMetrics
+
+    pub = _publisher(max_queued=1)
+    registry = CollectorRegistry()
+    KVPublisherMetrics(registry, pub)
+    event = BlockStored([1], None, [1], 1, None, StorageMedium.GPU)
+    pub.offer([event])
+    pub.offer([event, event])  # dropped: the queue holds one batch
+    text = generate_latest(registry).decode()
+    assert "urc_kv_event_batches_dropped_total 1.0" in text
+    assert "urc_kv_events_dropped_total 2.0" in text
+    assert "urc_kv_events_published_total 0.0" in text
+    with pytest.raises(ValueError):
+        KVPublisherMetrics(registry, pub)  # the names are taken

@@ -58,6 +58,7 @@ from hicache.storage.file import FileStorage
 from hicache.storage_worker import StorageWorker
 from metrics.exporter import CacheMetrics
 from metrics.http import MetricsServer, MetricsServerConfig
+from metrics.kv_events import KVPublisherMetrics
 from urc.apps.replay.belady import NextUseTable, build_next_use
 from urc.apps.replay.config import ModelProfile, ReplayConfig
 from urc.apps.replay.report import TIERS, LatencyRecorder, ReplayReport
@@ -361,7 +362,8 @@ async def run_replay(
     ``on_metrics`` is awaited with its URL once the endpoint and the service are up.
     ``summary``: a first pass already made (a sweep reuses one).  ``trace``: the service's
     test hook (every command the actor applies, with its result).  ``kv_publisher``: publish
-    the cache's KV events for the run (read its ``stats`` afterwards).
+    the cache's KV events for the run (read its ``stats`` afterwards; with ``metrics_port`` its
+    counters are served too).
 
     Raises :class:`~urc.apps.replay.source.EmptyWorkloadError` (no request to replay),
     :class:`~urc.apps.workloads.TraceFormatError` (malformed trace), ``OSError`` (unreadable
@@ -389,6 +391,8 @@ async def run_replay(
 
     registry = CollectorRegistry(auto_describe=True)
     metrics = CacheMetrics(registry) if metrics_port is not None else None
+    if metrics is not None and kv_publisher is not None:
+        KVPublisherMetrics(registry, kv_publisher)
     controller: HiCacheController | None = None
     storage: StorageWorker | None = None
     store: FileStorage | None = None
