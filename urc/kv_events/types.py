@@ -6,9 +6,9 @@ when they leave it, :class:`AllBlocksCleared` when the cache is reset.  Block ha
 SGLang's (:mod:`urc.kv_events.block_hash`), so urc's and SGLang's replicas of the same prefix
 publish the same ids.
 
-Events are built by :class:`~urc.kv_events.recorder.KVEventRecorder`, which may extend the
-lists of the newest queued event while merging (as SGLang's recorder does); once taken
-(``cache.take_events()``) they belong to the caller and are never touched again.
+Events are built by :class:`~urc.kv_events.recorder.KVEventRecorder` when they are taken
+(``cache.take_events()``), merged as SGLang's recorder merges them (extending the newest
+event's lists while it builds them); once returned they belong to the caller.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class StorageMedium(str, Enum):
     EXTERNAL = "EXTERNAL"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class BlockStored:
     """Pages now held on ``medium``: ``block_hashes[i]`` is the page of ``block_size`` tokens
     at ``token_ids[i * block_size:(i + 1) * block_size]``; the first page continues the
@@ -46,7 +46,7 @@ class BlockStored:
     lora_name: str | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class BlockRemoved:
     """Pages no longer held on ``medium``."""
 
