@@ -1,5 +1,5 @@
 /* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release /
- * py_release_held / py_take / py_unmap (see their docstrings).  They work on numpy arrays
+ * py_release_held / py_take / py_unmap / py_claim (see their docstrings).  They work on numpy arrays
  * through the buffer protocol: ``state`` int8 (one entry per page); ``lo`` and ``len`` int64
  * (the token allocator's free extents), ``stack`` int64 (the SWA page pool's free pages) and
  * ``idx`` int64; ``idx`` may be strided (a sliced tensor's host view), and
@@ -433,17 +433,19 @@ do_release(PyObject *const *args, Py_ssize_t nargs, int need_held)
         PyErr_SetString(PyExc_IndexError, "release: page out of range");
         goto done;
     }
-    if (need_held) {
-        for (Py_ssize_t k = next; k < e; k++) {
-            if (!states_all_n(state, (unsigned long long)xlo[k], (unsigned long long)xlen[k],
-                              1)) {
-                res = PyLong_FromLong(-1);
-                goto done;
-            }
+    /* Each extent is checked (held: state 1) just before it is cleared, so a page repeated
+     * in the call is free when its second extent is checked; on a failure the extents
+     * cleared so far are restored: nothing changed. */
+    for (Py_ssize_t k = next; k < e; k++) {
+        if (need_held &&
+            !states_all_n(state, (unsigned long long)xlo[k], (unsigned long long)xlen[k], 1)) {
+            for (Py_ssize_t r = next; r < k; r++)
+                memset(state + xlo[r], 1, (size_t)xlen[r]);
+            res = PyLong_FromLong(-1);
+            goto done;
         }
-    }
-    for (Py_ssize_t k = next; k < e; k++)
         memset(state + xlo[k], 0, (size_t)xlen[k]);
+    }
     /* The first extent continues the top one (pages freed in the order they were taken):
      * one extent, so that freeing spans one by one leaves what freeing them at once does. */
     if (next > 0 && e > next && xlo[next] == xlo[next - 1] + xlen[next - 1]) {
@@ -640,7 +642,111 @@ done:
     return res;
 }
 
+/* claim(state, idx, start, end, step, shift, bound, frm, to) -> int
+ * Move the pages idx[start:end][::step] >> shift from state ``frm`` to state ``to``; returns
+ * how many.  -1: a page outside [0, len(state)) (or, with bound >= 0, an entry of the span
+ * outside [0, bound)); -2: a page not in state ``frm``, or one that occurs twice (its second
+ * occurrence finds it in state ``to``).  Nothing changes on -1 or -2: the range is checked
+ * first, and the pages moved before a failure are moved back. */
+static PyObject *
+claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "claim(state, idx, start, end, step, shift, bound, frm, to)");
+        return NULL;
+    }
+    const long long bound = PyLong_AsLongLong(args[6]);
+    const long frm = PyLong_AsLong(args[7]);
+    const long to = PyLong_AsLong(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (frm < 0 || frm > 127 || to < 0 || to > 127 || frm == to) {
+        PyErr_SetString(PyExc_ValueError, "claim: 0 <= frm, to <= 127 and frm != to");
+        return NULL;
+    }
+    Py_buffer st;
+    if (get_1d(args[0], &st, 1, 1, "state") < 0)
+        return NULL;
+    Idx ix;
+    Py_ssize_t step, shift;
+    if (parse_common(args + 1, &ix, &step, &shift) < 0) {
+        PyBuffer_Release(&st);
+        return NULL;
+    }
+    signed char *const state = (signed char *)st.buf;
+    const unsigned long long num_pages = (unsigned long long)st.shape[0];
+    const char *const ip = ix.base;
+    const Py_ssize_t stride = ix.stride;
+    const Py_ssize_t n = ix.n;
+    const Py_ssize_t count = (n + step - 1) / step;
+    const Py_ssize_t pstride = stride * step;
+    const signed char from_b = (signed char)frm, to_b = (signed char)to;
+    long long res = 0;
+    unsigned long long bad = 0;
+    if (bound >= 0) {
+        const unsigned long long ub = (unsigned long long)bound;
+        if (stride == 8)
+            bad = n > 0 && max_of((const unsigned long long *)ip, n) >= ub;
+        else
+            for (Py_ssize_t i = 0; i < n; i++)
+                bad |= (unsigned long long)(*(const long long *)(ip + i * stride)) >= ub;
+    }
+#define CPAGE(i) ((unsigned long long)(*(const long long *)(ip + (i) * pstride) >> shift))
+    for (Py_ssize_t i = 0; i < count && !bad; i++)
+        bad |= CPAGE(i) >= num_pages;
+    if (bad) {
+        res = -1;
+        goto done;
+    }
+    Py_ssize_t i = 0;
+    if (pstride == 8 && shift == 0) {
+        /* Page 1, contiguous: runs of BLK pages move as one block. */
+        const unsigned long long *const pages = (const unsigned long long *)ip;
+        while (i < count) {
+            if (i + BLK <= count) {
+                const unsigned long long lo = run_low_n(pages + i, BLK);
+                if (lo != NO_RUN && num_pages >= BLK && lo <= num_pages - BLK &&
+                    states_all(state + lo, BLK, (unsigned long long)(unsigned char)from_b)) {
+                    memset(state + lo, to_b, BLK);
+                    i += BLK;
+                    continue;
+                }
+            }
+            const unsigned long long p = pages[i];
+            if (state[p] != from_b)
+                break;
+            state[p] = to_b;
+            i++;
+        }
+    }
+    else {
+        for (; i < count; i++) {
+            const unsigned long long p = CPAGE(i);
+            if (state[p] != from_b)
+                break;
+            state[p] = to_b;
+        }
+    }
+    if (i < count) {
+        /* Move back what moved: pages [0, i) are distinct (a repeat stops the loop). */
+        for (Py_ssize_t r = 0; r < i; r++)
+            state[CPAGE(r)] = from_b;
+        res = -2;
+    }
+    else {
+        res = count;
+    }
+#undef CPAGE
+done:
+    release_idx(&ix);
+    PyBuffer_Release(&st);
+    return PyLong_FromLongLong(res);
+}
+
 static PyMethodDef methods[] = {
+    {"claim", (PyCFunction)(void (*)(void))claim, METH_FASTCALL,
+     "claim(state, idx, start, end, step, shift, bound, frm, to) -> int"},
     {"count_held", (PyCFunction)(void (*)(void))count_held, METH_FASTCALL,
      "count_held(state, idx, start, end, step, shift, bound) -> int"},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,

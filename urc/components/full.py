@@ -316,6 +316,20 @@ class FullComponent(TreeComponent):
     def release_load_slots(self, device: torch.Tensor) -> None:
         self._free_owned(device)
 
+    def commit_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
+        """The default commit; the load's slots a piece takes become the tree's."""
+        adopt = getattr(self.allocator, "adopt", None)
+        if adopt is not None:
+            pos = 0
+            for piece in pieces:
+                n = piece.key_len
+                cd = piece.data[_FULL]
+                assert cd is not None
+                if cd.value is None:
+                    adopt(device[pos : pos + n])
+                pos += n
+        super().commit_load(pieces, device)
+
     # ------------------------------------------------------------------ locks
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
         # Host-only nodes at the bottom of the path hold no device data: skip them, and record
@@ -439,6 +453,11 @@ class FullComponent(TreeComponent):
             )
 
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
+        count = getattr(self.allocator, "num_tree_slots", None)
+        if count is not None:  # conservation: the tree owns exactly the slots it holds
+            owned = count()
+            held = self.evictable_size + self.protected_size
+            assert owned == held, f"{owned} Full slots tree-owned, the tree holds {held}"
         for node in nodes:
             d_leaf = self.is_device_leaf(node)
             h_leaf = self.is_host_leaf(node)

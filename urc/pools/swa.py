@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from urc.errors import ConfigError, InvalidIndicesError
-from urc.pageops import Unmap
+from urc.pageops import FREE, HELD, TREE, Unmap
 from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
 from urc.pools.kv_pool import KVPool, KVShape
 
@@ -237,13 +237,30 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
             self.flush()
 
     def free_swa(self, full_idx: torch.Tensor) -> int:
-        """Free only the SWA side of ``full_idx`` (the Full slots stay allocated) and clear
-        their map entries.  Entries already cleared free nothing.  Returns the SWA tokens
+        """Free only the SWA side of the caller's Full slots ``full_idx`` (they stay
+        allocated) and clear their map entries.  Entries already cleared free nothing.
+        Returns the SWA tokens freed.  Raises like :meth:`free` (nothing freed) unless every
+        page is held by the caller, once: the tree's pages are released by the tree
+        (:meth:`release_swa`)."""
+        if full_idx.shape[0] == 0:
+            return 0
+        self._check_tensor(full_idx)
+        self.flush()
+        host = _host(full_idx)
+        k = host.shape[0]
+        ps, shift = self.page_size, self._shift
+        # A round trip through the tree's state: one pass that finds repeats and owners.
+        if self._ops.claim(self._state, host, 0, k, ps, shift, self.size, HELD, TREE) < 0:
+            raise self.refusal(host, 0, k, "freeing SWA of")
+        self._ops.claim(self._state, host, 0, k, ps, shift, -1, TREE, HELD)
+        return self._release_swa(host, 0, k, ps, shift) * ps
+
+    def release_swa(self, full_idx: torch.Tensor) -> int:
+        """:meth:`free_swa` of Full slots the tree owns or reserved (a node becoming an SWA
+        tombstone, a load's slots without SWA data): unchecked, now.  Returns the SWA tokens
         freed."""
         if full_idx.shape[0] == 0:
             return 0
-        if full_idx.dtype != torch.int64 or full_idx.device != self.device:
-            raise InvalidIndicesError(f"indices must be int64 on {self.device}")
         self.flush()
         return self._release_swa_of(full_idx) * self.page_size
 
@@ -314,7 +331,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         assert page_map[-1] == -1, "the padding entry of the SWA map was overwritten"
         mapped = np.nonzero(page_map[:-1] >= 0)[0]
         targets = page_map[mapped]
-        assert (self._state[mapped] == 1).all(), "a free Full page still maps an SWA page"
+        assert (self._state[mapped] != FREE).all(), "a free Full page still maps an SWA page"
         assert np.unique(targets).shape[0] == targets.shape[0], "two Full pages share an SWA page"
         allocated = np.nonzero(self.swa_pages.state == 1)[0]
         assert np.array_equal(np.sort(targets), allocated), (
