@@ -26,6 +26,7 @@ import torch
 from urc import host_transfers
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
 from urc.host_protocol import WritePolicy
+from urc.key import RadixKey, check_key
 from urc.node import ComponentType, TreeNode
 from urc.params import InsertParams, InsertResult
 
@@ -104,8 +105,10 @@ def insert(
     the whole prompt.  Only the slots from ``prev_prefix_len`` on are checked then.
     """
     key = params.key
-    if key is None:
-        raise InvalidInputError("insert needs a key")
+    if not isinstance(key, RadixKey):
+        if key is None:
+            raise InvalidInputError("insert needs a key")
+        check_key(key, "insert's key")
     if cache.is_eagle and not key.is_bigram:
         key = key.bigram()
     n_key = len(key)

@@ -20,6 +20,7 @@ import torch
 
 from urc.components.base import MatchValidator
 from urc.errors import InvalidInputError
+from urc.key import RadixKey, check_key
 from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams, MatchResult, PendingIndices
 
@@ -43,6 +44,8 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     Returns the device hit (concatenated indices, or ``None`` and its length with
     ``params.with_indices=False``) and the nodes that end it.
     """
+    if not isinstance(params.key, RadixKey):
+        check_key(params.key, "match_prefix's key")
     for check in cache.hooks.match_checks:
         check.validate_match(params)
     tree = cache.tree

@@ -339,13 +339,10 @@ class FullComponent(TreeComponent):
         cd = node.full
         assert cd is not None
         if cd.value is None:
-            while node.parent is not None and node.full.value is None:  # type: ignore[union-attr]
-                node = node.parent
-            result.full_start_id = node.id
-            if node.parent is None:
-                return  # ``result.delta`` stays 0
-            cd = node.full
-            assert cd is not None
+            # Full acquires first: raising here changes nothing.  A lease on a host-only
+            # node would protect fewer tokens than its depth, and host eviction may delete
+            # the node under it (load it back first).
+            raise InvalidLockError(f"inc_lock_ref on node {node.id}, which is not on device")
         # Counting rule (see the module docstring): only nodes going 0 -> 1 tell their parent.
         # (The first step is unrolled: most locks stop after it or after one more node.)
         cd.lock_ref += 1
