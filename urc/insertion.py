@@ -104,11 +104,13 @@ def insert(
     stamped and counted as that walk would), so a chunk's commit costs the chunk, not
     the whole prompt.  Only the slots from ``prev_prefix_len`` on are checked then.
     """
-    key = params.key
-    if not isinstance(key, RadixKey):
-        if key is None:
+    given: object = params.key  # typed RadixKey | None, but callers pass anything
+    if not isinstance(given, RadixKey):
+        if given is None:
             raise InvalidInputError("insert needs a key")
-        check_key(key, "insert's key")
+        check_key(given, "insert's key")
+    key = params.key
+    assert key is not None
     if cache.is_eagle and not key.is_bigram:
         key = key.bigram()
     n_key = len(key)

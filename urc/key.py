@@ -25,7 +25,7 @@ import torch
 
 from urc.errors import InvalidInputError
 
-__all__ = ["ExtraKey", "RadixKey", "Token"]
+__all__ = ["ExtraKey", "RadixKey", "Token", "check_key", "token_list"]
 
 Token = Hashable  # an int, or a (int, int) pair in EAGLE bigram mode
 ExtraKey = tuple[str | int, ...]
@@ -106,10 +106,9 @@ def token_list(token_ids: object) -> list[Any]:
         if token_ids.dim() == 1 and not (
             token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype is torch.bool
         ):
-            return token_ids.tolist()  # type: ignore[no-any-return]
-    elif isinstance(token_ids, np.ndarray):
-        if token_ids.ndim == 1 and token_ids.dtype.kind in "iu":
-            return token_ids.tolist()  # type: ignore[no-any-return]
+            return token_ids.tolist()
+    elif isinstance(token_ids, np.ndarray) and token_ids.ndim == 1 and token_ids.dtype.kind in "iu":
+        return token_ids.tolist()  # type: ignore[no-any-return]
     raise InvalidInputError(
         "RadixKey token ids must be a list, tuple, integer array('q'), range or 1-D integer "
         f"tensor, got {_describe(token_ids)}"

@@ -44,8 +44,9 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     Returns the device hit (concatenated indices, or ``None`` and its length with
     ``params.with_indices=False``) and the nodes that end it.
     """
-    if not isinstance(params.key, RadixKey):
-        check_key(params.key, "match_prefix's key")
+    given: object = params.key  # typed RadixKey, but callers pass anything
+    if not isinstance(given, RadixKey):
+        check_key(given, "match_prefix's key")
     for check in cache.hooks.match_checks:
         check.validate_match(params)
     tree = cache.tree

@@ -2,10 +2,11 @@
 
 :func:`py_count_held`, :func:`py_release`, :func:`py_release_held` (a checked free),
 :func:`py_take` (an allocation), :func:`py_claim` (a checked change of owner: the tree adopting
-an insert's slots) and :func:`py_unmap` (the SWA side of a free) are the reference; ``urc._native._pages`` (built from ``urc/_native/pages.c`` next to the compiled
-walk) computes exactly the same results in one pass over the indices, without the
-temporaries and dispatch of several numpy calls (a free or an insert's ownership check was a
-dozen of them).  Which set an allocator runs follows the cache's
+an insert's slots) and :func:`py_unmap` (the SWA side of a free) are the reference;
+``urc._native._pages`` (built from ``urc/_native/pages.c`` next to the compiled walk)
+computes exactly the same results in one pass over the indices, without the temporaries
+and dispatch of several numpy calls (a free or an insert's ownership check was a dozen of
+them).  Which set an allocator runs follows the cache's
 :attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page_ops`): ``PYTHON`` is the twin
 everywhere, ``AUTO`` the compiled code where it was built.
 
@@ -187,7 +188,7 @@ def py_claim(
     if int(np.count_nonzero(state[pages] == frm)) != n or _repeats(pages):
         return -2
     state[pages] = to
-    return n
+    return int(n)
 
 
 def py_take(

@@ -19,8 +19,10 @@ Page states (:data:`urc.pageops.FREE` / ``HELD`` / ``TREE``)::
            only eviction frees them (``free_owned``)
 
 A caller passing a tree-owned slot as its own (``free``, or as an insert's new value) gets a
-:class:`~urc.errors.TreeOwnedSlotError`.  The free pages are a stack of extents (runs of consecutive pages, ``[lo, lo +
-len)``): a free pushes the runs of what it frees, joining the top extent when the first run
+:class:`~urc.errors.TreeOwnedSlotError`.
+
+The free pages are a stack of extents (runs of consecutive pages, ``[lo, lo + len)``): a
+free pushes the runs of what it frees, joining the top extent when the first run
 continues it, and an allocation takes pages from the top extents, ascending within each.
 Values are mostly such runs (an allocation hands out runs, a tree node frees what it was
 given), so a free writes a few extents instead of one stack entry per page.  State and
@@ -173,10 +175,10 @@ class TokenSlotAllocator:
         :class:`DoubleFreeError` when a page is not allocated or is named twice; in every
         case nothing is freed.  O(len(indices)).
         """
+        self._check_tensor(indices)
         k = indices.shape[0]
         if k == 0:
             return
-        self._check_tensor(indices)
         self.flush()  # a page still queued must count as free to catch a double free
         self._free_span(_host(indices), 0, k)
 
@@ -200,6 +202,8 @@ class TokenSlotAllocator:
             self._free_span(checked, start, end, True)
 
     def _check_tensor(self, indices: torch.Tensor, what: str = "indices") -> None:
+        if not isinstance(indices, torch.Tensor):
+            raise InvalidIndicesError(f"{what} must be a tensor, got {type(indices).__name__}")
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
                 f"{what} must be a 1-D int64 tensor on {self.device}, "
@@ -284,13 +288,30 @@ class TokenSlotAllocator:
                 raise err
         return host
 
+    def check_held(self, indices: torch.Tensor, doing: str = "passing") -> np.ndarray:
+        """Raise like :meth:`free` unless ``indices`` (page runs) are a 1-D int64 tensor on
+        this device whose pages are all held by the caller, each once; changes nothing.
+        Returns the host view.  Two passes (a round trip through the tree-owned state)."""
+        self._check_tensor(indices)
+        host = _host(indices)
+        k = host.shape[0]
+        if k == 0:
+            return host
+        self.flush()
+        ps, shift = self.page_size, self._shift
+        if self._ops.claim(self._state, host, 0, k, ps, shift, self.size, HELD, TREE) < 0:
+            raise self.refusal(host, 0, k, doing)
+        self._ops.claim(self._state, host, 0, k, ps, shift, -1, TREE, HELD)
+        return host
+
     def unclaim(self, host: np.ndarray, start: int, end: int) -> None:
         """Give the tree-owned pages of ``host[start:end]`` (page runs, adopted by
         :meth:`claim_value`) back to the caller."""
         if start >= end:
             return
-        got = self._ops.claim(self._state, host, start, end, self.page_size, self._shift, -1,
-                              TREE, HELD)
+        got = self._ops.claim(
+            self._state, host, start, end, self.page_size, self._shift, -1, TREE, HELD
+        )
         assert got >= 0, f"unclaim of [{start}, {end}): a page is not tree-owned ({got})"
 
     def adopt(self, indices: torch.Tensor) -> None:
@@ -301,8 +322,7 @@ class TokenSlotAllocator:
         if k == 0:
             return
         self.flush()
-        got = self._ops.claim(self._state, host, 0, k, self.page_size, self._shift, -1,
-                              HELD, TREE)
+        got = self._ops.claim(self._state, host, 0, k, self.page_size, self._shift, -1, HELD, TREE)
         assert got >= 0, f"adopting {k} slots: a page is not held ({got})"
 
     def num_tree_slots(self) -> int:

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from urc.errors import ConfigError, InvalidIndicesError
-from urc.pageops import FREE, HELD, TREE, Unmap
+from urc.errors import ConfigError
+from urc.pageops import FREE, Unmap
 from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
 from urc.pools.kv_pool import KVPool, KVShape
 
@@ -208,10 +208,9 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         Raises like :meth:`TokenSlotAllocator.free` (nothing freed) for invalid or
         unallocated Full slots.
         """
-        if indices.shape[0] == 0:
-            return
-        super().free(indices)
-        self._release_swa_of(indices)
+        super().free(indices)  # checks first
+        if indices.shape[0]:
+            self._release_swa_of(indices)
 
     def free_span(
         self, indices: torch.Tensor, start: int, end: int, checked: np.ndarray | None = None
@@ -242,18 +241,12 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         Returns the SWA tokens freed.  Raises like :meth:`free` (nothing freed) unless every
         page is held by the caller, once: the tree's pages are released by the tree
         (:meth:`release_swa`)."""
-        if full_idx.shape[0] == 0:
+        host = self.check_held(full_idx, "freeing SWA of")
+        if host.shape[0] == 0:
             return 0
-        self._check_tensor(full_idx)
-        self.flush()
-        host = _host(full_idx)
-        k = host.shape[0]
-        ps, shift = self.page_size, self._shift
-        # A round trip through the tree's state: one pass that finds repeats and owners.
-        if self._ops.claim(self._state, host, 0, k, ps, shift, self.size, HELD, TREE) < 0:
-            raise self.refusal(host, 0, k, "freeing SWA of")
-        self._ops.claim(self._state, host, 0, k, ps, shift, -1, TREE, HELD)
-        return self._release_swa(host, 0, k, ps, shift) * ps
+        return self._release_swa(host, 0, host.shape[0], self.page_size, self._shift) * (
+            self.page_size
+        )
 
     def release_swa(self, full_idx: torch.Tensor) -> int:
         """:meth:`free_swa` of Full slots the tree owns or reserved (a node becoming an SWA
