@@ -183,7 +183,8 @@ class BackupWriter(TierEvents):
         dropped = self.stats.dropped_writes
         self._flushing += 1
         try:
-            self._fail_fast()
+            # No drop up front: the store may be back since its last failure.  The first
+            # write that fails while the store is known down drops the rest.
             with anyio.move_on_after(
                 self.config.flush_timeout_s if timeout_s is None else timeout_s
             ):
@@ -216,6 +217,8 @@ class BackupWriter(TierEvents):
         picked: list[TreeNode] = []
 
         def start(cache: UnifiedRadixCache) -> WriteJob | None:
+            if not self._due:  # a flush dropped the queue meanwhile
+                return None
             _, node = self._due.popitem()
             picked.append(node)
             if node.deleted:
@@ -243,7 +246,8 @@ class BackupWriter(TierEvents):
 
         job = await svc.call(start, undo=undo)
         if job is None:
-            self._attempts.pop(picked[0].id, None)
+            if picked:
+                self._attempts.pop(picked[0].id, None)
             return
         try:
             ok = await self._put(job)
