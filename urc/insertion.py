@@ -18,7 +18,7 @@ tail handed back to the caller (``unclaim``) before ``insert`` returns.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -78,12 +78,19 @@ def _check_value(
     if n_key > owned_from:
         claim_value = getattr(cache.token_to_kv_pool_allocator, "claim_value", None)
         if claim_value is not None:  # range, allocation, owner and repeats, host side
-            return value, claim_value(value, owned_from, prev)
+            return value, claim_value(value, owned_from, prev, True)
         lo, hi = torch.aminmax(value)
         size = cache.token_to_kv_pool_allocator.size
         if int(lo) < 0 or int(hi) >= size:
             raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
     return value, None
+
+
+def _refuse_key(key: object) -> NoReturn:
+    if key is None:
+        raise InvalidInputError("insert needs a key")
+    check_key(key, "insert's key")
+    raise AssertionError(f"{key!r} is a RadixKey")
 
 
 def insert(
@@ -104,13 +111,9 @@ def insert(
     stamped and counted as that walk would), so a chunk's commit costs the chunk, not
     the whole prompt.  Only the slots from ``prev_prefix_len`` on are checked then.
     """
-    given: object = params.key  # typed RadixKey | None, but callers pass anything
-    if not isinstance(given, RadixKey):
-        if given is None:
-            raise InvalidInputError("insert needs a key")
-        check_key(given, "insert's key")
     key = params.key
-    assert key is not None
+    if not isinstance(key, RadixKey):
+        _refuse_key(key)
     if cache.is_eagle and not key.is_bigram:
         key = key.bigram()
     n_key = len(key)
@@ -129,8 +132,7 @@ def insert(
     owned_from = prev if resumed else 0
     # The pages the allocator's claim_value adopts: from the first page boundary at or
     # above ``prev`` (a partly protected page is checked, not adopted).
-    ps = cache.page_size
-    claimed = min(n_key, max(-(-prev // ps) * ps, owned_from))
+    claimed = min(n_key, -(-prev // cache.page_size) * cache.page_size) if prev else 0
     value, host = _check_value(cache, n_key, params.value, owned_from, claimed)
     alloc = cache.token_to_kv_pool_allocator
     try:

@@ -255,15 +255,19 @@ class TokenSlotAllocator:
             return InvalidIndicesError(f"{doing} a slot that is not the caller's")
         return DoubleFreeError(f"{doing} a slot named twice in one call")
 
-    def claim_value(self, indices: torch.Tensor, start: int, held_from: int) -> np.ndarray:
+    def claim_value(
+        self, indices: torch.Tensor, start: int, held_from: int, tensor_checked: bool = False
+    ) -> np.ndarray:
         """Validate an insert's value and adopt its new part: ``indices[start:held_from]``
         must be allocated (the tree's own slots a match gave the caller, or the caller's),
         ``indices[held_from:]`` held by the caller with no page named twice; those pages
         become tree-owned.  Returns the host view (for :meth:`free_span`'s ``checked``).
         Raises like :meth:`free` (:class:`InvalidIndicesError` and subclasses for every
         refusal), changing nothing.  Undo the adoption of a range with :meth:`unclaim`.
-        ``start`` and ``held_from``: page boundaries."""
-        self._check_tensor(indices, "value")
+        ``start`` and ``held_from``: page boundaries.  ``tensor_checked``: the caller knows
+        ``indices`` is a 1-D int64 tensor on this device."""
+        if not tensor_checked:
+            self._check_tensor(indices, "value")
         host = _host(indices)
         k = host.shape[0]
         if k <= start:
