@@ -155,6 +155,9 @@ def _repeats(pages: np.ndarray) -> bool:
     n = pages.shape[0]
     if n < 2:
         return False
+    d = np.diff(pages)
+    if bool((d > 0).all()) or bool((d < 0).all()):  # monotonic (values mostly are): distinct
+        return False
     order = np.arange(n, dtype=np.int64)
     scratch = np.empty(int(pages.max()) + 1, dtype=np.int64)
     scratch[pages] = order  # of a repeated page one position survives, whichever
