@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from urc.cli import build_parser
+from urc.apps.cli import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TEXT = README.read_text()

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from itertools import islice
 
-from urc.tree import TreeNode
+from urc.node import TreeNode
 
 __all__ = ["LRUList"]
 

@@ -27,11 +27,11 @@ from urc import (
     Req,
     UnifiedRadixCache,
     build_cache,
-    request_ops,
 )
 from urc.errors import URCError
 from urc.fastpath import WalkImpl
-from urc.pageops import native_pages_available
+from urc.pools.pageops import native_pages_available
+from urc.service import _request_ops as request_ops
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 IMPLS = [WalkImpl.PYTHON] + ([WalkImpl.NATIVE] if native_pages_available() else [])

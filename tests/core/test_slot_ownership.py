@@ -31,7 +31,7 @@ from urc import (
 )
 from urc.errors import TreeOwnedSlotError
 from urc.fastpath import WalkImpl
-from urc.pageops import native_pages_available
+from urc.pools.pageops import native_pages_available
 
 FULL, SWA = ComponentType.FULL, ComponentType.SWA
 IMPLS = [

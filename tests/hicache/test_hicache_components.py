@@ -34,10 +34,10 @@ from urc import (
     ComponentType,
     EvictParams,
     InvalidLockError,
-    host_transfers,
 )
-from urc.host_protocol import WritePolicy
-from urc.tree import Tier
+from urc.host import transfers as host_transfers
+from urc.host.protocol import WritePolicy
+from urc.node import Tier
 
 
 # ---------------------------------------------------------------------- round trip

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from urc import bench
+from urc.apps.bench import core as bench
 
 
 def test_reference_workload_is_seeded_and_shares_prefixes() -> None:

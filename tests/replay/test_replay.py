@@ -15,10 +15,8 @@ import anyio
 import pytest
 from trace_paths import conversation_trace, requires_conversation_trace
 
-from urc.cli import main
-from urc.errors import ConfigError
-from urc.host_protocol import WritePolicy
-from urc.replay import (
+from urc.apps.cli import main
+from urc.apps.replay import (
     Capacity,
     ModelProfile,
     ReplayConfig,
@@ -26,8 +24,7 @@ from urc.replay import (
     output_token_ids,
     run_replay,
 )
-from urc.tree import Tier
-from urc.workloads import (
+from urc.apps.workloads import (
     WorkloadKind,
     default_config,
     ideal_block_hits,
@@ -35,6 +32,9 @@ from urc.workloads import (
     iter_mooncake_records,
     synthetic_workload,
 )
+from urc.errors import ConfigError
+from urc.host.protocol import WritePolicy
+from urc.node import Tier
 
 TIMEOUT = 60
 REAL_TRACE = conversation_trace()

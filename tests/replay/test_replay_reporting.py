@@ -13,9 +13,9 @@ import anyio
 import pytest
 from trace_paths import TRACE_DIR_ENV, conversation_trace, requires_conversation_trace, trace_dir
 
-from urc.cli import main
-from urc.replay import Capacity, ModelProfile, ReplayConfig, ReplayReport, run_replay
-from urc.replay.chunk_bench import format_costs, measure
+from urc.apps.bench.chunk import format_costs, measure
+from urc.apps.cli import main
+from urc.apps.replay import Capacity, ModelProfile, ReplayConfig, ReplayReport, run_replay
 
 TIMEOUT = 60
 
@@ -225,7 +225,7 @@ def test_chunk_bench_prints_time_per_token_for_each_length() -> None:
 
 def test_chunk_bench_module_runs() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "urc.replay.chunk_bench", "--lengths", "1024", "--repeat", "1"],
+        [sys.executable, "-m", "urc.apps.bench.chunk", "--lengths", "1024", "--repeat", "1"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from urc.workloads import (
+from urc.apps.workloads import (
     TOKEN_ID_LIMIT,
     VOCAB_SIZE,
     TraceFormatError,

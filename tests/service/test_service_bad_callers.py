@@ -21,9 +21,9 @@ from test_service import TIMEOUT
 
 from urc import CacheConfig, ComponentType, DoubleFreeError, InvalidIndicesError
 from urc.cache import UnifiedRadixCache
-from urc.commands import Command, Insert
 from urc.errors import TreeOwnedSlotError
 from urc.service import AsyncUnifiedRadixCache, ServiceState
+from urc.service._commands import Command, Insert
 
 FULL, SWA = ComponentType.FULL, ComponentType.SWA
 CLIENTS = 256

@@ -27,8 +27,8 @@ from test_service import (
 )
 
 from urc import RadixKey
-from urc.commands import Command, Insert, Lock, Match, Release, SanityCheck, Stats
 from urc.service import AsyncUnifiedRadixCache
+from urc.service._commands import Command, Insert, Lock, Match, Release, SanityCheck, Stats
 
 KEY = [1, 2, 3, 4]
 

@@ -48,8 +48,8 @@ from urc import (
     build_cache,
 )
 from urc.cache import UnifiedRadixCache
-from urc.lease import Lease, NodeHandle
 from urc.service import AsyncUnifiedRadixCache
+from urc.service._lease import Lease, NodeHandle
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA

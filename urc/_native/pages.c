@@ -1,4 +1,4 @@
-/* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release /
+/* urc._native._pages: the compiled twins of urc.pools.pageops.py_count_held / py_release /
  * py_release_held / py_take / py_unmap / py_claim (see their docstrings).  They work on numpy arrays
  * through the buffer protocol: ``state`` int8 (one entry per page); ``lo`` and ``len`` int64
  * (the token allocator's free extents), ``stack`` int64 (the SWA page pool's free pages) and
@@ -790,7 +790,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pages", "Compiled page bookkeeping (see urc.pageops).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_pages", "Compiled page bookkeeping (see urc.pools.pageops).", -1, methods,
 };
 
 PyMODINIT_FUNC

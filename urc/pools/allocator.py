@@ -9,7 +9,7 @@ the whole free list on every free, which dominated its insert and evict phases).
 state makes double frees, frees of never-allocated slots, of slots the tree owns and of a
 slot named twice in one call an error that changes nothing, instead of silent corruption.
 
-Page states (:data:`urc.pageops.FREE` / ``HELD`` / ``TREE``)::
+Page states (:data:`urc.pools.pageops.FREE` / ``HELD`` / ``TREE``)::
 
     FREE   on the free extents (or queued by ``free_owned``: see below)
     HELD   handed out by ``alloc``: the caller's (a request's KV, a load's reserved slots);
@@ -40,7 +40,7 @@ thus only queues its frees; the release of their pages is paid once, by the merg
 of up to ``_CAT_SLOTS`` slots (:func:`merged_groups`: one ``torch.cat`` each).
 
 The per-page loops of ``free``, ``check_owned``, ``alloc`` and the extent pushes are
-:mod:`urc.pageops` primitives: compiled where built, else their numpy twins
+:mod:`urc.pools.pageops` primitives: compiled where built, else their numpy twins
 (:meth:`TokenSlotAllocator.use_page_ops`; the cache selects them with its walk).
 """
 
@@ -53,7 +53,7 @@ import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
 from urc.fastpath import WalkImpl
-from urc.pageops import FREE, HELD, TREE, PageOps, select_page_ops
+from urc.pools.pageops import FREE, HELD, TREE, PageOps, select_page_ops
 
 __all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size", "merged_groups"]
 
@@ -81,7 +81,7 @@ class TokenSlotAllocator:
     boundary (what a request or a tree node owns): the page of every run's first token is
     freed.  Sizes (``size``, ``available_size()``) are in tokens.
 
-    Free pages sit in a host-side stack of extents (numpy; :mod:`urc.pageops`): ``free``
+    Free pages sit in a host-side stack of extents (numpy; :mod:`urc.pools.pageops`): ``free``
     checks the pages' states and pushes the runs of consecutive pages it frees (a value is
     mostly such runs: a few extents, not one entry per page), ``alloc`` takes pages from the
     top extents -- no torch dispatch beyond building the returned tensor.
@@ -124,7 +124,7 @@ class TokenSlotAllocator:
         self.clear()
 
     def use_page_ops(self, impl: WalkImpl) -> None:
-        """Run the page bookkeeping with ``impl`` (:func:`urc.pageops.select_page_ops`); both
+        """Run the page bookkeeping with ``impl`` (:func:`urc.pools.pageops.select_page_ops`); both
         implementations give the same results, so this only changes speed."""
         self._ops = select_page_ops(impl)
 
