@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from cache_harness import Harness, seq
 from mamba_harness import check, comp, insert_state, make, match
-from test_swa import SWAHarness
+from swa_harness import SWAHarness
 
 from urc import (
     CacheConfig,

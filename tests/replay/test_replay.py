@@ -136,7 +136,8 @@ def test_malformed_trace_line_is_a_clear_error(
 def test_missing_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["replay", "--no-progress", "--trace", str(tmp_path / "nope.jsonl")])
     err = capsys.readouterr().err
-    assert rc == 1 and "nope.jsonl" in err and "Traceback" not in err
+    assert rc == 2 and "argument --trace: " in err and "nope.jsonl" in err
+    assert "Traceback" not in err
 
 
 # ---------------------------------------------------------------------- synthetic workloads
@@ -346,7 +347,7 @@ async def test_l3_storage_tier_serves_a_second_run(
 
 
 def test_l3_needs_full_attention_and_a_host_tier(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="full-attention"):
+    with pytest.raises(ConfigError, match="l3_dir: the L3 storage tier supports model full"):
         ReplayConfig(model=ModelProfile.MAMBA, l3_dir=tmp_path)
     with pytest.raises(ConfigError, match="host tier"):
         ReplayConfig(host_tokens=Capacity(tokens=0), l3_dir=tmp_path)

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from test_service import (
+from service_harness import (
     FULL,
     TIMEOUT,
     History,

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from test_service import TIMEOUT
+from service_harness import TIMEOUT
 
 from urc import CacheConfig, ComponentType, InvalidInputError, OutOfMemoryError
 from urc.cache import UnifiedRadixCache

@@ -8,6 +8,7 @@
 | :mod:`urc.apps.bench.transfer` | host-tier copies (backup and load-back) |
 | :mod:`urc.apps.bench.storage` | the L3 stores (local files, Valkey, Mooncake) |
 | :mod:`urc.apps.bench.metrics` | the Prometheus exporter's overhead on the service |
+| :mod:`urc.apps.bench.compare` | two source trees' core benchmark in one process (ratios) |
 """
 
 __all__: list[str] = []

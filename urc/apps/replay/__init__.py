@@ -7,30 +7,50 @@ line.  See :mod:`urc.apps.replay.driver` for what the loop does per request.  :f
 (:mod:`urc.apps.replay.sweep`) replays once per device capacity (``urc replay --sweep``);
 ``python -m urc.apps.bench.chunk`` measures the cost of chunked prefill against prompt
 length.
+
+The names below are imported on first use (PEP 562): :mod:`urc.apps.replay.options`, which the
+command line parses and checks its flags with, imports neither torch nor the cache.
 """
 
-from urc.apps.replay.config import (
-    DEFAULT_CHUNK_SIZE,
-    REPLAY_KV_SHAPE,
-    Capacity,
-    ModelProfile,
-    ReplayConfig,
-)
-from urc.apps.replay.driver import OUTPUT_TOKEN_BASE, output_token_ids, run_replay
-from urc.apps.replay.report import IDEAL_SCOPE, LatencySummary, ReplayReport
-from urc.apps.replay.source import EmptyWorkloadError, WorkloadSummary, summarize
-from urc.apps.replay.sweep import DEFAULT_SWEEP, SweepPoint, SweepResult, run_sweep
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "DEFAULT_CHUNK_SIZE": "urc.apps.replay.options",
+    "DEFAULT_SWEEP": "urc.apps.replay.options",
+    "Capacity": "urc.apps.replay.options",
+    "ModelProfile": "urc.apps.replay.options",
+    "OptionError": "urc.apps.replay.options",
+    "REPLAY_KV_SHAPE": "urc.apps.replay.config",
+    "ReplayConfig": "urc.apps.replay.config",
+    "OUTPUT_TOKEN_BASE": "urc.apps.replay.driver",
+    "output_token_ids": "urc.apps.replay.driver",
+    "run_replay": "urc.apps.replay.driver",
+    "IDEAL_SCOPE": "urc.apps.replay.report",
+    "LatencySummary": "urc.apps.replay.report",
+    "ReplayReport": "urc.apps.replay.report",
+    "EmptyWorkloadError": "urc.apps.replay.source",
+    "WorkloadSummary": "urc.apps.replay.source",
+    "summarize": "urc.apps.replay.source",
+    "SweepPoint": "urc.apps.replay.sweep",
+    "SweepResult": "urc.apps.replay.sweep",
+    "run_sweep": "urc.apps.replay.sweep",
+}
 
 __all__ = [
+    "Capacity",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_SWEEP",
-    "IDEAL_SCOPE",
-    "OUTPUT_TOKEN_BASE",
-    "REPLAY_KV_SHAPE",
-    "Capacity",
     "EmptyWorkloadError",
+    "IDEAL_SCOPE",
     "LatencySummary",
     "ModelProfile",
+    "OUTPUT_TOKEN_BASE",
+    "OptionError",
+    "REPLAY_KV_SHAPE",
     "ReplayConfig",
     "ReplayReport",
     "SweepPoint",
@@ -41,3 +61,31 @@ __all__ = [
     "run_sweep",
     "summarize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from urc.apps.replay.config import REPLAY_KV_SHAPE, ReplayConfig
+    from urc.apps.replay.driver import OUTPUT_TOKEN_BASE, output_token_ids, run_replay
+    from urc.apps.replay.options import (
+        DEFAULT_CHUNK_SIZE,
+        DEFAULT_SWEEP,
+        Capacity,
+        ModelProfile,
+        OptionError,
+    )
+    from urc.apps.replay.report import IDEAL_SCOPE, LatencySummary, ReplayReport
+    from urc.apps.replay.source import EmptyWorkloadError, WorkloadSummary, summarize
+    from urc.apps.replay.sweep import SweepPoint, SweepResult, run_sweep

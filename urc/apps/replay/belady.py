@@ -20,13 +20,17 @@ entry per distinct page-prefix (the conversation trace: about 5.7M, under 1 GB).
 
 from __future__ import annotations
 
+import sys
 from bisect import bisect_right
 from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
+import anyio.lowlevel
+from tqdm import tqdm
+
 from urc.apps.replay.config import ReplayConfig
-from urc.apps.replay.source import aiter_requests
+from urc.apps.replay.source import CHECKPOINT_EVERY, aiter_requests
 from urc.node import TreeNode
 
 __all__ = ["NextUseTable", "build_next_use"]
@@ -104,11 +108,29 @@ class NextUseTable:
         return h
 
 
-async def build_next_use(config: ReplayConfig) -> NextUseTable:
-    """Read ``config``'s whole workload once and return its table (page size of the replay)."""
+async def build_next_use(
+    config: ReplayConfig, *, requests: int | None = None, progress: bool = False
+) -> NextUseTable:
+    """Read ``config``'s whole workload once and return its table (page size of the replay).
+
+    ``requests`` (the workload's size, when known) and ``progress`` show the pass as a
+    progress bar on stderr; it yields to the event loop every ``CHECKPOINT_EVERY`` requests,
+    so Ctrl-C and cancelled scopes stop it at once."""
     table = NextUseTable(config.page_size)
-    requests = aiter_requests(config)
-    async with aclosing(requests):
-        async for r in requests:
-            table.add(r.index, r.input_ids, r.namespace)
+    stream = aiter_requests(config)
+    with tqdm(
+        total=requests,
+        unit="req",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        desc="belady (reading the future)",
+    ) as bar:
+        async with aclosing(stream):
+            async for r in stream:
+                table.add(r.index, r.input_ids, r.namespace)
+                if (r.index + 1) % CHECKPOINT_EVERY == 0:
+                    bar.update(CHECKPOINT_EVERY)
+                    await anyio.lowlevel.checkpoint()  # interruptible (nothing here suspends)
     return table

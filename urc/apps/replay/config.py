@@ -1,39 +1,34 @@
 """What a replay runs: the workload, the model profile, capacities and the serving loop's knobs.
 
-:class:`ReplayConfig` is frozen and validated on construction (:class:`~urc.errors.ConfigError`
-names the bad field), so the command line, tests and embedding programs share one set of
-rules.  :meth:`ReplayConfig.cache_config` turns it into the core's
+:class:`ReplayConfig` is frozen and validated on construction by
+:func:`urc.apps.replay.options.check_options` (an :class:`~urc.apps.replay.options.OptionError`, a
+:class:`~urc.errors.ConfigError`, names the bad field), the rules ``urc replay`` checks its
+flags with before importing torch.  :meth:`ReplayConfig.cache_config` turns it into the core's
 :class:`~urc.config.CacheConfig` once the workload's first pass (:mod:`urc.apps.replay.source`)
 has told it how many unique tokens there are and how long the longest request is.
 
-Capacities (:class:`Capacity`) are either a token count or a fraction of the workload's
-*unique tokens*: the prompt tokens an unbounded prefix cache would have had to compute,
-``input tokens - ideal hit tokens`` at the replay's page size (prefill-only, unbounded,
-:mod:`urc.apps.workloads.ideal`).  ``--device-tokens 0.25`` is a device pool a quarter of that.
+Capacities (:class:`~urc.apps.replay.options.Capacity`) are a token count or a fraction of the
+workload's unique prompt tokens (see :mod:`urc.apps.replay.options`).
 
 Defaults (device and host 0.25 each, write-back, chunks of :data:`DEFAULT_CHUNK_SIZE`) keep
 the conversation trace (145M prompt tokens, 91M unique) within 0.4 points of its ideal hit
-rate in about 1.2 GB: a cached token costs ~19 bytes (a key pointer in the tree, an int64
+rate in about 1.1 GB: a cached token costs ~19 bytes (a key pointer in the tree, an int64
 slot index, a 2-byte KV row), on device or on host.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import torch
 
 from hicache.config import StorageBackupPolicy
+from urc.apps.replay.options import DEFAULT_CHUNK_SIZE, Capacity, ModelProfile, check_options
 from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
 from urc.config import CacheConfig
-from urc.errors import ConfigError
 from urc.eviction_policy import EvictionPolicy, NextUseOracle
 from urc.host.protocol import WritePolicy
-from urc.node import ComponentType
-from urc.pools.allocator import check_page_size
 from urc.pools.kv_pool import KVShape
 
 __all__ = [
@@ -47,80 +42,6 @@ __all__ = [
 # Tiny KV rows: the replay measures the cache, not memory bandwidth.  2 bytes a token (K and
 # V, one uint8 each) keep the conversation trace's pools (tens of millions of tokens) small.
 REPLAY_KV_SHAPE = KVShape(num_layers=1, num_heads=1, head_dim=1, dtype=torch.uint8)
-
-DEFAULT_CHUNK_SIZE = 8192
-"""Prefill chunk of ``urc replay``: SGLang's default ``--chunked-prefill-size`` on large GPUs.
-
-Each chunk's ``cache_unfinished_req`` costs O(prompt so far) in the core (it rebuilds the
-request's key and inserts it from the root), so a request costs O(prompt^2 / chunk): small
-chunks make long prompts slow (512 is ~6x slower on the conversation trace)."""
-
-
-class ModelProfile(Enum):
-    """The model whose cache is simulated: which components the tree carries."""
-
-    FULL = "full"  # full attention only: Full KV per token
-    SWA = "swa"  # hybrid sliding-window: Full KV + SWA KV (window ``ReplayConfig.window``)
-    MAMBA = "mamba"  # hybrid Mamba: Full KV + one recurrent state per checkpoint
-
-    @property
-    def components(self) -> tuple[ComponentType, ...]:
-        if self is ModelProfile.SWA:
-            return (ComponentType.FULL, ComponentType.SWA)
-        if self is ModelProfile.MAMBA:
-            return (ComponentType.FULL, ComponentType.MAMBA)
-        return (ComponentType.FULL,)
-
-
-@dataclass(frozen=True, slots=True)
-class Capacity:
-    """A pool size: ``tokens`` (absolute) or ``fraction`` of the workload's unique tokens.
-
-    ``Capacity.parse("65536")`` is 65536 tokens, ``Capacity.parse("0.25")`` a quarter of the
-    unique tokens (any number written with a ``.`` or an exponent is a fraction; it may exceed
-    1).  ``"0"`` is zero tokens (for the host tier: no host tier).
-    """
-
-    tokens: int | None = None
-    fraction: float | None = None
-
-    def __post_init__(self) -> None:
-        if (self.tokens is None) == (self.fraction is None):
-            raise ConfigError("a capacity is either tokens or a fraction, not both or neither")
-        if self.tokens is not None and self.tokens < 0:
-            raise ConfigError(f"capacity must be >= 0 tokens, got {self.tokens}")
-        if self.fraction is not None and not (math.isfinite(self.fraction) and self.fraction >= 0):
-            raise ConfigError(f"capacity fraction must be finite and >= 0, got {self.fraction}")
-
-    @classmethod
-    def parse(cls, text: str) -> Capacity:
-        """``"123"`` -> 123 tokens; ``"0.5"`` / ``"1e-1"`` -> a fraction.  Raises ConfigError."""
-        s = text.strip().replace("_", "")
-        try:
-            if s.isdigit():
-                return cls(tokens=int(s))
-            return cls(fraction=float(s))
-        except ValueError:
-            raise ConfigError(
-                f"capacity must be a token count (65536) or a fraction of the unique tokens "
-                f"(0.25), got {text!r}"
-            ) from None
-
-    def resolve(self, unique_tokens: int, page_size: int) -> int:
-        """Tokens, rounded up to whole pages (0 stays 0)."""
-        if self.tokens is not None:
-            n = self.tokens
-        else:
-            assert self.fraction is not None
-            n = math.ceil(self.fraction * unique_tokens)
-        return -(-n // page_size) * page_size
-
-    def __str__(self) -> str:
-        return str(self.tokens) if self.tokens is not None else f"{self.fraction:g}"
-
-
-def _is_zero(capacity: Capacity) -> bool:
-    return capacity.tokens == 0 or capacity.fraction == 0
 
 
 def _default_device() -> Capacity:
@@ -189,36 +110,21 @@ class ReplayConfig:
     kv_shape: KVShape = REPLAY_KV_SHAPE
 
     def __post_init__(self) -> None:
-        check_page_size(self.page_size)
-        if self.num_requests is not None and self.num_requests < 0:
-            raise ConfigError(f"num_requests must be >= 0, got {self.num_requests}")
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be > 0, got {self.block_size}")
-        if self.window <= 0:
-            raise ConfigError(f"window must be > 0, got {self.window}")
-        if self.mamba_states is not None and self.mamba_states <= 0:
-            raise ConfigError(f"mamba_states must be > 0, got {self.mamba_states}")
-        if self.chunk_size <= 0 or self.chunk_size % self.page_size:
-            raise ConfigError(
-                f"chunk_size {self.chunk_size} must be a positive multiple of page_size "
-                f"{self.page_size}"
-            )
-        if self.concurrency < 1:
-            raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
-        if not (math.isfinite(self.speed) and self.speed >= 0):
-            raise ConfigError(f"speed must be finite and >= 0, got {self.speed}")
-        if _is_zero(self.device_tokens):
-            raise ConfigError("device_tokens must be > 0")
-        if self.swa_tokens is not None:
-            if self.model is not ModelProfile.SWA:
-                raise ConfigError("swa_tokens sizes the SWA pool: --model swa only")
-            if _is_zero(self.swa_tokens):
-                raise ConfigError("swa_tokens must be > 0")
-        if self.l3_dir is not None:
-            if self.model is not ModelProfile.FULL:
-                raise ConfigError("the L3 storage tier supports the full-attention model only")
-            if _is_zero(self.host_tokens):
-                raise ConfigError("the L3 storage tier needs the host tier (host_tokens > 0)")
+        check_options(
+            model=self.model,
+            num_requests=self.num_requests,
+            block_size=self.block_size,
+            window=self.window,
+            swa_tokens=self.swa_tokens,
+            mamba_states=self.mamba_states,
+            device_tokens=self.device_tokens,
+            host_tokens=self.host_tokens,
+            l3_dir=self.l3_dir,
+            page_size=self.page_size,
+            chunk_size=self.chunk_size,
+            concurrency=self.concurrency,
+            speed=self.speed,
+        )
 
     @property
     def source_name(self) -> str:

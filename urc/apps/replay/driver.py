@@ -361,7 +361,7 @@ async def run_replay(
     """
     t_setup = perf_counter()
     if summary is None:
-        summary = await summarize(config)
+        summary = await summarize(config, progress=progress)
     if summary.requests == 0:
         raise EmptyWorkloadError(f"{config.source_name}: the workload holds no request")
     ps = config.page_size
@@ -370,7 +370,11 @@ async def run_replay(
     swa_pool = config.swa_pool_tokens(device, summary.unique_tokens)
     # Belady (measurement only) reads the whole workload first: it knows every next use.
     belady = config.eviction_policy is EvictionPolicy.BELADY
-    future = await build_next_use(config) if belady else None
+    future = (
+        await build_next_use(config, requests=summary.requests, progress=progress)
+        if belady
+        else None
+    )
     cache = build_cache(
         config.cache_config(device, summary.max_request_tokens, swa_pool, next_use=future)
     )

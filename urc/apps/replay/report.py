@@ -134,7 +134,9 @@ class ReplayReport:
     check_error: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     warnings: tuple[str, ...] = field(default_factory=tuple)
-    startup_time_s: float | None = None  # process start to run_replay (the CLI sets it)
+    # From ``urc``'s main to the start of setup: imports of torch, the cache, the service
+    # (set by the command line; ``None`` for a run_replay call).
+    startup_time_s: float | None = None
 
     @property
     def served_nothing(self) -> bool:
@@ -150,7 +152,8 @@ class ReplayReport:
         return self.hit_tokens.get(tier, 0) / self.input_tokens if self.input_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """The machine-readable report (what ``--json`` writes)."""
+        """The machine-readable report (what ``--json`` writes; every field is described in
+        the README's "The JSON report" section, which tests/test_readme.py keeps complete)."""
         return {
             "source": self.source,
             "config": {
@@ -248,14 +251,23 @@ class ReplayReport:
                 if self.storage_stats
                 else []
             ),
-            "latency    (client-side, us)      count       p50       p99       max",
+            "latency    (us, call to reply)        count       p50       p99       max",
         ]
         for kind, s in self.latency.items():
             lines.append(
                 f"  {kind:<28} {s.count:>9,} {s.p50_us:>9.1f} {s.p99_us:>9.1f} {s.max_us:>9.1f}"
             )
+        if self.concurrency > 1 and self.latency:
+            lines += [
+                f"           each call waits behind the commands of the other "
+                f"{self.concurrency - 1} requests in flight,",
+                "           so the rows measure that queue; --concurrency 1 gives each "
+                "command's own cost",
+            ]
         startup = (
-            f"start-up {self.startup_time_s:.2f} s + " if self.startup_time_s is not None else ""
+            f"start-up (imports) {self.startup_time_s:.2f} s + "
+            if self.startup_time_s is not None
+            else ""
         )
         total = self.total_time_s + (self.startup_time_s or 0.0)
         flush = f" + L3 flush {self.flush_time_s:.2f} s" if self.l3 else ""

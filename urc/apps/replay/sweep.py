@@ -2,10 +2,12 @@
 picked from.
 
 :func:`run_sweep` makes the workload's first pass once and replays it once per device
-capacity (every other setting as configured: keep the host tier for a HiCache curve, or turn
-it off with ``host_tokens=0`` for a single-tier one).  :class:`SweepResult` prints a table
-and an ASCII chart (always) and writes a PNG when matplotlib is importable (it is not a
-dependency).  Deterministic runs give the same curve every time.
+capacity (every other setting as configured: ``host_tokens=0`` gives the curve of the device
+tier alone, what ``urc replay --sweep`` runs unless ``--host-tokens`` is given; a host tier
+gives a HiCache curve, whose points all include the same host capacity).
+:class:`SweepResult` prints a table and an ASCII chart (always) and writes a PNG when
+matplotlib is importable (it is not a dependency).  Deterministic runs give the same curve
+every time.
 """
 
 from __future__ import annotations
@@ -16,18 +18,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from urc.apps.replay.config import Capacity, ReplayConfig
+from urc.apps.replay.config import ReplayConfig
 from urc.apps.replay.driver import run_replay
+from urc.apps.replay.options import DEFAULT_SWEEP, Capacity
 from urc.apps.replay.report import IDEAL_SCOPE, ReplayReport
 from urc.apps.replay.source import EmptyWorkloadError, summarize
 from urc.node import Tier
 
 __all__ = ["DEFAULT_SWEEP", "SweepPoint", "SweepResult", "run_sweep"]
-
-DEFAULT_SWEEP: tuple[Capacity, ...] = tuple(
-    Capacity(fraction=f) for f in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
-)
-"""Device capacities of a plain ``--sweep``, as fractions of the unique prompt tokens."""
 
 _BAR_WIDTH = 50
 
@@ -89,7 +87,7 @@ class SweepResult:
         host = (
             f"host {first.host_tokens:,} tokens ({first.write_policy})"
             if first is not None and first.host_tokens
-            else "no host tier"
+            else "no host tier: the device tier alone; --host-tokens adds one"
         )
         lines = [
             f"urc replay --sweep: {self.source}",
@@ -153,7 +151,7 @@ async def run_sweep(
     """Replay ``config`` once per device capacity in ``capacities`` (see the module doc).
 
     Raises what :func:`~urc.apps.replay.run_replay` raises."""
-    summary = await summarize(config)
+    summary = await summarize(config, progress=progress)
     if summary.requests == 0:
         raise EmptyWorkloadError(f"{config.source_name}: the workload holds no request")
     points = []
