@@ -9,8 +9,9 @@ Usage::
 ``python setup.py build_ext --inplace``).  Both copies of ``urc`` are imported into this
 process, each fully (every submodule, so that no lazy import crosses over), and their
 ``sys.modules`` entries are swapped in before each run: round by round, configuration by
-configuration, old and new run back to back on the same workload and the best of the rounds
-is kept per phase.  On a shared machine this is the comparison to quote (a ratio from one
+configuration, old and new run back to back on the same workload (which goes first alternates
+by round) and the best of the rounds is kept per phase.  Run it with the same tree twice to
+see the noise floor.  On a shared machine this is the comparison to quote (a ratio from one
 process), never two figures from separate runs.  ``--old-module`` names the old tree's
 benchmark module (``urc.bench`` before the applications moved to ``urc.apps``).
 """
@@ -99,10 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     seqs = new[0].generate_sequences(args.num_seqs, args.chunk_len, 42)
     best: dict[tuple[str, str, int], dict[str, float]] = {}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        # Alternate which tree runs first, so that neither always meets a warmer machine.
+        order = (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))
         for name in args.components:
             for ps in args.page_sizes:
-                for label, (bench, modules) in (("old", old), ("new", new)):
+                for label, (bench, modules) in order:
                     res = _run(bench, modules, name, ps, seqs)
                     cell = best.setdefault((label, name, ps), {})
                     for phase in _PHASES:
