@@ -123,7 +123,6 @@ def test_sglang_eviction_policy_selects_urcs_policy_of_that_name(policy: str) ->
         ({"enable_hierarchical_cache": True, "is_hybrid_ssm": True}, "with a Mamba model"),
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
         ({"eviction_policy": "tlru"}, "--radix-eviction-policy tlru"),
-        ({"enable_kv_cache_events": True}, "--kv-events-config"),
     ],
 )
 def test_an_unsupported_launch_option_fails_at_start_up_naming_it(

@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType as SGLangComponent
 
 from urc import params as urc_params
+from urc.apps.sglang._events import to_sglang_events
 from urc.apps.sglang._keys import namespace, to_urc_key
 from urc.cache import UnifiedRadixCache
 from urc.key import RadixKey
@@ -70,6 +71,8 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         self.device = core.device
         if sglang_params.enable_metrics:
             self.init_metrics_collector()
+        if sglang_params.enable_kv_cache_events:  # --kv-events-config, on a publisher rank
+            core.enable_kv_events()
 
     # ================================================================== structure
     @property
@@ -81,6 +84,12 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
 
     def reset(self) -> None:
         self.urc.reset()
+
+    def take_events(self) -> list[Any]:
+        """The KV events recorded since the last call, oldest first, as SGLang's own
+        ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (what its scheduler
+        publishes each batch); empty while events are off."""
+        return to_sglang_events(self.urc.take_events())
 
     def supports_swa(self) -> bool:
         return self.urc.supports_swa()

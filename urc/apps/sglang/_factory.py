@@ -73,8 +73,6 @@ def unsupported_options(ctx: Any) -> list[str]:
         out.append(f"--radix-eviction-policy {params.eviction_policy}: urc serves {served}")
     if params.eviction_policy_config:
         out.append("--radix-eviction-policy-config: urc's policies take no parameters here")
-    if params.enable_kv_cache_events:
-        out.append("--kv-events-config: urc does not publish SGLang's KV events yet")
     if params.enable_session_radix_cache or memory.enable_session_radix_cache:
         out.append("--enable-session-radix-cache: SGLang's session refs are its own")
     if params.is_eagle:
