@@ -93,6 +93,7 @@ class TreeNode:
         "creation_time",
         "data",
         "deleted",
+        "eviction_state",
         "full",
         "hash_value",
         "heap_entry",
@@ -135,6 +136,8 @@ class TreeNode:
         self.in_host_heap = False
         self.deleted = False
         self.hash_value: list[str] | None = None
+        # Per-node state of the eviction strategy, if it keeps any (``urc.eviction_policy``).
+        self.eviction_state: Any = None
 
     @property
     def evicted(self) -> bool:
