@@ -2,7 +2,7 @@
 ``urc._native._gckeys``); metadata is in pyproject.toml.
 
 ``optional=True``: without a C compiler or Python headers the install still succeeds and
-``urc.fastpath`` / ``urc.pageops`` fall back to their pure-Python twins.
+``urc.fastpath`` / ``urc.pools.pageops`` fall back to their pure-Python twins.
 """
 
 from setuptools import Extension, setup

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from urc.errors import ConfigError
-from urc.host_protocol import WritePolicy
-from urc.tree import SizeUnit
+from urc.host.protocol import WritePolicy
+from urc.node import SizeUnit
 
 __all__ = [
     "HiCacheConfig",

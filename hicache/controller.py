@@ -34,13 +34,13 @@ import anyio
 
 from hicache.config import HiCacheConfig
 from hicache.host_tier import HostMemoryTier
-from urc import host_transfers
 from urc.cache import UnifiedRadixCache
-from urc.host_protocol import BackupTicket, LoadTicket, TierEvents
+from urc.host import transfers as host_transfers
+from urc.host.protocol import BackupTicket, LoadTicket, TierEvents
 from urc.key import RadixKey
-from urc.observer import ServiceObserver, TransferKind
+from urc.node import ComponentType
 from urc.params import MatchPrefixParams
-from urc.tree import ComponentType
+from urc.service import ServiceObserver, TransferKind
 
 if TYPE_CHECKING:
     from urc.service import AsyncUnifiedRadixCache

@@ -1,7 +1,7 @@
 """``HostMemoryTier``: the host tier (HiCache L2) the core moves data through.
 
 One :class:`~hicache.host_pool.HostPool` per component mirrors that component's device pool
-(Full KV, SWA KV, Mamba states).  It implements the core's ``urc.host_protocol.HostTier`` protocol:
+(Full KV, SWA KV, Mamba states).  It implements the core's ``urc.host.protocol.HostTier`` protocol:
 allocation bookkeeping is called from the tree's owner only; ``backup``/``load`` copy bytes and
 may run in a worker thread (each copy touches only the slots of its own transfer).
 """
@@ -14,7 +14,7 @@ from hicache.config import HiCacheConfig
 from hicache.host_pool import HostPool
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
-from urc.tree import ComponentType, SizeUnit
+from urc.node import ComponentType, SizeUnit
 
 __all__ = ["HostMemoryTier", "attach_hicache"]
 

@@ -25,7 +25,7 @@ from hicache.storage.base import StorageBackend
 from hicache.storage_worker import RetryPolicy, StorageWorker
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
-from urc.observer import ServiceObserver
+from urc.service import ServiceObserver
 
 __all__ = ["HiCache", "attach"]
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics for the Unified Radix Cache (ARCHITECTURE §8).
+"""Prometheus metrics for the Unified Radix Cache (docs/architecture.md §5).
 
 ``metrics`` reads the core's ``CacheStats`` snapshots and the service's observer events; the
 core never imports ``prometheus_client``.  Typical use::

@@ -39,10 +39,9 @@ from metrics.spec import (
     _Spec,
     _unit_of,
 )
-from urc.commands import CommandKind
-from urc.observer import StatsSource, TransferKind
+from urc.node import ComponentType, Tier
+from urc.service import CommandKind, StatsSource, TransferKind
 from urc.stats import CacheStats, ComponentStats
-from urc.tree import ComponentType, Tier
 
 __all__: list[str] = []
 

@@ -1,12 +1,12 @@
-"""``CacheMetrics``: a :class:`~urc.observer.ServiceObserver` that publishes Prometheus metrics.
+"""``CacheMetrics``: a :class:`~urc.service.ServiceObserver` that publishes Prometheus metrics.
 
-The async service calls the observer from its actor task (see :mod:`urc.observer`); this class
-turns those calls into metrics on an injectable :class:`~prometheus_client.CollectorRegistry`
-(default: the global ``REGISTRY``).
+The async service calls the observer from its actor task (see
+:class:`~urc.service.ServiceObserver`); this class turns those calls into metrics on an injectable
+:class:`~prometheus_client.CollectorRegistry` (default: the global ``REGISTRY``).
 
 Everything lives under the ``urc_`` namespace, in base units, with bounded labels only:
 ``component`` in ``full|swa|mamba``, ``tier`` in ``device|host|storage``, ``kind`` a
-:class:`~urc.commands.CommandKind` or :class:`~urc.observer.TransferKind` value and
+:class:`~urc.service.CommandKind` or :class:`~urc.service.TransferKind` value and
 ``error_type`` an exception class name (capped, see :attr:`MetricsConfig.max_error_types`).
 
 Units are never mixed in one series: Full and SWA sizes are tokens (``*_tokens``), Mamba sizes
@@ -81,8 +81,7 @@ from typing import TypeVar
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from metrics.config import ExportMode, MetricsConfig
-from urc.commands import CommandKind
-from urc.observer import StatsSource, TransferKind
+from urc.service import CommandKind, StatsSource, TransferKind
 from urc.stats import CacheStats
 
 __all__ = ["CacheMetrics", "make_observer", "register_mode"]
@@ -106,7 +105,7 @@ def register_mode(mode: ExportMode) -> Callable[[type[_M]], type[_M]]:
 
 
 class CacheMetrics:
-    """Prometheus exporter for one cache; implements :class:`~urc.observer.ServiceObserver`.
+    """Prometheus exporter for one cache; implements :class:`~urc.service.ServiceObserver`.
 
     ``CacheMetrics(registry, config)`` returns an instance of the subclass implementing
     ``config.mode`` resolved (:attr:`mode` says which; both behave identically from outside).
@@ -168,7 +167,7 @@ class CacheMetrics:
 
     # ------------------------------------------------------------------ ServiceObserver
     def attach(self, source: StatsSource) -> float | None:
-        """The service starts (:class:`~urc.observer.PullingObserver`): keep ``source``;
+        """The service starts (:class:`~urc.service.PullingObserver`): keep ``source``;
         returns how often the service should call :meth:`on_batch` (``None``: never)."""
         return None
 

@@ -47,10 +47,9 @@ from metrics.spec import (
     _Spec,
     _unit_of,
 )
-from urc.commands import CommandKind
-from urc.observer import ServiceSnapshot, StatsSource, TransferKind
+from urc.node import ComponentType, Tier
+from urc.service import CommandKind, ServiceSnapshot, StatsSource, TransferKind
 from urc.stats import CacheStats
-from urc.tree import ComponentType, Tier
 
 __all__: list[str] = []
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from metrics.config import NAMESPACE, OTHER_ERROR
+from urc.components import component_class
+from urc.node import ComponentType
 from urc.stats import CacheStats, ComponentStats
-from urc.tree import ComponentType
 
 __all__: list[str] = []
 
@@ -148,8 +149,9 @@ def _label(value: Enum) -> str:
 
 
 def _unit_of(component: ComponentType) -> str:
-    # Used only for counters of a component not (yet) seen in a snapshot's ``components``.
-    return "states" if component is ComponentType.MAMBA else "tokens"
+    # Used only for counters of a component not (yet) seen in a snapshot's ``components``:
+    # the unit its class declares.
+    return component_class(component).unit.value
 
 
 def _size_values(cs: ComponentStats) -> tuple[int, int, int, int, int]:

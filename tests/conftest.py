@@ -8,7 +8,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-# Tests in other folders reuse the service tests' helpers (``from test_service import ...``):
+# Tests in other folders reuse the service tests' modules (``from test_service_ownership
+# import ...``):
 # importable whatever order pytest collects the folders in, or when run one file alone.
 SERVICE_TESTS = str(ROOT / "tests" / "service")
 if SERVICE_TESTS not in sys.path:

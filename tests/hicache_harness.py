@@ -23,9 +23,9 @@ from urc import (
     UnifiedRadixCache,
     build_cache,
 )
-from urc.host_protocol import BackupTicket, LoadTicket, WritePolicy
+from urc.host.protocol import BackupTicket, LoadTicket, WritePolicy
+from urc.node import TreeNode
 from urc.params import MatchResult
-from urc.tree import TreeNode
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA

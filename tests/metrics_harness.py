@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 
 import urc
 from urc import CacheConfig, ComponentType, RadixKey, Tier, UnifiedRadixCache
-from urc.commands import (
+from urc.errors import URCError
+from urc.service._commands import (
     Alloc,
     Call,
     Command,
@@ -21,9 +22,8 @@ from urc.commands import (
     Insert,
     InsertOutcome,
 )
-from urc.errors import URCError
-from urc.executor import CommandExecutor
-from urc.observer import ServiceObserver
+from urc.service._executor import CommandExecutor
+from urc.service._observer import ServiceObserver
 from urc.stats import CacheStats, ComponentStats
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -50,3 +50,19 @@ def test_public_module_lists_exactly_its_public_definitions(name: str) -> None:
     ]
     unlisted = [n for n in defined if n not in exported]
     assert not unlisted, f"{name} defines public {unlisted} without listing them in __all__"
+
+
+def test_the_top_level_states_one_list_of_names() -> None:
+    """``urc``'s lazy ``_EXPORTS``, its ``__all__`` and its ``TYPE_CHECKING`` imports name the
+    same things, each from the module that defines it."""
+    import urc
+
+    tree = ast.parse((ROOT / "urc" / "__init__.py").read_text())
+    typed: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom) and stmt.module is not None
+                typed.update({a.name: stmt.module for a in stmt.names})
+    assert urc.__all__ == sorted(urc._EXPORTS)
+    assert typed == urc._EXPORTS

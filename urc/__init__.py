@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "UnifiedRadixCache": "urc.cache",
     "CacheConfig": "urc.config",
-    "CachePools": "urc.config",
-    "EvictionPolicy": "urc.config",
+    "CachePools": "urc.pools.cache_pools",
+    "EvictionPolicy": "urc.eviction_policy",
     "build_cache": "urc.cache",
     "build_pools": "urc.config",
     "ConfigError": "urc.errors",
@@ -49,21 +49,24 @@ _EXPORTS: dict[str, str] = {
     "SlidingWindowSpec": "urc.specs",
     "WalkImpl": "urc.fastpath",
     "Req": "urc.req",
-    "ComponentType": "urc.tree",
-    "Tier": "urc.tree",
-    "TreeNode": "urc.tree",
-    "CommandKind": "urc.commands",
-    "InsertOutcome": "urc.commands",
-    "MatchOutcome": "urc.commands",
-    "Lease": "urc.lease",
-    "NodeHandle": "urc.lease",
-    "ServiceObserver": "urc.observer",
-    "TransferKind": "urc.observer",
+    "ComponentType": "urc.node",
+    "Tier": "urc.node",
+    "TreeNode": "urc.node",
+    "CommandKind": "urc.service",
+    "InsertOutcome": "urc.service",
+    "MatchOutcome": "urc.service",
+    "Lease": "urc.service",
+    "NodeHandle": "urc.service",
+    "ServiceObserver": "urc.service",
+    "TransferKind": "urc.service",
     "AsyncUnifiedRadixCache": "urc.service",
     "BackgroundWorker": "urc.service",
     "ServiceState": "urc.service",
 }
 
+# ``_EXPORTS`` is the list of public names; ``__all__`` and the ``TYPE_CHECKING`` imports
+# below (for linters and type checkers) repeat it, and ``tests/test_public_api.py`` checks
+# that the three agree.
 __all__ = [
     "AsyncUnifiedRadixCache",
     "BackgroundWorker",
@@ -89,13 +92,13 @@ __all__ = [
     "KeyValueMismatchError",
     "Lease",
     "LeaseError",
+    "MambaSpec",
     "MatchOutcome",
     "MatchPrefixParams",
     "MatchResult",
     "NodeHandle",
     "OutOfMemoryError",
     "PoolError",
-    "MambaSpec",
     "RadixKey",
     "Req",
     "ServiceClosedError",
@@ -133,17 +136,7 @@ if TYPE_CHECKING:
         UnifiedRadixCache,
         build_cache,
     )
-    from urc.commands import (
-        CommandKind,
-        InsertOutcome,
-        MatchOutcome,
-    )
-    from urc.config import (
-        CacheConfig,
-        CachePools,
-        EvictionPolicy,
-        build_pools,
-    )
+    from urc.config import CacheConfig, build_pools
     from urc.errors import (
         ConfigError,
         DoubleFreeError,
@@ -159,18 +152,12 @@ if TYPE_CHECKING:
         ServiceFailedError,
         URCError,
     )
+    from urc.eviction_policy import EvictionPolicy
     from urc.fastpath import WalkImpl
     from urc.key import (
         RadixKey,
     )
-    from urc.lease import (
-        Lease,
-        NodeHandle,
-    )
-    from urc.observer import (
-        ServiceObserver,
-        TransferKind,
-    )
+    from urc.node import ComponentType, Tier, TreeNode
     from urc.params import (
         DecLockRefParams,
         DecLockRefResult,
@@ -182,6 +169,7 @@ if TYPE_CHECKING:
         MatchPrefixParams,
         MatchResult,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.pools.kv_pool import (
         KVShape,
     )
@@ -191,11 +179,13 @@ if TYPE_CHECKING:
     from urc.service import (
         AsyncUnifiedRadixCache,
         BackgroundWorker,
+        CommandKind,
+        InsertOutcome,
+        Lease,
+        MatchOutcome,
+        NodeHandle,
+        ServiceObserver,
         ServiceState,
+        TransferKind,
     )
     from urc.specs import MambaSpec, SlidingWindowSpec
-    from urc.tree import (
-        ComponentType,
-        Tier,
-        TreeNode,
-    )

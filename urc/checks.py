@@ -1,4 +1,4 @@
-"""Whole-tree checks and dumps of a :class:`~urc.cache.UnifiedRadixCache`.
+"""Whole-tree checks and dumps of a :class:`~urc.state.CacheState`.
 
 ``sanity_check`` recomputes every invariant from scratch (O(nodes + pool size)) and compares
 with the counters the cache keeps incrementally; ``check_pools`` asserts that every pool is
@@ -10,25 +10,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from urc.host_protocol import WritePolicy
-from urc.tree import NUM_COMPONENT_TYPES, ComponentType, TreeNode
+from urc.host.protocol import WritePolicy
+from urc.node import FULL_INDEX, NUM_COMPONENT_TYPES, ComponentType, TreeNode
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
+    from urc.state import CacheState
 
 __all__ = ["check_pools", "pretty_print", "sanity_check"]
 
-_FULL = 0
 
-
-def sanity_check(cache: UnifiedRadixCache) -> None:
+def sanity_check(state: CacheState) -> None:
     """Recompute every invariant from scratch; ``AssertionError`` names the first broken one.
 
     Checks parent/child links and child keys, each component's per-node rules, lock
     ordering, eviction structures, size counters, node count and allocator state.
     """
-    nodes = cache.tree.nodes()
-    assert len(nodes) == cache.num_nodes, f"{len(nodes)} nodes, counter {cache.num_nodes}"
+    nodes = state.tree.nodes()
+    assert len(nodes) == state.tree.num_nodes, f"{len(nodes)} nodes, counter {state.tree.num_nodes}"
     evictable = [0] * NUM_COMPONENT_TYPES
     protected = [0] * NUM_COMPONENT_TYPES
     host_evictable = [0] * NUM_COMPONENT_TYPES
@@ -36,13 +34,13 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
     for node in nodes:
         parent = node.parent
         assert parent is not None and not node.deleted, f"node {node.id} detached"
-        ck = cache.tree.child_key_of(node)
+        ck = state.tree.child_key_of(node)
         assert node.child_key == ck and parent.children.get(ck) is node, (
             f"node {node.id} is not its parent's child under its own key"
         )
         assert node.key_len == len(node.key) > 0, f"node {node.id} key_len {node.key_len}"
-        assert node.key_len % cache.page_size == 0, f"node {node.id} len {node.key_len}"
-        full = node.data[_FULL]
+        assert node.key_len % state.page_size == 0, f"node {node.id} len {node.key_len}"
+        full = node.data[FULL_INDEX]
         assert full is not None
         assert full.value is not None or full.host_value is not None, (
             f"node {node.id} holds no Full data on any tier"
@@ -50,14 +48,14 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
         if (
             full.host_value is not None
             and parent.parent is not None
-            and cache.write_policy is not WritePolicy.WRITE_BACK
+            and state.write_policy is not WritePolicy.WRITE_BACK
         ):
-            pfull = parent.data[_FULL]
+            pfull = parent.data[FULL_INDEX]
             assert pfull is not None and pfull.host_value is not None, (
                 f"node {node.id} has a host copy but its parent {parent.id} does not"
             )
         prev_lock = None
-        for c in cache.components:
+        for c in state.components:
             cd = node.data[c.component_type]
             assert cd is not None
             assert cd.lock_ref >= 0 and cd.host_lock_ref >= 0, f"node {node.id}: {cd}"
@@ -69,7 +67,7 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
                     "a higher component is not"
                 )
             prev_lock = cd.lock_ref
-            if c is not cache.full and cd.value is not None:
+            if c is not state.full and cd.value is not None:
                 assert full.value is not None, (
                     f"node {node.id}: {c.component_type.name} on device without Full"
                 )
@@ -84,7 +82,7 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
                 host_protected[c.component_type] += h
             else:
                 host_evictable[c.component_type] += h
-    for c in cache.components:
+    for c in state.components:
         ct = c.component_type
         assert (c.evictable_size, c.protected_size) == (evictable[ct], protected[ct]), (
             f"{ct.name} sizes: counters evictable={c.evictable_size} "
@@ -96,13 +94,13 @@ def sanity_check(cache: UnifiedRadixCache) -> None:
             f"{host_evictable[ct]}/{host_protected[ct]}"
         )
         c.check_structures(nodes)
-    check = getattr(cache.token_to_kv_pool_allocator, "check_consistency", None)
+    check = getattr(state.token_to_kv_pool_allocator, "check_consistency", None)
     if check is not None:
         check()
 
 
 def check_pools(
-    cache: UnifiedRadixCache,
+    state: CacheState,
     held: Mapping[ComponentType, int] | None = None,
     host_held: Mapping[ComponentType, int] | None = None,
 ) -> None:
@@ -112,7 +110,7 @@ def check_pools(
     in each component's unit)."""
     held = held or {}
     host_held = host_held or {}
-    for c in cache.components:
+    for c in state.components:
         ct = c.component_type
         total = c.pool_available() + c.evictable_size + c.protected_size + held.get(ct, 0)
         assert total == c.pool_capacity(), (
@@ -120,7 +118,7 @@ def check_pools(
             f"protected {c.protected_size} + held {held.get(ct, 0)} = {total} "
             f"!= capacity {c.pool_capacity()}"
         )
-        if cache.host_tier is None:
+        if state.host_tier is None:
             continue
         h = host_held.get(ct, 0)
         total = c.host_available() + c.host_evictable_size + c.host_protected_size + h
@@ -131,14 +129,14 @@ def check_pools(
         )
 
 
-def pretty_print(cache: UnifiedRadixCache) -> str:
+def pretty_print(state: CacheState) -> str:
     """An indented dump of the tree (also printed)."""
     lines: list[str] = []
 
     def walk(node: TreeNode, depth: int) -> None:
         for child in node.children.values():
             parts = []
-            for c in cache.components:
+            for c in state.components:
                 cd = child.data[c.component_type]
                 assert cd is not None
                 on = "D" if cd.value is not None else "-"
@@ -152,10 +150,10 @@ def pretty_print(cache: UnifiedRadixCache) -> str:
             )
             walk(child, depth + 1)
 
-    walk(cache.root, 0)
+    walk(state.tree.root, 0)
     lines.append(
-        f"#nodes={cache.num_nodes} evictable={cache.evictable_size()} "
-        f"protected={cache.protected_size()}"
+        f"#nodes={state.tree.num_nodes} evictable={state.full.evictable_size} "
+        f"protected={state.full.protected_size}"
     )
     text = "\n".join(lines)
     print(text)

@@ -3,45 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from urc.errors import ConfigError
+from urc.eviction_policy import EvictionPolicy, NextUseOracle
 from urc.fastpath import WalkImpl
+from urc.node import ComponentType
 from urc.pools.allocator import TokenSlotAllocator, check_page_size
+from urc.pools.cache_pools import CachePools
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
-from urc.specs import SPEC_TYPES, ComponentSpec
-from urc.tree import ComponentType
+from urc.specs import SPEC_TYPES, ComponentSpec, PoolContext
 
-if TYPE_CHECKING:
-    from urc.eviction_policy import NextUseOracle
-
-__all__ = ["CacheConfig", "CachePools", "EvictionPolicy", "build_pools"]
-
-
-class EvictionPolicy(Enum):
-    """Order in which Full device and host leaves are evicted (first = evicted first);
-    each member is a strategy in ``urc.eviction_policy``."""
-
-    LRU = "lru"  # least recently used
-    LFU = "lfu"  # fewest hits, then least recently used
-    FIFO = "fifo"  # oldest inserted
-    PRIORITY = "priority"  # lowest insert priority, then least recently used
-    MRU = "mru"  # most recently used
-    FILO = "filo"  # newest inserted
-    SLRU = "slru"  # segmented LRU: fewer than ``slru_protected_threshold`` hits first
-    TLRU = "tlru"  # tail-optimized LRU: ``tlru_threshold``, ``tlru_next_prompt_estimate``
-    FORK_AWARE = "fork-aware"  # LRU, but a branch the traffic just forked away from goes first
-    BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
+__all__ = ["CacheConfig", "build_pools"]
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Everything needed to build pools and a cache.
 
+    ``components`` names FULL first, then each auxiliary component as its spec
+    (:class:`~urc.specs.SlidingWindowSpec`, :class:`~urc.specs.MambaSpec`) or as its bare
+    type with the spec's flat fields set (``sliding_window_size``, ``mamba_size``, ...); the
+    two spellings build equal configs: after construction ``components`` holds the types
+    and the flat fields hold every spec's values (:attr:`specs` gives the specs back).
     Sizes are in tokens (``kv_size``, ``swa_kv_size``) or state slots (``mamba_size``).
     ``sliding_window_size`` is required with SWA; ``mamba_chunk_size`` is the granularity at
     which Mamba state checkpoints are taken (``mamba_branching_seqlen`` is aligned to it).
@@ -49,7 +35,7 @@ class CacheConfig:
     caches only the prompt (the thinking and the answer after it are not reused verbatim).
     """
 
-    components: tuple[ComponentType, ...] = (ComponentType.FULL,)
+    components: tuple[ComponentType | ComponentSpec, ...] = (ComponentType.FULL,)
     page_size: int = 1
     kv_size: int = 1 << 16
     swa_kv_size: int | None = None
@@ -86,13 +72,23 @@ class CacheConfig:
     next_use: NextUseOracle | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        # Specs given in ``components`` set their flat fields (frozen: object.__setattr__).
+        types: list[ComponentType] = []
+        for c in self.components:
+            if isinstance(c, ComponentType):
+                types.append(c)
+                continue
+            types.append(c.component_type)
+            for attr, flat in c.FIELDS.items():
+                object.__setattr__(self, flat, getattr(c, attr))
+        object.__setattr__(self, "components", tuple(types))
         check_page_size(self.page_size)
-        if not self.components or self.components[0] is not ComponentType.FULL:
-            raise ConfigError(f"components must start with FULL, got {self.components}")
-        if len(set(self.components)) != len(self.components):
-            raise ConfigError(f"duplicate components in {self.components}")
-        if list(self.components) != sorted(self.components):
-            raise ConfigError(f"components must be in FULL, SWA, MAMBA order: {self.components}")
+        if not types or types[0] is not ComponentType.FULL:
+            raise ConfigError(f"components must start with FULL, got {types}")
+        if len(set(types)) != len(types):
+            raise ConfigError(f"duplicate components in {types}")
+        if types != sorted(types):
+            raise ConfigError(f"components must be in FULL, SWA, MAMBA order: {types}")
         for name in ("tlru_threshold", "tlru_next_prompt_estimate", "slru_protected_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -102,7 +98,7 @@ class CacheConfig:
         if self.kv_size % self.page_size:
             raise ConfigError(f"kv_size {self.kv_size} is not a multiple of {self.page_size}")
         for spec in self.specs:
-            spec.validate(self)
+            spec.validate()
         if (self.eviction_policy is EvictionPolicy.BELADY) != (self.next_use is not None):
             raise ConfigError("next_use is required by, and only by, the belady policy")
         if self.mamba_size < 0:
@@ -110,36 +106,16 @@ class CacheConfig:
 
     @property
     def specs(self) -> tuple[ComponentSpec, ...]:
-        """One spec per auxiliary component, in component order (from the flat fields)."""
-        return tuple(SPEC_TYPES[ct].from_config(self) for ct in self.components[1:])
+        """One spec per auxiliary component, in component order."""
+        return tuple(
+            cls(**{attr: getattr(self, flat) for attr, flat in cls.FIELDS.items()})
+            for cls in (SPEC_TYPES[ct] for ct in self.types[1:])
+        )
 
-    @classmethod
-    def with_specs(cls, *specs: ComponentSpec, **fields: Any) -> CacheConfig:
-        """A config of FULL plus the components ``specs`` describe (any order); ``fields``
-        are the other constructor arguments.  ``config.specs`` gives the specs back."""
-        flat: dict[str, Any] = {}
-        for spec in specs:
-            flat.update(spec.config_fields())
-        types = sorted({spec.component_type for spec in specs})
-        if len(types) != len(specs):
-            raise ConfigError(f"one spec per component, got {specs}")
-        return cls(components=(ComponentType.FULL, *types), **flat, **fields)
-
-
-@dataclass(slots=True)
-class CachePools:
-    """The device pools a cache frees into and copies from.
-
-    ``token_allocator`` hands out Full KV slots (for hybrid SWA models it is the paired
-    allocator that also takes an SWA slot per token).  ``swa`` and ``mamba`` hold the
-    auxiliary pools of those components (``None`` when absent).
-    """
-
-    token_allocator: TokenSlotAllocator
-    req_to_token_pool: ReqToTokenPool
-    kv_pool: KVPool | None = None
-    swa: Any = None
-    mamba: Any = None
+    @property
+    def types(self) -> tuple[ComponentType, ...]:
+        """The component types, FULL first (``components`` after construction)."""
+        return self.components  # type: ignore[return-value]  # normalized in __post_init__
 
 
 def build_pools(config: CacheConfig) -> CachePools:
@@ -150,6 +126,7 @@ def build_pools(config: CacheConfig) -> CachePools:
         req_to_token_pool=ReqToTokenPool(config.max_num_reqs, config.max_context_len, device),
         kv_pool=KVPool(config.kv_size, config.kv_shape, device),
     )
+    ctx = PoolContext(config.kv_size, config.page_size, device, config.kv_shape)
     for spec in config.specs:
-        spec.build_pools(config, pools)
+        spec.build_pools(pools, ctx)
     return pools

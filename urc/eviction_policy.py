@@ -35,14 +35,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from enum import Enum
 from operator import attrgetter
 from typing import Any, Protocol
 
-from urc.config import EvictionPolicy
 from urc.errors import ConfigError
 from urc.node import TreeNode
 
 __all__ = [
+    "EvictionPolicy",
     "BeladyStrategy",
     "EvictionStrategy",
     "ForkAwareStrategy",
@@ -56,6 +57,23 @@ __all__ = [
     "make_strategy",
     "tlru_state",
 ]
+
+
+class EvictionPolicy(Enum):
+    """Order in which Full device and host leaves are evicted (first = evicted first);
+    each member is a strategy in ``urc.eviction_policy``."""
+
+    LRU = "lru"  # least recently used
+    LFU = "lfu"  # fewest hits, then least recently used
+    FIFO = "fifo"  # oldest inserted
+    PRIORITY = "priority"  # lowest insert priority, then least recently used
+    MRU = "mru"  # most recently used
+    FILO = "filo"  # newest inserted
+    SLRU = "slru"  # segmented LRU: fewer than ``slru_protected_threshold`` hits first
+    TLRU = "tlru"  # tail-optimized LRU: ``tlru_threshold``, ``tlru_next_prompt_estimate``
+    FORK_AWARE = "fork-aware"  # LRU, but a branch the traffic just forked away from goes first
+    BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
+
 
 HeapKey = Callable[[TreeNode], Any]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from urc.tree import TreeNode
+    from urc.node import TreeNode
 
 __all__ = [
     "MatchRules",
@@ -149,7 +149,7 @@ def py_match_tail(
         node.last_access_time = clock
         hit += node.key_len
         if values is not None:
-            values.append(node.full.value)  # type: ignore[union-attr]
+            values.append(node.full.value)
     return k, hit, clock, values
 
 

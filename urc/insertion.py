@@ -18,35 +18,33 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from urc import host_transfers
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
-from urc.host_protocol import WritePolicy
-from urc.node import ComponentType, TreeNode
+from urc.host import transfers as host_transfers
+from urc.host.protocol import WritePolicy
+from urc.node import FULL_INDEX, TreeNode
 from urc.params import InsertParams, InsertResult
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
+    from urc.state import CacheState
 
 __all__ = ["insert"]
 
-_FULL = ComponentType.FULL
-
 
 def _add_leaf(
-    cache: UnifiedRadixCache,
+    state: CacheState,
     parent: TreeNode,
     key: list[Any],
     value: torch.Tensor,
     ns: Any,
     priority: int,
 ) -> TreeNode:
-    tree = cache.tree
+    tree = state.tree
     leaf = tree.new_node(parent, key, ns)
     leaf.priority = priority
-    full = leaf.data[_FULL]
+    full = leaf.data[FULL_INDEX]
     assert full is not None
     full.value = value
-    full_c = cache.full
+    full_c = state.full
     full_c.evictable_size += leaf.key_len
     tree.link(parent, leaf)
     full_c.note_child(parent)
@@ -55,7 +53,7 @@ def _add_leaf(
 
 
 def _check_value(
-    cache: UnifiedRadixCache, n_key: int, value: torch.Tensor | None, owned_from: int = 0
+    state: CacheState, n_key: int, value: torch.Tensor | None, owned_from: int = 0
 ) -> tuple[torch.Tensor, np.ndarray | None]:
     """``value`` once it is known to be valid, and the allocator's host view of it (``None``
     when the allocator has no ``check_owned`` or nothing was checked); raises the insert's
@@ -64,23 +62,23 @@ def _check_value(
         raise InvalidInputError("insert needs a value tensor of device indices")
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
         raise InvalidIndicesError(f"value must be a 1-D int64 tensor, got {value!r:.80}")
-    if value.device != cache.device:
-        raise InvalidIndicesError(f"value is on {value.device}, the cache on {cache.device}")
+    if value.device != state.device:
+        raise InvalidIndicesError(f"value is on {value.device}, the cache on {state.device}")
     if value.shape[0] != n_key:
         raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
     if n_key > owned_from:
-        check_owned = getattr(cache.token_to_kv_pool_allocator, "check_owned", None)
+        check_owned = getattr(state.token_to_kv_pool_allocator, "check_owned", None)
         if check_owned is not None:
             return value, check_owned(value, owned_from)  # range and allocation, host side
         lo, hi = torch.aminmax(value)
-        size = cache.token_to_kv_pool_allocator.size
+        size = state.token_to_kv_pool_allocator.size
         if int(lo) < 0 or int(hi) >= size:
             raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
     return value, None
 
 
 def insert(
-    cache: UnifiedRadixCache, params: InsertParams, resume_from: TreeNode | None = None
+    state: CacheState, params: InsertParams, resume_from: TreeNode | None = None
 ) -> InsertResult:
     """Insert ``params.key`` -> ``params.value`` (Full device indices).
 
@@ -100,7 +98,7 @@ def insert(
     key = params.key
     if key is None:
         raise InvalidInputError("insert needs a key")
-    if cache.is_eagle and not key.is_bigram:
+    if state.is_eagle and not key.is_bigram:
         key = key.bigram()
     n_key = len(key)
     prev = params.prev_prefix_len
@@ -108,26 +106,26 @@ def insert(
         raise InvalidInputError(f"prev_prefix_len must be >= 0, got {prev}")
     resumed: list[TreeNode] = []
     if resume_from is not None:
-        resumed = cache.tree.path_to(resume_from)
+        resumed = state.tree.path_to(resume_from)
         start_len = sum([p.key_len for p in resumed])
         if resume_from.full is None or not resume_from.full.lock_ref or start_len > prev:
             raise InvalidInputError(
                 f"resume_from node {resume_from.id} must be locked and end at or before "
                 f"prev_prefix_len {prev} (it ends at {start_len})"
             )
-    value, host = _check_value(cache, n_key, params.value, prev if resumed else 0)
-    for c in cache.hooks.validate_insert:
+    value, host = _check_value(state, n_key, params.value, prev if resumed else 0)
+    for c in state.hooks.validate_insert:
         c.validate_insert(params, n_key)
-    tree = cache.tree
+    tree = state.tree
     tokens = tree.tokens_of(key)
     n = len(tokens)
     if n == 0:
         return InsertResult(prefix_len=0, mamba_exist=True)
     priority = params.priority
-    overlap_hooks = cache.hooks.overlap
+    overlap_hooks = state.hooks.overlap
     # SGLang counts hits on insert only: not for chunked prefills, never under write-back.
-    count_hits = not params.chunked and cache.write_policy is not WritePolicy.WRITE_BACK
-    note_hits = count_hits and cache.backup_threshold is not None
+    count_hits = not params.chunked and state.write_policy is not WritePolicy.WRITE_BACK
+    note_hits = count_hits and state.backup_threshold is not None
     path: list[TreeNode] = []
     free_ranges: list[tuple[int, int]] = []
     node = tree.root
@@ -144,7 +142,7 @@ def insert(
         if count_hits:
             below.hit_count += 1
             if note_hits:
-                host_transfers.note_hit(cache, below)
+                host_transfers.note_hit(state, below)
         path.append(below)
         pos += below.key_len
         node = below
@@ -172,7 +170,7 @@ def insert(
         assert fcd is not None
         if fcd.value is None:
             # Host-only node: it adopts the incoming slots as its device value.
-            _adopt_device_value(cache, child, value[pos : pos + m].clone(), pos, params)
+            _adopt_device_value(state, child, value[pos : pos + m].clone(), pos, params)
         else:
             consumed = m
             for c in overlap_hooks:
@@ -190,14 +188,14 @@ def insert(
         if count_hits:  # after the hooks: a recovery split leaves ``child`` the lower part
             child.hit_count += 1
             if note_hits:
-                host_transfers.note_hit(cache, child)
+                host_transfers.note_hit(state, child)
         path.append(child)
         pos += m
         node = child
     if free_ranges:
         # The allocator copies what it frees: the caller may overwrite its tensor
         # (cache_unfinished_req rewrites the req_to_token row it passed).
-        alloc = cache.token_to_kv_pool_allocator
+        alloc = state.token_to_kv_pool_allocator
         free_span = getattr(alloc, "free_span", None)
         # check_owned validated [owned_from, n), which holds every free range, and no Full
         # slot of the value was freed since: its host view lets the allocator skip the checks.
@@ -205,45 +203,45 @@ def insert(
             if free_span is not None:
                 free_span(value, a, b, host)  # no tensor slice
             else:
-                cache.free_request_kv(value[a:b])
+                state.free_checked(value[a:b])
     prefix_len = pos
     if pos < n:
-        cache.counters.inserted_tokens += n - pos
+        state.counters.inserted_tokens += n - pos
         # The leaf keeps a copy (the caller may reuse its tensor); on CPU through the host
         # view: one numpy copy costs a third of a torch slice and clone.
-        if host is not None and cache.on_cpu:
+        if host is not None and state.on_cpu:
             own = torch.from_numpy(host[pos:n].copy())
         else:
             own = value[pos:n].clone()
-        target = _add_leaf(cache, node, tokens[pos:], own, ns, priority)
+        target = _add_leaf(state, node, tokens[pos:], own, ns, priority)
         path.append(target)
         is_new_leaf = True
     else:
         target = node
         is_new_leaf = False
     result = InsertResult(prefix_len, n, target)
-    for c in cache.hooks.commit:
+    for c in state.hooks.commit:
         target = c.commit_insert_component_data(target, is_new_leaf, params, result)
     result.last_device_node = target
-    for c in cache.hooks.insert_end:
+    for c in state.hooks.insert_end:
         c.on_insert_end(path)
     if is_new_leaf and count_hits:  # counted after the commit hooks split it (SGLang)
         leaf = path[-1]
         leaf.hit_count += 1
         if note_hits:
-            host_transfers.note_hit(cache, leaf)
+            host_transfers.note_hit(state, leaf)
     return result
 
 
 def _adopt_device_value(
-    cache: UnifiedRadixCache, node: TreeNode, value: torch.Tensor, pos: int, params: InsertParams
+    state: CacheState, node: TreeNode, value: torch.Tensor, pos: int, params: InsertParams
 ) -> None:
     """Give a host-only node fresh device slots (HiCache: re-insert over an evicted node)."""
-    full = node.data[_FULL]
+    full = node.data[FULL_INDEX]
     assert full is not None and full.lock_ref == 0
     full.value = value
-    cache.full.evictable_size += node.key_len
-    for c in cache.hooks.recover:
+    state.full.evictable_size += node.key_len
+    for c in state.hooks.recover:
         c.recover_after_unevict(node, pos, params)
-    if node.heap_entry is None and cache.full.is_device_leaf(node):
-        cache.full.note_leaf(node)
+    if node.heap_entry is None and state.full.is_device_leaf(node):
+        state.full.note_leaf(node)

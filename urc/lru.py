@@ -15,7 +15,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Protocol
 
-from urc.tree import TreeNode
+from urc.node import TreeNode
 
 __all__ = ["LRULink", "LRUList", "LinkedLRUList"]
 

@@ -24,18 +24,20 @@ from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams, MatchResult, PendingIndices
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
+    from urc.state import CacheState
 
 __all__ = ["empty_result", "finish_match", "match_path", "match_prefix", "path_device_indices"]
 
+# The bench's match phases: results built with ``tuple.__new__`` (no NamedTuple argument
+# parsing), tiers as module constants (an Enum attribute load costs ~0.1 µs).
 _new_tuple = tuple.__new__
-_DEVICE, _HOST = Tier.DEVICE, Tier.HOST  # module constants: an Enum attribute load costs ~0.1 µs
+_DEVICE, _HOST = Tier.DEVICE, Tier.HOST
 # MatchResult's defaulted fields (a match with no host hit) up to ``device_len``, in order.
 _NO_HOST = tuple(MatchResult._field_defaults[f] for f in MatchResult._fields[4:-1])
 assert MatchResult._fields[-1] == "device_len", MatchResult._fields
 
 
-def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchResult:
+def match_prefix(state: CacheState, params: MatchPrefixParams) -> MatchResult:
     """Longest cached prefix of ``params.key``.
 
     Mutates: may split the node where the match ends; refreshes access times (parent <
@@ -43,23 +45,23 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
     Returns the device hit (concatenated indices, or ``None`` and its length with
     ``params.with_indices=False``) and the nodes that end it.
     """
-    for check in cache.hooks.match_checks:
+    for check in state.hooks.match_checks:
         check.validate_match(params)
-    tree = cache.tree
+    tree = state.tree
     tokens = tree.tokens_of(params.key)
     n = len(tokens)
     if n == 0:
-        return empty_result(cache, params.with_indices)
+        return empty_result(state, params.with_indices)
     ns = params.key.extra_key
     ck = None if ns is None else tree.root_child_key(tokens, ns)  # None: the walk's page key
     # The structural walk first (read-only, urc.fastpath: compiled when built), then the
     # per-node steps; the node where the match ends inside its edge is split when the steps
     # reach it, so stamps and splits happen in the order of a node-by-node walk.
     walked, pos, partial, pm = tree.walk(tree.root, ck, tokens, 0, tree.page_size)
-    if cache.host_tier is None:
-        return _match_device_only(cache, params, walked, pos, partial, pm, n)
+    if state.host_tier is None:
+        return _match_device_only(state, params, walked, pos, partial, pm, n)
     # With a host tier: one top-down pass finds the device hit and the hit on any tier.
-    validators, host_validators = _match_validators(cache)
+    validators, host_validators = _match_validators(state)
     path: list[TreeNode] = []
     pos = 0
     best = 0
@@ -87,11 +89,11 @@ def match_prefix(cache: UnifiedRadixCache, params: MatchPrefixParams) -> MatchRe
             best = len(path)
         if all([validate(child) for validate in host_validators]):
             best_any = len(path)
-    return finish_match(cache, params, path, best, best_any, pos, n)
+    return finish_match(state, params, path, best, best_any, pos, n)
 
 
 def _match_device_only(
-    cache: UnifiedRadixCache,
+    state: CacheState,
     params: MatchPrefixParams,
     walked: list[TreeNode],
     pos: int,
@@ -105,16 +107,16 @@ def _match_device_only(
     finds it from the deepest node up, stamps it and gathers its values; else the path
     validators answer first.  The result of :func:`finish_match` is inline (this is the
     hot path); both end in :func:`_end_match`."""
-    tree = cache.tree
+    tree = state.tree
     # Without a host tier every node holds its Full value on device (sanity_check): the
     # walk's nodes are the device path as they stand.
     if partial is not None:
         walked.append(tree.split(partial, pm))
         pos += pm
     path = walked
-    rules = cache.hooks.match_rules
+    rules = state.hooks.match_rules
     if rules is None:  # validators without a window rule: they find the hit
-        path = walked[: _deepest_boundary(cache, walked, True)] if walked else walked
+        path = walked[: _deepest_boundary(state, walked, True)] if walked else walked
         rules = ()
     k, hit, tree.clock, values = tree.match_tail(path, rules, tree.clock, params.with_indices)
     if k:
@@ -122,12 +124,12 @@ def _match_device_only(
         indices = None if values is None else PendingIndices(values)
         result = _new_tuple(MatchResult, (indices, last, last, last, *_NO_HOST, hit))
     else:
-        result = empty_result(cache, params.with_indices)
-    return _end_match(cache, params, walked, k, k, pos, n, result)
+        result = empty_result(state, params.with_indices)
+    return _end_match(state, params, walked, k, k, pos, n, result)
 
 
 def match_path(
-    cache: UnifiedRadixCache,
+    state: CacheState,
     params: MatchPrefixParams,
     path: list[TreeNode],
     known: tuple[int, torch.Tensor] | None = None,
@@ -139,20 +141,20 @@ def match_path(
     ``known = (k, indices)``: the caller already holds the device indices of
     ``path[:k]``; where the hit ends within them the result's ``device_indices`` is a
     view of ``indices`` (no copy), else ``indices`` and the rest concatenated."""
-    for check in cache.hooks.match_checks:
+    for check in state.hooks.match_checks:
         check.validate_match(params)
     if not path:
-        return empty_result(cache, params.with_indices)
+        return empty_result(state, params.with_indices)
     pos = sum([node.key_len for node in path])
-    best = _deepest_boundary(cache, path, True)
-    matched = best if cache.host_tier is None else _deepest_boundary(cache, path, False)
-    return finish_match(cache, params, path, best, matched, pos, pos, known)
+    best = _deepest_boundary(state, path, True)
+    matched = best if state.host_tier is None else _deepest_boundary(state, path, False)
+    return finish_match(state, params, path, best, matched, pos, pos, known)
 
 
-def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_only: bool) -> int:
+def _deepest_boundary(state: CacheState, path: list[TreeNode], device_only: bool) -> int:
     """The deepest ``i`` where a walk of ``path`` would accept ``path[:i]`` (0: none),
     asked from the deepest node up: usually the first answer is yes."""
-    validating = cache.hooks.validating
+    validating = state.hooks.validating
     if len(validating) == 1:  # one validating component (SWA or Mamba) answers itself
         return validating[0].deepest_boundary(path, device_only)
     checks = []
@@ -167,12 +169,12 @@ def _deepest_boundary(cache: UnifiedRadixCache, path: list[TreeNode], device_onl
 
 
 def _match_validators(
-    cache: UnifiedRadixCache,
+    state: CacheState,
 ) -> tuple[list[MatchValidator], list[MatchValidator]]:
     """Fresh validators for one tiered match: device-only, and any-tier."""
     validators: list[MatchValidator] = []
     host_validators: list[MatchValidator] = []
-    for c in cache.hooks.validating:
+    for c in state.hooks.validating:
         v = c.create_match_validator(True)
         if v is not None:
             validators.append(v)
@@ -183,7 +185,7 @@ def _match_validators(
 
 
 def finish_match(
-    cache: UnifiedRadixCache,
+    state: CacheState,
     params: MatchPrefixParams,
     path: list[TreeNode],
     best: int,
@@ -198,9 +200,9 @@ def finish_match(
     :func:`match_path`)."""
     # Only the best match and its ancestors are stamped, after the walk, parent < child
     # (SGLang's order); nodes walked past the best keep their age.
-    cache.tree.stamp_path(path[:matched] if matched < len(path) else path)
+    state.tree.stamp_path(path[:matched] if matched < len(path) else path)
     if best == 0:
-        result = empty_result(cache, params.with_indices)
+        result = empty_result(state, params.with_indices)
     else:
         last = path[best - 1]
         hit = sum([p.key_len for p in path[:best]])
@@ -215,11 +217,11 @@ def finish_match(
         result = result._replace(
             last_host_node=host_node, best_match_node=host_node, host_hit_length=host_len
         )
-    return _end_match(cache, params, path, best, matched, pos, n, result)
+    return _end_match(state, params, path, best, matched, pos, n, result)
 
 
 def _end_match(
-    cache: UnifiedRadixCache,
+    state: CacheState,
     params: MatchPrefixParams,
     path: list[TreeNode],
     best: int,
@@ -230,12 +232,12 @@ def _end_match(
 ) -> MatchResult:
     """What every match ends with, once stamped and with its result built: the counters,
     the components' match-end and finalize hooks, the hit counts; returns the result."""
-    counters = cache.counters
+    counters = state.counters
     counters.match_requests += 1
     counters.query_tokens += n
-    for c in cache.hooks.match_end:
+    for c in state.hooks.match_end:
         c.on_match_end(path, matched)
-    for c in cache.hooks.finalize:
+    for c in state.hooks.finalize:
         result = c.finalize_match_result(result, params, path, best, pos)
     hits = counters.hit_tokens
     hits[_DEVICE] += result.device_prefix_len
@@ -256,28 +258,28 @@ def _device_indices(
         if k >= best:
             return held if k == best else held[:hit]
         values = [held]
-    values += [p.full.value for p in path[k:best]]  # type: ignore[misc,union-attr]
+    values += [p.full.value for p in path[k:best]]  # type: ignore[misc]
     return PendingIndices(values)
 
 
-def empty_result(cache: UnifiedRadixCache, with_indices: bool = True) -> MatchResult:
+def empty_result(state: CacheState, with_indices: bool = True) -> MatchResult:
     """A miss: no device indices (an empty tensor, built when read; ``None`` without
     indices), every node the root."""
-    empty = PendingIndices([cache.no_indices]) if with_indices else None
-    root = cache.tree.root
+    empty = PendingIndices([state.no_indices]) if with_indices else None
+    root = state.tree.root
     return _new_tuple(MatchResult, (empty, root, root, root, *_NO_HOST, 0))
 
 
-def path_device_indices(cache: UnifiedRadixCache, node: TreeNode) -> torch.Tensor:
+def path_device_indices(state: CacheState, node: TreeNode) -> torch.Tensor:
     """The Full device indices on the path from the root down to ``node`` (a fresh tensor;
     empty for the root).  Changes nothing.  Raises
     :class:`~urc.errors.InvalidInputError` when ``node`` was evicted or a node of its path
     is not on device."""
     if node.deleted:
         raise InvalidInputError(f"path_device_indices of node {node.id}, which was evicted")
-    values = [p.full.value for p in cache.tree.path_to(node)]  # type: ignore[union-attr]
+    values = [p.full.value for p in state.tree.path_to(node)]
     if not values:
-        return torch.empty(0, dtype=torch.int64, device=cache.device)
+        return torch.empty(0, dtype=torch.int64, device=state.device)
     if any(v is None for v in values):
         raise InvalidInputError(f"a node on the path to node {node.id} is not on device")
     return torch.cat(values)  # type: ignore[arg-type]

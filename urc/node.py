@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "FULL_INDEX",
     "NUM_COMPONENT_TYPES",
     "ComponentData",
     "ComponentType",
@@ -32,6 +33,11 @@ class ComponentType(IntEnum):
 
 
 NUM_COMPONENT_TYPES = len(ComponentType)
+
+
+#: ``node.data`` index of the Full data.  A plain int: indexing a tuple with an IntEnum
+#: member goes through ``__index__`` (the lock and match walks index on every node).
+FULL_INDEX = 0
 
 
 class SizeUnit(str, Enum):
@@ -55,18 +61,17 @@ class ComponentData:
 
     ``value`` holds device pool indices (``None`` = tombstone: evicted, node kept);
     ``host_value`` the host-pool indices once HiCache backed it up.  ``lock_ref`` protects the
-    device copy, ``host_lock_ref`` the host copy.  ``metadata`` is component-specific (e.g. the
-    SWA window-lock uuid) and created lazily.
+    device copy, ``host_lock_ref`` the host copy.  A component that keeps more per node
+    subclasses it (``urc.components.swa_data.SWAData``).
     """
 
-    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "metadata", "value")
+    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "value")
 
     def __init__(self, value: torch.Tensor | None = None) -> None:
         self.value = value
         self.lock_ref = 0
         self.host_value: torch.Tensor | None = None
         self.host_lock_ref = 0
-        self.metadata: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         n = None if self.value is None else self.value.shape[0]
@@ -123,9 +128,10 @@ class TreeNode:
         self.key = key
         self.key_len = len(key)
         self.data = data
-        # The Full data, also reachable as ``data[FULL]``: the lock walks and the match
-        # loop touch it on every node, and an attribute is cheaper than an index.
-        self.full = data[0]
+        # The Full data, also reachable as ``data[FULL_INDEX]``: the lock walks and the match
+        # loop touch it on every node, and an attribute is cheaper than an index.  Every node
+        # has it (FULL is the anchor component), so it is typed without ``None``.
+        self.full: ComponentData = data[FULL_INDEX]  # type: ignore[assignment]
         self.namespace = namespace
         self.last_access_time = time
         self.creation_time = time
@@ -142,13 +148,13 @@ class TreeNode:
     @property
     def evicted(self) -> bool:
         """True when the node's Full data is not on device (SGLang's ``evicted``)."""
-        cd = self.data[0]
+        cd = self.full
         return self.parent is not None and (cd is None or cd.value is None)
 
     @property
     def backuped(self) -> bool:
         """True when the node's Full data has a host copy."""
-        cd = self.data[0]
+        cd = self.full
         return cd is not None and cd.host_value is not None
 
     @property
@@ -163,7 +169,7 @@ class TreeNode:
     @property
     def lock_ref(self) -> int:
         """Full lock count (SGLang exposes ``node.lock_ref`` on classic trees)."""
-        cd = self.data[0]
+        cd = self.full
         return 0 if cd is None else cd.lock_ref
 
     def __repr__(self) -> str:

@@ -10,7 +10,7 @@ import torch
 
 from urc.errors import InvalidInputError
 from urc.key import RadixKey
-from urc.tree import ComponentType, TreeNode
+from urc.node import ComponentType, TreeNode
 
 if TYPE_CHECKING:
     from urc.req import Req
@@ -322,4 +322,6 @@ class DecLockRefResult(NamedTuple):
     delta: int | None = None
 
 
+# ``to_dec_params`` builds its result field by field (the bench's unlock phase: a
+# dataclass constructor's keyword parsing would cost as much as the release).
 _new_object = object.__new__

@@ -26,8 +26,8 @@ from urc.errors import InvalidInputError
 from urc.key import ExtraKey
 
 if TYPE_CHECKING:
+    from urc.node import TreeNode
     from urc.params import IncLockRefResult
-    from urc.tree import TreeNode
 
 __all__ = ["Req"]
 

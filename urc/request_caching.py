@@ -14,29 +14,32 @@ from typing import TYPE_CHECKING
 import torch
 
 from urc.errors import InvalidInputError
+from urc.insertion import insert
 from urc.key import RadixKey
+from urc.locking import dec_lock_ref, inc_lock_ref
+from urc.matching import match_path, path_device_indices
+from urc.node import TreeNode
 from urc.params import InsertParams, InsertResult, MatchPrefixParams
 from urc.req import Req
-from urc.tree import TreeNode
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
+    from urc.state import CacheState
 
 __all__ = ["cache_finished_req", "cache_unfinished_req", "release_req_lock"]
 
 
-def _row(cache: UnifiedRadixCache, req: Req, is_finished: bool) -> int:
+def _row(state: CacheState, req: Req, is_finished: bool) -> int:
     """The request's ``req_to_token`` row, after the components validated the request."""
     row = req.req_pool_idx
     if row is None:
         raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
-    for check in cache.hooks.req_checks:
+    for check in state.hooks.req_checks:
         check.validate_caching_req(req, is_finished)
     return row
 
 
 def _prepare(
-    cache: UnifiedRadixCache, req: Req, n_tokens: int, is_finished: bool, chunked: bool
+    state: CacheState, req: Req, n_tokens: int, is_finished: bool, chunked: bool
 ) -> tuple[InsertParams, int]:
     """Insert params filled by the components, keyed by the first ``aligned`` of the first
     ``n_tokens`` tokens (truncated where a component asked, then page-aligned), and
@@ -46,12 +49,12 @@ def _prepare(
     n_tokens = min(n_tokens, len(fill))
     params = InsertParams(prev_prefix_len=req.cache_protected_len, chunked=chunked)
     eff = n_tokens
-    for c in cache.hooks.prepare:
+    for c in state.hooks.prepare:
         limit = c.prepare_for_caching_req(req, params, n_tokens, is_finished)
         if limit is not None and limit < eff:
             eff = max(limit, 0)
-    ps = cache.page_size
-    if cache.is_eagle:
+    ps = state.page_size
+    if state.is_eagle:
         key = RadixKey(fill[:eff], req.extra_key).bigram()
         aligned = len(key) - len(key) % ps
         key = key[:aligned]
@@ -62,7 +65,7 @@ def _prepare(
     return params, aligned
 
 
-def _handled_len(cache: UnifiedRadixCache, req: Req, kv_len_to_handle: int | None) -> int:
+def _handled_len(state: CacheState, req: Req, kv_len_to_handle: int | None) -> int:
     """Tokens ``cache_finished_req`` may cache: ``kv_len_to_handle``, or the committed
     length (the prompt only, under ``strip_thinking_cache`` after thinking tokens)."""
     committed = req.kv_committed_len
@@ -72,13 +75,13 @@ def _handled_len(cache: UnifiedRadixCache, req: Req, kv_len_to_handle: int | Non
                 f"kv_len_to_handle must be in [0, {committed}], got {kv_len_to_handle}"
             )
         return kv_len_to_handle
-    if cache.config.strip_thinking_cache and req.reasoning_tokens > 0:
+    if state.config.strip_thinking_cache and req.reasoning_tokens > 0:
         return min(committed, len(req.origin_input_ids))
     return committed
 
 
 def cache_finished_req(
-    cache: UnifiedRadixCache, req: Req, is_insert: bool = True, kv_len_to_handle: int | None = None
+    state: CacheState, req: Req, is_insert: bool = True, kv_len_to_handle: int | None = None
 ) -> None:
     """Hand a finished request's KV to the tree and release everything it held.
 
@@ -97,11 +100,11 @@ def cache_finished_req(
     is inserted.  Raises :class:`~urc.errors.InvalidInputError` (nothing changed) for a
     ``kv_len_to_handle`` outside ``[0, c]``.
     """
-    row = _row(cache, req, True)
-    handled = _handled_len(cache, req, kv_len_to_handle)
+    row = _row(state, req, True)
+    handled = _handled_len(state, req, kv_len_to_handle)
     committed = req.kv_committed_len
     allocated = max(req.kv_allocated_len, committed)
-    kv = cache.req_to_token_pool.read(row, 0, allocated)
+    kv = state.req_to_token_pool.read(row, 0, allocated)
     params: InsertParams | None = None
     result: InsertResult | None = None
     free_start = req.cache_protected_len
@@ -109,21 +112,21 @@ def cache_finished_req(
     if req.kv_committed_freed:
         free_start = max(free_start, committed)
     elif is_insert:
-        params, aligned = _prepare(cache, req, handled, True, False)
+        params, aligned = _prepare(state, req, handled, True, False)
         if aligned > 0:
             params.value = kv[:aligned]
-            result = cache.insert(params)
+            result = insert(state, params)
         free_start = max(aligned, free_start)
     if free_start < free_end:
-        cache.free_request_kv(kv[free_start:free_end])
-    release_req_lock(cache, req)
-    for c in cache.hooks.cleanup:
+        state.free_checked(kv[free_start:free_end])
+    release_req_lock(state, req)
+    for c in state.hooks.cleanup:
         c.cleanup_after_caching_req(req, True, result, params)
-    cache.req_to_token_pool.free(row)
+    state.req_to_token_pool.free(row)
     req.req_pool_idx = None
 
 
-def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = False) -> None:
+def cache_unfinished_req(state: CacheState, req: Req, chunked: bool = False) -> None:
     """Cache the KV computed so far (chunked prefill) and keep the request going.
 
     As SGLang: inserts ``[0, a)`` (``a``: committed length, page-aligned), then matches the
@@ -137,21 +140,21 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
     unprotected range (freed twice at finish); here the lock and ``cache_protected_len``
     cover the whole inserted path instead.
     """
-    row = _row(cache, req, False)
-    params, aligned = _prepare(cache, req, req.kv_committed_len, False, chunked)
+    row = _row(state, req, False)
+    params, aligned = _prepare(state, req, req.kv_committed_len, False, chunked)
     result: InsertResult | None = None
     if aligned > 0 and aligned >= req.cache_protected_len:
-        params.value = cache.req_to_token_pool.read(row, 0, aligned)
+        params.value = state.req_to_token_pool.read(row, 0, aligned)
         # The walk resumes at the request's own locked node and the re-match is of the path
         # just inserted: a chunk's commit costs the chunk, not the prompt so far.
         start = req.last_node
-        resume = start if start is not None and not cache.is_eagle else None
-        result = cache.insert(params, resume)
+        resume = start if start is not None and not state.is_eagle else None
+        result = insert(state, params, resume)
         inserted = result.last_device_node
         assert inserted is not None
         key = params.key
         assert key is not None
-        path = cache.path_to(inserted)
+        path = state.tree.path_to(inserted)
         protected = req.cache_protected_len
         # The row holds the tree's indices of the old lock's path; the new nodes' slots
         # follow it (replacing duplicates the insert freed), so the row's ``[0, a)`` is the
@@ -160,36 +163,36 @@ def cache_unfinished_req(cache: UnifiedRadixCache, req: Req, chunked: bool = Fal
         if k is not None:
             pos = protected
             for node in path[k:]:
-                v = node.full.value  # type: ignore[union-attr]
+                v = node.full.value
                 assert v is not None, f"node {node.id} on the inserted path has no device value"
-                cache.req_to_token_pool.write(row, pos, v)
+                state.req_to_token_pool.write(row, pos, v)
                 pos += node.key_len
             assert pos == aligned, f"inserted path ends at {pos}, not {aligned}"
-            row_view = cache.req_to_token_pool.read(row, 0, aligned)
+            row_view = state.req_to_token_pool.read(row, 0, aligned)
             held: torch.Tensor | None = row_view
-            hit = cache.match_path(MatchPrefixParams(key=key), path, (len(path), row_view))
+            hit = match_path(state, MatchPrefixParams(key=key), path, (len(path), row_view))
         else:
             held = None
-            hit = cache.match_path(MatchPrefixParams(key=key), path)
+            hit = match_path(state, MatchPrefixParams(key=key), path)
         last: TreeNode | None = hit.last_device_node
         indices = hit.indices
         if indices.shape[0] != aligned:
             last = result.last_device_node  # see the docstring
             assert last is not None
-            indices = cache.path_device_indices(last) if held is None else held
+            indices = path_device_indices(state, last) if held is None else held
         assert last is not None
         assert indices.shape[0] == aligned, f"path holds {indices.shape[0]} != {aligned}"
         if k is None and aligned > protected:
-            cache.req_to_token_pool.write(row, protected, indices[protected:])
+            state.req_to_token_pool.write(row, protected, indices[protected:])
         # Lock the new node before releasing the old one (SGLang releases first; the end
         # state is the same, and this way both walks stop at the first locked node).
-        receipt = cache.inc_lock_ref(last)
-        release_req_lock(cache, req)
+        receipt = inc_lock_ref(state, last)
+        release_req_lock(state, req)
         req.lock_receipt = receipt
         req.prefix_indices = indices
         req.cache_protected_len = aligned
         req.last_node = last
-    for c in cache.hooks.cleanup:
+    for c in state.hooks.cleanup:
         c.cleanup_after_caching_req(req, False, result, params)
 
 
@@ -206,7 +209,7 @@ def _nodes_below(path: list[TreeNode], resume: TreeNode | None) -> int | None:
     return k or None
 
 
-def release_req_lock(cache: UnifiedRadixCache, req: Req) -> None:
+def release_req_lock(state: CacheState, req: Req) -> None:
     """Release the lock ``req`` holds (with its receipt) and forget it."""
     node = req.last_node
     if node is not None and node.parent is not None:
@@ -214,7 +217,7 @@ def release_req_lock(cache: UnifiedRadixCache, req: Req) -> None:
         params = receipt.to_dec_params() if receipt is not None else None
         if params is not None and req.swa_lock_released:
             params.skip_swa = True
-        cache.dec_lock_ref(node, params)
+        dec_lock_ref(state, node, params)
     req.last_node = None
     req.lock_receipt = None
     req.swa_lock_released = False

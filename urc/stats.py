@@ -7,16 +7,16 @@ turn snapshots into gauges and counter deltas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from urc.tree import ComponentType, SizeUnit, Tier
+from urc.node import ComponentType, SizeUnit, Tier
 
 if TYPE_CHECKING:
-    from urc.cache import UnifiedRadixCache
     from urc.components.base import TreeComponent
+    from urc.state import CacheState
 
-__all__ = ["CacheCounters", "CacheStats", "ComponentStats", "StatsSnapshotter"]
+__all__ = ["CacheStats", "ComponentStats", "StatsSnapshotter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,23 +34,6 @@ class ComponentStats:
     @property
     def used(self) -> int:
         return self.capacity - self.available
-
-
-@dataclass(slots=True)
-class CacheCounters:
-    """Cumulative event counters the core increments (monotonic; never reset by reads).
-
-    ``hit_tokens`` is indexed by :class:`~urc.node.Tier` (every tier present); ``evicted`` by
-    (component, tier) in that component's unit.
-    """
-
-    match_requests: int = 0
-    query_tokens: int = 0
-    hit_tokens: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
-    inserted_tokens: int = 0
-    evicted: dict[tuple[ComponentType, Tier], int] = field(default_factory=dict)
-    backed_up_tokens: int = 0
-    loaded_back_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -84,29 +67,29 @@ class StatsSnapshotter:
     after every batch, and most batches change no size): the last figures and what was built
     from them are kept here."""
 
-    __slots__ = ("_cache", "_components", "_figs")
+    __slots__ = ("_components", "_figs", "_state")
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
-        self._cache = cache
+    def __init__(self, state: CacheState) -> None:
+        self._state = state
         self._figs: list[int] = []
         self._components: tuple[ComponentStats, ...] = ()
 
     def take(self) -> CacheStats:
         """A snapshot of the cache now (reads only)."""
-        cache = self._cache
-        tiered = cache.host_tier is not None
+        state = self._state
+        tiered = state.host_tier is not None
         figs: list[int] = []
-        for c in cache.components:
+        for c in state.components:
             figs += (c.evictable_size, c.protected_size, c.pool_available())
             if tiered:
                 figs += (c.host_evictable_size, c.host_protected_size, c.host_available())
         if figs != self._figs:
             self._figs = figs
-            self._components = _component_stats(cache)
-        k = cache.counters
+            self._components = _component_stats(state)
+        k = state.counters
         return CacheStats(
             self._components,
-            cache.num_nodes,
+            state.tree.num_nodes,
             k.match_requests,
             k.query_tokens,
             dict(k.hit_tokens),
@@ -117,9 +100,9 @@ class StatsSnapshotter:
         )
 
 
-def _component_stats(cache: UnifiedRadixCache) -> tuple[ComponentStats, ...]:
-    tiers = (Tier.DEVICE, Tier.HOST) if cache.host_tier is not None else (Tier.DEVICE,)
-    return tuple(_stats_of(c, tier) for tier in tiers for c in cache.components)
+def _component_stats(state: CacheState) -> tuple[ComponentStats, ...]:
+    tiers = (Tier.DEVICE, Tier.HOST) if state.host_tier is not None else (Tier.DEVICE,)
+    return tuple(_stats_of(c, tier) for tier in tiers for c in state.components)
 
 
 def _stats_of(c: TreeComponent, tier: Tier) -> ComponentStats:

@@ -18,18 +18,9 @@ import torch
 from urc.fastpath import MatchTailFn, WalkFn, common_len, py_match_tail, py_walk
 from urc.gc_keys import untrack_key
 from urc.key import RadixKey
-from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
+from urc.node import ComponentData, ComponentType, TreeNode
 
-__all__ = [
-    "NUM_COMPONENT_TYPES",
-    "ComponentData",
-    "ComponentType",
-    "SizeUnit",
-    "SplitHook",
-    "Tier",
-    "Tree",
-    "TreeNode",
-]
+__all__ = ["SplitHook", "Tree"]
 
 # The sentinel that starts namespaced child keys: never equal to a token or a page.
 _NAMESPACE = object()

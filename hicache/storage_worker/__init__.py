@@ -23,8 +23,8 @@ worker threads.
   (pinning that node), asks the store how many further Full pages it holds, reserves host
   slots, ``get``s the pages into staging buffers under the stop policy, then looks up and
   reads the other components' pages of the fetched span (under the same policy), copies what
-  arrived into host slots and inserts it as host-only nodes (``urc.host_transfers.insert_host``
-  with one :class:`~urc.host_transfers.HostPart` list per auxiliary component).
+  arrived into host slots and inserts it as host-only nodes (``urc.host.transfers.insert_host``
+  with one :class:`~urc.host.transfers.HostPart` list per auxiliary component).
 
 Keys are the versioned chained page keys of ``hicache.storage.keys`` over the token path from
 the root, with the node's namespace (``extra_key``) and the component tag: two namespaces

@@ -21,11 +21,11 @@ import torch
 from hicache.config import StorageBackupPolicy
 from hicache.storage_worker.context import WorkerContext
 from hicache.storage_worker.jobs import AuxPages, WriteJob, aux_pages_of, path_of
-from urc import host_transfers
 from urc.cache import UnifiedRadixCache
-from urc.host_protocol import TierEvents
-from urc.observer import TransferKind
-from urc.tree import ComponentType, TreeNode
+from urc.host import transfers as host_transfers
+from urc.host.protocol import TierEvents
+from urc.node import ComponentType, TreeNode
+from urc.service import TransferKind
 
 if TYPE_CHECKING:
     from urc.service import AsyncUnifiedRadixCache

@@ -15,8 +15,8 @@ from hicache.storage.stats import StorageErrorObserver, StorageOp
 from hicache.storage_worker.layout import STORAGE_COMPONENT
 from hicache.storage_worker.retry import Backoff, RetryPolicy
 from hicache.storage_worker.stats import StorageWorkerStats
-from urc.observer import ServiceObserver
-from urc.tree import ComponentType
+from urc.node import ComponentType
+from urc.service import ServiceObserver
 
 __all__ = ["StoreCalls"]
 

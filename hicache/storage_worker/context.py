@@ -10,7 +10,7 @@ from hicache.storage_worker.calls import StoreCalls
 from hicache.storage_worker.layout import PageLayouts
 from hicache.storage_worker.retry import RetryPolicy
 from hicache.storage_worker.stats import StorageWorkerStats
-from urc.observer import ServiceObserver
+from urc.service import ServiceObserver
 
 __all__ = ["WorkerContext"]
 

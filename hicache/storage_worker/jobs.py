@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hicache.storage_worker.layout import PageLayouts
-from urc.tree import ComponentType, TreeNode
+from urc.node import ComponentType, TreeNode
 
 __all__ = ["AuxPages", "WriteJob", "aux_pages_of", "path_of"]
 

@@ -9,7 +9,7 @@ from hicache.host_tier import HostMemoryTier
 from hicache.storage.keys import StorageComponent
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
-from urc.tree import ComponentType, SizeUnit
+from urc.node import ComponentType, SizeUnit
 
 __all__ = ["STORAGE_COMPONENT", "HostPageLayout", "PageLayouts"]
 

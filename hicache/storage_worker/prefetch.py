@@ -4,8 +4,8 @@ A prefetch finds where the key's host copies end (pinning that node), asks the s
 many further Full pages it holds, reserves host slots, ``get``s the pages into staging
 buffers under the stop policy, then looks up and reads the other components' pages of the
 fetched span (under the same policy), copies what arrived into host slots and inserts it as
-host-only nodes (``urc.host_transfers.insert_host`` with one
-:class:`~urc.host_transfers.HostPart` list per auxiliary component).  Reserved host slots
+host-only nodes (``urc.host.transfers.insert_host`` with one
+:class:`~urc.host.transfers.HostPart` list per auxiliary component).  Reserved host slots
 are freed and the pin released on every path, a natively cancelled caller included (the
 reservations carry an ``undo``).
 """
@@ -22,12 +22,12 @@ import torch
 
 from hicache.config import PrefetchStopPolicy
 from hicache.storage_worker.context import WorkerContext
-from urc import host_transfers
 from urc.cache import UnifiedRadixCache
-from urc.host_transfers import HostPart
+from urc.host import transfers as host_transfers
+from urc.host.protocol import HostPart
 from urc.key import RadixKey
-from urc.observer import TransferKind
-from urc.tree import ComponentType, Tier, TreeNode
+from urc.node import ComponentType, Tier, TreeNode
+from urc.service import TransferKind
 
 if TYPE_CHECKING:
     from urc.service import AsyncUnifiedRadixCache

@@ -23,7 +23,7 @@ from hicache.storage_worker.stats import StorageWorkerStats
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.key import RadixKey
-from urc.observer import ServiceObserver
+from urc.service import ServiceObserver
 
 if TYPE_CHECKING:
     from hicache.controller import HiCacheController

@@ -1,4 +1,4 @@
-"""The allocator's page bookkeeping (``urc.pageops``): the compiled primitives return and
+"""The allocator's page bookkeeping (``urc.pools.pageops``): the compiled primitives return and
 change exactly what their numpy twins do, on random states, strided and out-of-range
 indices; and the allocator runs the implementation its cache's ``walk_impl`` names."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from urc import CacheConfig, build_cache
 from urc.errors import ConfigError
 from urc.fastpath import WalkImpl
-from urc.pageops import PYTHON_OPS, PageOps, native_pages_available, select_page_ops
+from urc.pools.pageops import PYTHON_OPS, PageOps, native_pages_available, select_page_ops
 
 needs_native = pytest.mark.skipif(not native_pages_available(), reason="_pages not built")
 
@@ -309,7 +309,7 @@ def test_the_cache_runs_the_page_ops_its_walk_impl_names() -> None:
 def test_native_page_ops_without_the_extension_is_a_config_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import urc.pageops as po
+    import urc.pools.pageops as po
 
     monkeypatch.setattr(po, "_NATIVE", None)
     with pytest.raises(ConfigError, match="not built"):

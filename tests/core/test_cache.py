@@ -15,20 +15,16 @@ from cache_harness import Harness, running_request, seq
 from urc import (
     CacheConfig,
     ComponentType,
-    ConfigError,
     DecLockRefParams,
     EvictionPolicy,
     EvictParams,
     InsertParams,
-    InvalidIndicesError,
-    InvalidInputError,
     InvalidLockError,
-    KeyValueMismatchError,
     MatchPrefixParams,
     RadixKey,
     build_cache,
 )
-from urc.tree import Tier, TreeNode
+from urc.node import Tier, TreeNode
 
 FULL = ComponentType.FULL
 
@@ -514,83 +510,6 @@ def test_cache_unfinished_req_locks_the_new_last_node(h: Harness) -> None:
     h.held = 0
     h.check()
     assert h.cache.protected_size() == 0
-
-
-def test_eagle_bigram_keys() -> None:
-    cache = build_cache(CacheConfig(kv_size=256, is_eagle=True))
-    alloc = cache.token_to_kv_pool_allocator
-
-    def insert(ids: list[int]) -> int:
-        v = alloc.alloc(len(ids) - 1)
-        assert v is not None
-        r = cache.insert(InsertParams(key=RadixKey(ids), value=v))
-        cache.sanity_check()
-        return r.prefix_len
-
-    assert [insert(s) for s in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12])] == [0, 2, 0]
-    assert insert([1, 2, 3, 4, 5, 60, 70]) == 4
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 60, 70])))
-    assert m.device_indices.shape[0] == 6
-    assert m.last_device_node.key == [(5, 60), (60, 70)]
-    cache.check_pools()
-
-
-@pytest.mark.parametrize(
-    ("value", "error"),
-    [
-        (torch.arange(3, dtype=torch.int64), KeyValueMismatchError),
-        (torch.arange(4, dtype=torch.int32), InvalidIndicesError),
-        (torch.arange(4, dtype=torch.float32), InvalidIndicesError),
-        (torch.tensor([0, 1, 2, 1 << 20]), InvalidIndicesError),
-        (torch.tensor([-1, 1, 2, 3]), InvalidIndicesError),
-        (torch.tensor([40, 41, 42, 43]), InvalidIndicesError),  # in range, never allocated
-        (torch.arange(8).view(2, 4), InvalidIndicesError),
-        (None, InvalidInputError),
-    ],
-)
-def test_bad_insert_values_are_typed_errors_and_change_nothing(
-    value: torch.Tensor | None, error: type[Exception]
-) -> None:
-    h = Harness(page_size=1, kv_size=64)
-    h.insert([1, 2])
-    before = (h.cache.num_nodes, h.cache.evictable_size(), h.alloc.available_size())
-    with pytest.raises(error):
-        h.cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=value))
-    assert (h.cache.num_nodes, h.cache.evictable_size(), h.alloc.available_size()) == before
-    h.check()
-
-
-def test_value_on_another_device_is_rejected() -> None:
-    h = Harness(page_size=1, kv_size=64)
-    v = torch.arange(2, dtype=torch.int64, device="meta")
-    with pytest.raises(InvalidIndicesError):
-        h.cache.insert(InsertParams(key=RadixKey([1, 2]), value=v))
-    h.check()
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"page_size": 3},
-        {"page_size": 0},
-        {"kv_size": -4},
-        {"kv_size": 10, "page_size": 4},
-        {"max_num_reqs": 0},
-        {"components": (ComponentType.SWA,)},
-        {"components": (ComponentType.FULL, ComponentType.FULL)},
-        {"components": (ComponentType.FULL, ComponentType.SWA), "sliding_window_size": 0},
-        {"components": (ComponentType.FULL, ComponentType.MAMBA), "mamba_size": 0},
-    ],
-)
-def test_bad_configs_are_config_errors(kwargs: dict[str, object]) -> None:
-    with pytest.raises(ConfigError):
-        CacheConfig(**kwargs)  # type: ignore[arg-type]
-
-
-def test_negative_evict_amounts_are_rejected() -> None:
-    h = Harness(page_size=1, kv_size=64)
-    with pytest.raises(InvalidInputError):
-        h.cache.evict(EvictParams(num_tokens=-1))
 
 
 def test_reset_frees_everything_but_refuses_while_locked(h: Harness) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from urc.config import CacheConfig
+from urc.config import CacheConfig, build_pools
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
-from urc.pools.mamba import MambaPool, build_mamba_pool
-from urc.tree import ComponentType
+from urc.node import ComponentType
+from urc.pools.mamba import MambaPool
 
 
 def _pool(size: int = 6) -> MambaPool:
@@ -39,7 +39,8 @@ def test_shapes_from_config() -> None:
         mamba_conv_shape=(2, 3),
         mamba_ssm_shape=(4, 5, 6),
     )
-    pool = build_mamba_pool(cfg)
+    pool = build_pools(cfg).mamba
+    assert pool is not None
     assert pool.capacity == pool.size == 5
     assert tuple(pool.conv.shape) == (5, 2, 3)
     assert tuple(pool.temporal.shape) == (5, 4, 5, 6)

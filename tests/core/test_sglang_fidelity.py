@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from cache_harness import Harness, seq
 from mamba_harness import check, comp, insert_state, make, match
-from test_swa import SWAHarness
+from swa_harness import SWAHarness
 
 from urc import (
     CacheConfig,
@@ -21,7 +21,7 @@ from urc import (
     TreeNode,
     build_cache,
 )
-from urc.host_protocol import WritePolicy
+from urc.host.protocol import WritePolicy
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -251,7 +251,7 @@ def test_write_back_counts_no_hits() -> None:
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_lfu_ranks_by_insert_hits(ps: int) -> None:
-    from urc.config import EvictionPolicy
+    from urc.eviction_policy import EvictionPolicy
 
     h = Harness(page_size=ps, kv_size=64 * ps, eviction_policy=EvictionPolicy.LFU)
     a, b = seq(0, 1, ps), seq(1000, 1, ps)

@@ -1,5 +1,5 @@
-"""Per-component specs: ``CacheConfig.with_specs`` is the flat constructor, ``config.specs``
-gives the specs back, each spec validates itself and builds its own pools."""
+"""Per-component specs: specs in ``components`` give the same config as the flat fields,
+``config.specs`` gives the specs back, each spec validates itself and builds its own pools."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ CASES = [
 
 
 @pytest.mark.parametrize(("specs", "components"), CASES)
-def test_with_specs_is_the_flat_config_and_gives_its_specs_back(
+def test_specs_spell_the_flat_config_and_come_back(
     specs: tuple[SlidingWindowSpec | MambaSpec, ...], components: tuple[ComponentType, ...]
 ) -> None:
-    config = CacheConfig.with_specs(*specs, page_size=4, kv_size=1024)
+    ordered = sorted(specs, key=lambda s: s.component_type)
+    config = CacheConfig(components=(FULL, *ordered), page_size=4, kv_size=1024)
     assert config.components == components
     assert set(config.specs) == set(specs)
     assert [s.component_type for s in config.specs] == list(components[1:])
@@ -47,8 +48,10 @@ def test_with_specs_is_the_flat_config_and_gives_its_specs_back(
 
 
 def test_each_spec_builds_its_own_pools() -> None:
-    config = CacheConfig.with_specs(
-        SlidingWindowSpec(window=32, kv_size=512), MambaSpec(size=8), page_size=4, kv_size=1024
+    config = CacheConfig(
+        components=(FULL, SlidingWindowSpec(window=32, kv_size=512), MambaSpec(size=8)),
+        page_size=4,
+        kv_size=1024,
     )
     pools = build_pools(config)
     assert pools.swa is not None and pools.mamba is not None
@@ -71,4 +74,4 @@ def test_each_spec_builds_its_own_pools() -> None:
 )
 def test_a_bad_spec_is_a_config_error(specs: tuple[SlidingWindowSpec | MambaSpec, ...]) -> None:
     with pytest.raises(ConfigError):
-        CacheConfig.with_specs(*specs)
+        CacheConfig(components=(FULL, *specs))

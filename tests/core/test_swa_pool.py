@@ -8,7 +8,7 @@ import torch
 from urc import CacheConfig, ComponentType, ConfigError, DoubleFreeError, InvalidIndicesError
 from urc.config import build_pools
 from urc.pools.kv_pool import KVShape
-from urc.pools.swa import SWAKVPool, SWATokenSlotAllocator, build_swa_allocator
+from urc.pools.swa import SWAKVPool, SWATokenSlotAllocator
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -186,7 +186,9 @@ def test_swa_kv_pool_round_trips_through_full_indices(ps: int) -> None:
         sliding_window_size=4,
         kv_shape=KVShape(num_layers=1, num_heads=1, head_dim=4),
     )
-    alloc, pool = build_swa_allocator(cfg)
+    pools = build_pools(cfg)
+    alloc, pool = pools.token_allocator, pools.swa
+    assert isinstance(alloc, SWATokenSlotAllocator)
     assert isinstance(pool, SWAKVPool)
     assert pool.kv_pool.size == 8 * ps
     v = _alloc(alloc, 2 * ps)

@@ -33,10 +33,10 @@ from hicache_harness import (
 from urc import (
     ComponentType,
     EvictParams,
-    host_transfers,
 )
-from urc.host_protocol import WritePolicy
-from urc.tree import Tier
+from urc.host import transfers as host_transfers
+from urc.host.protocol import WritePolicy
+from urc.node import Tier
 
 
 # ---------------------------------------------------------------------- round trip

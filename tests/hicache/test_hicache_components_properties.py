@@ -33,9 +33,9 @@ from urc import (
     EvictionPolicy,
     EvictParams,
     UnifiedRadixCache,
-    host_transfers,
 )
-from urc.host_protocol import BackupTicket, LoadTicket, WritePolicy
+from urc.host import transfers as host_transfers
+from urc.host.protocol import BackupTicket, LoadTicket, WritePolicy
 from urc.params import MatchResult
 
 

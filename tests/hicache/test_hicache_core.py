@@ -21,9 +21,9 @@ from urc import (
     RadixKey,
     UnifiedRadixCache,
     build_cache,
-    host_transfers,
 )
-from urc.host_protocol import WritePolicy
+from urc.host import transfers as host_transfers
+from urc.host.protocol import WritePolicy
 
 FULL = ComponentType.FULL
 
@@ -230,7 +230,7 @@ def test_stats_report_the_host_tier() -> None:
     cache = make(1)
     insert(cache, [1, 2, 3])
     cache.write_backup(match(cache, [1, 2, 3]).last_device_node)
-    from urc.tree import Tier
+    from urc.node import Tier
 
     host = cache.stats().component(FULL, Tier.HOST)
     assert host is not None and host.evictable == 3 and host.capacity == 128

@@ -26,9 +26,9 @@ from urc import (
     RadixKey,
     build_cache,
 )
-from urc.commands import Call
-from urc.host_protocol import WritePolicy
+from urc.host.protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache
+from urc.service._commands import Call
 
 FULL = ComponentType.FULL
 PS = 4

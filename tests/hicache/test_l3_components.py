@@ -45,15 +45,14 @@ from urc import (
     KVShape,
     RadixKey,
     build_cache,
-    host_transfers,
 )
 from urc.cache import UnifiedRadixCache
-from urc.host_protocol import WritePolicy
-from urc.host_transfers import HostPart
-from urc.observer import TransferKind
+from urc.host import transfers as host_transfers
+from urc.host.protocol import HostPart, WritePolicy
+from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams
 from urc.service import AsyncUnifiedRadixCache
-from urc.tree import Tier, TreeNode
+from urc.service._observer import TransferKind
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA

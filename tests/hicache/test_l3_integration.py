@@ -35,8 +35,8 @@ from hicache.storage.keys import PageKey
 from hicache.storage_worker import HostPageLayout, StorageWorker
 from urc import CacheConfig, ComponentType, ConfigError, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
-from urc.observer import TransferKind
-from urc.tree import Tier
+from urc.node import Tier
+from urc.service._observer import TransferKind
 
 FULL = ComponentType.FULL
 PS = 4

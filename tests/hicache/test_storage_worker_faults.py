@@ -28,8 +28,8 @@ from hicache.storage.keys import PageKey
 from hicache.storage.stats import StorageOp
 from hicache.storage_worker import RetryPolicy
 from urc import ComponentType, RadixKey
-from urc.commands import Call
 from urc.service import ServiceState
+from urc.service._commands import Call
 
 FULL = ComponentType.FULL
 FAST_RETRY = RetryPolicy(initial_s=0.01, max_s=0.05, max_attempts=50)

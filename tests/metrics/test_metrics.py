@@ -8,8 +8,6 @@ batch); one test goes through the real ``AsyncUnifiedRadixCache``.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
 import anyio
@@ -17,7 +15,6 @@ import anyio.to_thread
 import pytest
 from metrics_harness import (
     COMPONENT_SETS,
-    DASHBOARD,
     FULL,
     MAMBA,
     Actor,
@@ -42,7 +39,9 @@ from metrics import (
     make_observer,
 )
 from urc import RadixKey, Tier
-from urc.commands import (
+from urc.errors import URCError
+from urc.params import EvictParams
+from urc.service._commands import (
     Alloc,
     CommandKind,
     Evict,
@@ -50,10 +49,8 @@ from urc.commands import (
     MatchOutcome,
     Release,
 )
-from urc.errors import URCError
-from urc.lease import Lease
-from urc.observer import ServiceObserver, TransferKind
-from urc.params import EvictParams
+from urc.service._lease import Lease
+from urc.service._observer import ServiceObserver, TransferKind
 from urc.stats import ComponentStats
 
 
@@ -384,54 +381,6 @@ def test_custom_buckets_and_gauge_mode(registry: CollectorRegistry, mode: Export
         )
         is None
     )
-
-
-# ---------------------------------------------------------------------------- dashboard
-def _exported_names() -> set[str]:
-    registry = CollectorRegistry()
-    exporter = CacheMetrics(registry)
-    comps = (
-        ComponentStats(FULL, Tier.DEVICE, "tokens", 1, 1, 2, 1),
-        ComponentStats(MAMBA, Tier.DEVICE, "states", 1, 1, 2, 1),
-    )
-    exporter.on_batch(
-        make_stats(
-            comps,
-            hit_tokens={Tier.DEVICE: 1},
-            evicted={(FULL, Tier.DEVICE): 1, (MAMBA, Tier.DEVICE): 1},
-        ),
-        0,
-    )
-    exporter.on_command(CommandKind.MATCH, 0.0, 0.0, KeyError())
-    for k in TransferKind:
-        exporter.on_transfer(k, 1, 1, 0.0)
-    return {s.name for fam in registry.collect() for s in fam.samples}
-
-
-def test_dashboard_queries_reference_exported_metrics() -> None:
-    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    names = _exported_names()
-    exprs: list[str] = []
-    stack: list[Any] = [dash]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, dict):
-            if isinstance(obj.get("expr"), str):
-                exprs.append(obj["expr"])
-            stack.extend(obj.values())
-        elif isinstance(obj, list):
-            stack.extend(obj)
-    assert exprs
-    used = {n for e in exprs for n in re.findall(r"\burc_[a-z_]+", e)}
-    assert used <= names, used - names
-    joined = "\n".join(exprs)
-    # Hit rate by tier from counters, evictable vs protected, tier usage, latency quantiles.
-    assert "urc_match_hit_tokens_total" in joined and "urc_match_query_tokens_total" in joined
-    assert "urc_cache_evictable_tokens" in used and "urc_cache_protected_tokens" in used
-    assert "urc_pool_used_tokens" in used and "urc_pool_capacity_tokens" in used
-    assert "histogram_quantile" in joined and "urc_command_duration_seconds_bucket" in used
-    ids = [p["id"] for p in dash["panels"]]
-    assert len(ids) == len(set(ids))
 
 
 # ---------------------------------------------------------------------------- through the service

@@ -21,8 +21,8 @@ from metrics import (
     MetricsServerConfig,
     start_metrics_http_server,
 )
-from urc.commands import CommandKind
 from urc.params import InsertParams, MatchPrefixParams
+from urc.service._commands import CommandKind
 
 TIMEOUT_S = 20
 

@@ -29,10 +29,10 @@ from metrics import (
     MetricsConfig,
 )
 from urc import Tier
-from urc.commands import (
+from urc.service._commands import (
     CommandKind,
 )
-from urc.observer import ServiceObserver, TransferKind
+from urc.service._observer import ServiceObserver, TransferKind
 from urc.stats import ComponentStats
 
 
@@ -162,7 +162,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 import urc
 from metrics import CacheMetrics
-from urc.commands import CommandKind
+from urc.service._commands import CommandKind
 from urc.params import InsertParams, MatchPrefixParams
 
 cache = urc.build_cache(urc.CacheConfig(kv_size=256))

@@ -1,4 +1,5 @@
-"""``urc.replay.belady``: the workload's future, and ``urc replay --eviction-policy belady``."""
+"""``urc.apps.replay.belady``: the workload's future, and ``urc replay --eviction-policy
+belady``."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import anyio
 import pytest
 
 from urc import EvictionPolicy, TreeNode
-from urc.replay import Capacity, ReplayConfig, run_replay
-from urc.replay.belady import NEVER, NextUseTable
-from urc.workloads import WorkloadKind
+from urc.apps.replay import Capacity, ReplayConfig, run_replay
+from urc.apps.replay.belady import NEVER, NextUseTable
+from urc.apps.workloads import WorkloadKind
 
 PAGE = 4
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from urc import bench
+from urc.apps.bench import core as bench
 
 
 def test_reference_workload_is_seeded_and_shares_prefixes() -> None:
@@ -61,3 +61,32 @@ def test_key_scaling_reports_per_token_costs_and_their_ratio() -> None:
     for n in ("256", "2048"):
         assert out[n]["match_ns_per_token"] > 0 and out[n]["insert_ns_per_token"] > 0
     assert set(out["ratio_longest_to_shortest"]) == {"match_ns_per_token", "insert_ns_per_token"}
+
+
+def test_compare_runs_two_trees_in_one_process_and_prints_ratios() -> None:
+    """``urc.apps.bench.compare`` swaps whole module sets; run it in a subprocess so that this
+    test session keeps its own ``urc``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    args = ["--rounds", "1", "--num-seqs", "30", "--chunk-len", "16", "--components", "full"]
+    out = subprocess.run(
+        [sys.executable, "-m", "urc.apps.bench.compare", root, root, *args, "--page-sizes", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    row = report["full/page1"]
+    assert set(row) == {
+        "insert",
+        "match_prefix",
+        "match_prefix_without_indices",
+        "lock",
+        "unlock",
+        "evict",
+    }
+    assert all(cell["old"] > 0 and cell["new"] > 0 and cell["ratio"] > 0 for cell in row.values())

@@ -15,10 +15,8 @@ import anyio
 import pytest
 from trace_paths import conversation_trace, requires_conversation_trace
 
-from urc.cli import main
-from urc.errors import ConfigError
-from urc.host_protocol import WritePolicy
-from urc.replay import (
+from urc.apps.cli import main
+from urc.apps.replay import (
     Capacity,
     ModelProfile,
     ReplayConfig,
@@ -26,8 +24,7 @@ from urc.replay import (
     output_token_ids,
     run_replay,
 )
-from urc.tree import Tier
-from urc.workloads import (
+from urc.apps.workloads import (
     WorkloadKind,
     default_config,
     ideal_block_hits,
@@ -35,6 +32,9 @@ from urc.workloads import (
     iter_mooncake_records,
     synthetic_workload,
 )
+from urc.errors import ConfigError
+from urc.host.protocol import WritePolicy
+from urc.node import Tier
 
 TIMEOUT = 60
 REAL_TRACE = conversation_trace()
@@ -136,7 +136,8 @@ def test_malformed_trace_line_is_a_clear_error(
 def test_missing_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["replay", "--no-progress", "--trace", str(tmp_path / "nope.jsonl")])
     err = capsys.readouterr().err
-    assert rc == 1 and "nope.jsonl" in err and "Traceback" not in err
+    assert rc == 2 and "argument --trace: " in err and "nope.jsonl" in err
+    assert "Traceback" not in err
 
 
 # ---------------------------------------------------------------------- synthetic workloads
@@ -346,7 +347,7 @@ async def test_l3_storage_tier_serves_a_second_run(
 
 
 def test_l3_needs_full_attention_and_a_host_tier(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="full-attention"):
+    with pytest.raises(ConfigError, match="l3_dir: the L3 storage tier supports model full"):
         ReplayConfig(model=ModelProfile.MAMBA, l3_dir=tmp_path)
     with pytest.raises(ConfigError, match="host tier"):
         ReplayConfig(host_tokens=Capacity(tokens=0), l3_dir=tmp_path)

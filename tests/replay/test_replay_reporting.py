@@ -13,9 +13,9 @@ import anyio
 import pytest
 from trace_paths import TRACE_DIR_ENV, conversation_trace, requires_conversation_trace, trace_dir
 
-from urc.cli import main
-from urc.replay import Capacity, ModelProfile, ReplayConfig, ReplayReport, run_replay
-from urc.replay.chunk_bench import format_costs, measure
+from urc.apps.bench.chunk import format_costs, measure
+from urc.apps.cli import main
+from urc.apps.replay import Capacity, ModelProfile, ReplayConfig, ReplayReport, run_replay
 
 TIMEOUT = 60
 
@@ -121,7 +121,7 @@ def test_run_that_rejects_every_request_warns_and_fails(capsys: pytest.CaptureFi
 
 # ---------------------------------------------------------------------- timings
 # (the L3 flush: tests/replay/test_replay.py::test_l3_storage_tier_serves_a_second_run)
-def test_cli_report_includes_process_start_up_in_the_total(tmp_path: Path) -> None:
+def test_cli_report_includes_start_up_in_the_total(tmp_path: Path) -> None:
     rc, rep = cli_json(tmp_path, "t", "--num-requests", "30")
     t = rep["timings"]
     assert rc == 0 and t["startup_s"] is not None and t["startup_s"] > 0
@@ -193,25 +193,12 @@ def test_sweep_prints_the_hit_rate_curve_as_a_table_and_ascii_chart(
     assert curve[-1]["hit_rate"] >= curve[0]["hit_rate"]
     chart = [line for line in out.splitlines() if "#" in line or "|" in line]
     assert len(chart) >= 3
-    assert "hit rate against device capacity (no host tier)" in out
-
-
-def test_sweep_plot_without_matplotlib_says_so(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    png = tmp_path / "curve.png"
-    rc = main(
-        ["replay", "--no-progress", "--num-requests", "40", "--sweep", "0.5", "--plot", str(png)]
-    )
-    assert rc == 0
-    assert "matplotlib is not installed" in capsys.readouterr().err
-    assert not png.exists()
+    assert "hit rate against device capacity (no host tier: the device tier alone" in out
 
 
 def test_plot_needs_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--plot", "x.png"]) == 2
-    assert "--plot needs --sweep" in capsys.readouterr().err
+    assert "argument --plot: needs --sweep" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- chunk-cost benchmark
@@ -225,7 +212,7 @@ def test_chunk_bench_prints_time_per_token_for_each_length() -> None:
 
 def test_chunk_bench_module_runs() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "urc.replay.chunk_bench", "--lengths", "1024", "--repeat", "1"],
+        [sys.executable, "-m", "urc.apps.bench.chunk", "--lengths", "1024", "--repeat", "1"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -244,9 +231,18 @@ def test_trace_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.M
     assert trace_dir().parts[-2:] == ("shared", "traces")
 
 
-def test_trace_dir_env_reaches_the_trace_tests(tmp_path: Path) -> None:
-    """A pytest run with URC_TRACE_DIR pointing at a (tiny) trace runs the trace tests
-    instead of skipping them."""
+@pytest.mark.parametrize(
+    ("test_file", "selector"),
+    [
+        ("test_replay.py", "conversation_trace_prefix"),
+        ("test_workloads_trace.py", "real_conversation_trace_parses"),
+    ],
+)
+def test_trace_dir_env_reaches_the_trace_tests(
+    tmp_path: Path, test_file: str, selector: str
+) -> None:
+    """A pytest run with URC_TRACE_DIR pointing at a (tiny) trace runs each test that reads
+    the conversation trace instead of skipping it."""
     records = [
         {"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2 + i]}
         for i in range(4)
@@ -255,10 +251,18 @@ def test_trace_dir_env_reaches_the_trace_tests(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-            str(Path(__file__).parent / "test_replay.py"), "-k", "conversation_trace_prefix",
+            str(Path(__file__).parent / test_file), "-k", selector,
         ],
         capture_output=True, text=True, timeout=300, check=False,
         env={**__import__("os").environ, TRACE_DIR_ENV: str(tmp_path)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
+
+
+def test_latency_table_says_that_it_includes_queueing(capsys: pytest.CaptureFixture[str]) -> None:
+    note = "each call waits behind the commands of the other 3 requests in flight"
+    assert main(["replay", "--no-progress", "--num-requests", "30", "--concurrency", "4"]) == 0
+    assert note in capsys.readouterr().out
+    assert main(["replay", "--no-progress", "--num-requests", "30", "--concurrency", "1"]) == 0
+    assert "waits behind" not in capsys.readouterr().out

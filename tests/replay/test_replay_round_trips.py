@@ -12,9 +12,9 @@ import anyio
 import pytest
 from trace_paths import conversation_trace, requires_conversation_trace
 
-from urc.commands import Command, CommandKind, MatchOutcome
-from urc.replay import Capacity, ReplayConfig, run_replay
-from urc.tree import Tier
+from urc.apps.replay import Capacity, ReplayConfig, run_replay
+from urc.node import Tier
+from urc.service._commands import Command, CommandKind, MatchOutcome
 
 # The commands a request sends before it prefills: its row, then its match (with a host hit,
 # the load-back's commit too).

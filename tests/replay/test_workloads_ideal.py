@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_paths import conversation_trace, requires_conversation_trace
 
-from urc.workloads import (
+from urc.apps.workloads import (
     BlockPrefixOracle,
     MooncakeRecord,
     TokenPrefixOracle,

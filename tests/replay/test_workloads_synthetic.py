@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from urc.workloads import (
+from urc.apps.workloads import (
     AgentLoopConfig,
     IntRange,
     MultiTurnChatConfig,

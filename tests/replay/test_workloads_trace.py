@@ -9,8 +9,9 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
+from trace_paths import conversation_trace, requires_conversation_trace
 
-from urc.workloads import (
+from urc.apps.workloads import (
     TOKEN_ID_LIMIT,
     VOCAB_SIZE,
     TraceFormatError,
@@ -22,8 +23,6 @@ from urc.workloads import (
     iter_mooncake_records,
     iter_mooncake_trace,
 )
-
-REAL_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def _line(timestamp: int, input_length: int, output_length: int, hash_ids: list[int]) -> str:
@@ -336,13 +335,13 @@ def test_missing_file_raises_oserror(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="conversation trace not present")
+@requires_conversation_trace
 async def test_real_conversation_trace_parses(
     record_property: Callable[[str, object], None],
 ) -> None:
     count = tokens = 0
     last_timestamp = -1
-    async for request in aiter_mooncake_trace(REAL_TRACE):
+    async for request in aiter_mooncake_trace(conversation_trace()):
         assert request.index == count
         assert request.timestamp_ms >= last_timestamp
         assert len(request.input_ids) == request.input_length

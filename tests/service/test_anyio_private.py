@@ -1,8 +1,8 @@
-"""The service's private anyio uses are still where ``urc.service.anyio_private`` looks.
+"""The service's private anyio uses are still where ``urc.service._anyio_private`` looks.
 
 If one of these fails after an anyio upgrade, the service still works (it falls back to the
 public checkpoint, and to resending after a native cancellation) but slower or less exactly:
-update ``urc/service/anyio_private.py`` to anyio's new layout.
+update ``urc/service/_anyio_private.py`` to anyio's new layout.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import anyio
 import pytest
 from anyio.lowlevel import checkpoint_if_cancelled
 
-from urc.service.anyio_private import (
+from urc.service._anyio_private import (
     backend_checkpoint_if_cancelled,
     private_api_problems,
     stream_buffer_holds,
@@ -28,7 +28,7 @@ def test_anyio_still_keeps_the_private_api_the_service_uses(backend: str) -> Non
 
     problems = anyio.run(main, backend=backend)
     assert not problems, (
-        f"anyio {version('anyio')} moved what urc.service.anyio_private uses: {problems}; "
+        f"anyio {version('anyio')} moved what urc.service._anyio_private uses: {problems}; "
         "update that module"
     )
 

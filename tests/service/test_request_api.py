@@ -14,12 +14,12 @@ import torch
 from hicache.config import HiCacheConfig
 from hicache.host_tier import attach_hicache
 from urc import CacheConfig, ComponentType, KVShape, build_cache
-from urc.commands import CommandKind, MatchOutcome
 from urc.errors import InvalidInputError, OutOfMemoryError
-from urc.host_protocol import WritePolicy
-from urc.observer import TransferKind
+from urc.host.protocol import WritePolicy
 from urc.req import Req
 from urc.service import AsyncUnifiedRadixCache, LoadBackPolicy
+from urc.service._commands import CommandKind, MatchOutcome
+from urc.service._observer import TransferKind
 from urc.stats import CacheStats
 
 PS = 4

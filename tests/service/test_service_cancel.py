@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from test_service import (
+from service_harness import (
     FULL,
     TIMEOUT,
     History,
@@ -27,8 +27,8 @@ from test_service import (
 )
 
 from urc import RadixKey
-from urc.commands import Command, Insert, Lock, Match, Release, SanityCheck, Stats
 from urc.service import AsyncUnifiedRadixCache
+from urc.service._commands import Command, Insert, Lock, Match, Release, SanityCheck, Stats
 
 KEY = [1, 2, 3, 4]
 

@@ -32,7 +32,7 @@ import pytest
 import torch
 from anyio.lowlevel import checkpoint
 from cache_harness import pins
-from test_service import serve_request
+from service_harness import serve_request
 from test_service_ownership import COMPONENT_SETS, IDS
 
 from hicache.config import HiCacheConfig
@@ -48,8 +48,8 @@ from urc import (
     build_cache,
 )
 from urc.cache import UnifiedRadixCache
-from urc.lease import Lease, NodeHandle
 from urc.service import AsyncUnifiedRadixCache
+from urc.service._lease import Lease, NodeHandle
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA

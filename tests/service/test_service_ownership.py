@@ -17,12 +17,13 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from test_service import TIMEOUT
+from service_harness import TIMEOUT
 
-from urc import CacheConfig, ComponentType, InvalidInputError, OutOfMemoryError, commands
+from urc import CacheConfig, ComponentType, InvalidInputError, OutOfMemoryError
 from urc.cache import UnifiedRadixCache
-from urc.commands import Alloc, Call, Command, Insert
 from urc.service import AsyncUnifiedRadixCache
+from urc.service import _commands as commands
+from urc.service._commands import Alloc, Call, Command, Insert
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA

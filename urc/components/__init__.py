@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from urc.components.base import TreeComponent
-from urc.tree import ComponentType
+from urc.node import ComponentType
 
 __all__ = ["TreeComponent", "component_class"]
 

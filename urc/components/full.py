@@ -33,22 +33,20 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from urc.components.base import EvictTracker, TreeComponent
+from urc.components.base import EvictionSteps, EvictTracker, TreeComponent
 from urc.errors import InvalidLockError
 from urc.eviction_policy import make_strategy
-from urc.tree import ComponentData, ComponentType, Tier, TreeNode
+from urc.node import FULL_INDEX, ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
     import torch
 
-    from urc.config import CacheConfig, CachePools
-    from urc.eviction import Evictor
+    from urc.config import CacheConfig
     from urc.params import DecLockRefParams, EvictParams, IncLockRefResult
+    from urc.pools.cache_pools import CachePools
     from urc.tree import Tree
 
 __all__ = ["FullComponent", "check_full_lock"]
-
-_FULL = 0
 
 
 def _first_locked(node: TreeNode, start: int) -> TreeNode:
@@ -79,7 +77,7 @@ class FullComponent(TreeComponent):
     component_type = ComponentType.FULL
 
     def __init__(
-        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: EvictionSteps
     ) -> None:
         super().__init__(tree, pools, config, evictor)
         self.allocator = alloc = pools.token_allocator
@@ -186,7 +184,7 @@ class FullComponent(TreeComponent):
         """An unlocked node with Full data on device and no child with Full data on device."""
         if node.deleted or node.parent is None:
             return False
-        cd = node.data[_FULL]
+        cd = node.data[FULL_INDEX]
         assert cd is not None
         if cd.value is None or cd.lock_ref:
             return False
@@ -194,7 +192,7 @@ class FullComponent(TreeComponent):
         if children and self.host_tier is None:
             return False  # without a host tier every child is on device
         for child in children.values():
-            ccd = child.data[_FULL]
+            ccd = child.data[FULL_INDEX]
             assert ccd is not None
             if ccd.value is not None:
                 return False
@@ -206,11 +204,11 @@ class FullComponent(TreeComponent):
     def drive_eviction(self, params: EvictParams, tracker: EvictTracker) -> None:
         target = params.num_tokens
         first = self._first
-        while first and tracker[_FULL] < target:
+        while first and tracker[FULL_INDEX] < target:
             node = first.popleft()
             if self._goes_first(node):
                 above = node.parent
-                self._evict_leaf(node, target - tracker[_FULL], tracker)
+                self._evict_leaf(node, target - tracker[FULL_INDEX], tracker)
                 rest = node.parent  # the head a partial eviction split off, if any
                 if rest is not above and rest is not None and self._goes_first(rest):
                     first.appendleft(rest)
@@ -222,7 +220,7 @@ class FullComponent(TreeComponent):
         pop = heapq.heappop
         replace = heapq.heapreplace
         dead = self._dead
-        while tracker[_FULL] < target and heap:
+        while tracker[FULL_INDEX] < target and heap:
             entry = heap[0]
             if dead and id(entry) in dead:  # orphaned: its node is not read
                 pop(heap)
@@ -241,7 +239,7 @@ class FullComponent(TreeComponent):
                 continue
             pop(heap)
             node.heap_entry = None
-            if not self._evict_leaf(node, target - tracker[_FULL], tracker):
+            if not self._evict_leaf(node, target - tracker[FULL_INDEX], tracker):
                 skipped[nid] = node  # could not be demoted (host full): keep it this call
         for node in skipped.values():
             if self.is_device_leaf(node):
@@ -297,7 +295,7 @@ class FullComponent(TreeComponent):
         """A childless node with Full data only on host and no host lock on any component."""
         if node.deleted or node.parent is None or node.children:
             return False
-        cd = node.data[_FULL]
+        cd = node.data[FULL_INDEX]
         assert cd is not None
         if cd.value is not None or cd.host_value is None:
             return False
@@ -310,7 +308,7 @@ class FullComponent(TreeComponent):
             self._host_heap = [(key(e[2]), e[1], e[2]) for e in self._host_heap]
             heapq.heapify(self._host_heap)
         heap = self._host_heap
-        while tracker[_FULL] < num_tokens and heap:
+        while tracker[FULL_INDEX] < num_tokens and heap:
             k, nid, node = heapq.heappop(heap)
             node.in_host_heap = False
             if not self.is_host_leaf(node):
@@ -324,7 +322,7 @@ class FullComponent(TreeComponent):
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
-        cd = node.data[_FULL]
+        cd = node.data[FULL_INDEX]
         assert cd is not None
         value = cd.value
         assert value is not None and cd.lock_ref == 0, (
@@ -352,7 +350,7 @@ class FullComponent(TreeComponent):
         cd = node.full
         assert cd is not None
         if cd.value is None:
-            while node.parent is not None and node.full.value is None:  # type: ignore[union-attr]
+            while node.parent is not None and node.full.value is None:
                 node = node.parent
             result.full_start_id = node.id
             if node.parent is None:
@@ -368,8 +366,8 @@ class FullComponent(TreeComponent):
         node = node.parent  # type: ignore[assignment]
         while node.parent is not None:
             cd = node.full
-            cd.lock_ref += 1  # type: ignore[union-attr]
-            if cd.lock_ref != 1:  # type: ignore[union-attr]
+            cd.lock_ref += 1
+            if cd.lock_ref != 1:
                 break  # already protected: so is everything above it
             delta += node.key_len
             node = node.parent
@@ -412,8 +410,8 @@ class FullComponent(TreeComponent):
 
     # ------------------------------------------------------------------ split
     def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
-        c = child.data[_FULL]
-        p = new_parent.data[_FULL]
+        c = child.data[FULL_INDEX]
+        p = new_parent.data[FULL_INDEX]
         assert c is not None and p is not None
         k = new_parent.key_len
         if c.value is not None:
@@ -440,7 +438,7 @@ class FullComponent(TreeComponent):
         return self.allocator.available_size()
 
     def check_node(self, node: TreeNode) -> None:
-        cd = node.data[_FULL]
+        cd = node.data[FULL_INDEX]
         assert cd is not None
         if cd.value is not None:
             assert cd.value.shape[0] == node.key_len, (
@@ -449,7 +447,7 @@ class FullComponent(TreeComponent):
             parent = node.parent
             assert parent is not None
             if parent.parent is not None:
-                pcd = parent.data[_FULL]
+                pcd = parent.data[FULL_INDEX]
                 assert pcd is not None and pcd.value is not None, (
                     f"node {node.id} has Full on device but its parent {parent.id} does not"
                 )

@@ -6,7 +6,7 @@ key ends at ``p`` -- a leaf, or a *checkpoint* node -- so a node's ``value`` is 
 int64 tensor (the slot) or ``None``.  A match is valid only on a node with state: a request
 resumes from exactly that state, and copy-on-write (``cow_mamba``) gives it its own copy.
 
-Rules (ARCHITECTURE §4):
+Rules (docs/architecture.md §5):
 
 - A split gives the new upper node no state (the state belongs to the end of the key).
 - Insert: the target node adopts ``InsertParams.mamba_value``'s slot; if it already has state
@@ -30,22 +30,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
+from urc.components.base import (
+    EvictionSteps,
+    EvictTracker,
+    MatchValidator,
+    PathValidator,
+    TreeComponent,
+)
 from urc.components.mamba_requests import MambaRequestSlots
 from urc.errors import (
     ConfigError,
     InvalidInputError,
     InvalidLockError,
 )
-from urc.host_protocol import TransferItem
+from urc.host.protocol import TransferItem
 from urc.lru import LRUList
+from urc.node import FULL_INDEX, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 from urc.params import EvictParams, MatchResult
-from urc.tree import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from urc.config import CacheConfig, CachePools
-    from urc.eviction import Evictor
-    from urc.host_transfers import HostPart
+    from urc.config import CacheConfig
+    from urc.host.protocol import HostPart
     from urc.params import (
         DecLockRefParams,
         IncLockRefResult,
@@ -53,13 +58,13 @@ if TYPE_CHECKING:
         InsertResult,
         MatchPrefixParams,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.pools.mamba import MambaPool
     from urc.req import Req
     from urc.tree import Tree
 
 __all__ = ["MambaComponent"]
 
-_FULL = 0
 _M = 2  # ComponentType.MAMBA
 _MAMBA = ComponentType.MAMBA
 _EVICT_ONE = EvictParams(mamba_num=1)
@@ -77,7 +82,7 @@ def _has_state_any_tier(node: TreeNode) -> bool:
     assert cd is not None
     if cd.value is not None:
         return True
-    return cd.host_value is not None and node.data[_FULL].value is None  # type: ignore[union-attr]
+    return cd.host_value is not None and node.full.value is None
 
 
 def _unlocked(node: TreeNode) -> bool:
@@ -94,7 +99,7 @@ class MambaComponent(TreeComponent):
     release_implies_full_lock = True
 
     def __init__(
-        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: EvictionSteps
     ) -> None:
         super().__init__(tree, pools, config, evictor)
         pool = pools.mamba
@@ -116,7 +121,7 @@ class MambaComponent(TreeComponent):
         self._values: tuple[torch.Tensor, ...] = ids.view(-1, 1).unbind(0)
         # Auxiliary components above Mamba in the lock order (SWA); see _may_lock.
         self._above = tuple(
-            ct for ct in config.components if ComponentType.FULL < ct < ComponentType.MAMBA
+            ct for ct in config.types if ComponentType.FULL < ct < ComponentType.MAMBA
         )
         # (params, slot) of the insert validated last, so commit need not read the tensor.
         self._pending: tuple[InsertParams | None, int] = (None, -1)
@@ -401,7 +406,7 @@ class MambaComponent(TreeComponent):
         cd = node.data[_M]
         assert cd is not None
         slot = int(device.item())
-        if cd.value is not None or node.data[_FULL].value is None:  # type: ignore[union-attr]
+        if cd.value is not None or node.full.value is None:
             self.pool.free_slots((slot,))
             return
         assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
@@ -518,7 +523,7 @@ class MambaComponent(TreeComponent):
 
     def check_node(self, node: TreeNode) -> None:
         cd = node.data[_M]
-        full = node.data[_FULL]
+        full = node.data[FULL_INDEX]
         assert cd is not None and full is not None
         assert full.lock_ref >= cd.lock_ref, (
             f"node {node.id}: Mamba lock {cd.lock_ref} exceeds Full lock {full.lock_ref}"

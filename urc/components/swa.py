@@ -50,7 +50,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from urc.components.base import EvictTracker, MatchValidator, PathValidator, TreeComponent
+from urc.components.base import (
+    EvictionSteps,
+    EvictTracker,
+    MatchValidator,
+    PathValidator,
+    TreeComponent,
+)
 from urc.components.full import check_full_lock
 from urc.components.swa_data import SWAData
 from urc.components.swa_window import (
@@ -61,14 +67,13 @@ from urc.components.swa_window import (
     window_path_validator,
 )
 from urc.errors import ConfigError, InvalidInputError
-from urc.host_protocol import TransferItem
+from urc.host.protocol import TransferItem
 from urc.lru import LinkedLRUList
+from urc.node import FULL_INDEX, ComponentData, ComponentType, Tier, TreeNode
 from urc.pools.swa import SWATokenSlotAllocator
-from urc.tree import ComponentData, ComponentType, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from urc.config import CacheConfig, CachePools
-    from urc.eviction import Evictor
+    from urc.config import CacheConfig
     from urc.params import (
         DecLockRefParams,
         EvictParams,
@@ -78,12 +83,12 @@ if TYPE_CHECKING:
         MatchPrefixParams,
         MatchResult,
     )
+    from urc.pools.cache_pools import CachePools
     from urc.req import Req
     from urc.tree import Tree
 
 __all__ = ["SWAComponent", "SWAData"]
 
-_FULL = 0
 _SWA = 1
 _SWA_TYPE = ComponentType.SWA  # a module constant: an Enum attribute load costs ~0.1 µs
 # Candidates taken from the LRU end per scan while evicting (rescanned only if all locked).
@@ -98,7 +103,7 @@ class SWAComponent(TreeComponent):
     release_implies_full_lock = True
 
     def __init__(
-        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: Evictor
+        self, tree: Tree, pools: CachePools, config: CacheConfig, evictor: EvictionSteps
     ) -> None:
         super().__init__(tree, pools, config, evictor)
         allocator = pools.token_allocator
@@ -207,7 +212,7 @@ class SWAComponent(TreeComponent):
 
     def _add_swa(self, node: TreeNode) -> None:
         """Give ``node`` the SWA translation of its Full value (its Full slots map SWA)."""
-        full = node.data[_FULL].value  # type: ignore[union-attr]
+        full = node.full.value
         cd = node.data[_SWA]
         assert full is not None and isinstance(cd, SWAData) and cd.value is None
         cd.value = self.allocator.translate(full)
@@ -227,10 +232,10 @@ class SWAComponent(TreeComponent):
         if cut > 0:
             if cut >= node.key_len:
                 # Entirely below the boundary: a tombstone leaf that lives on its Full value.
-                self.allocator.free_swa(node.data[_FULL].value)  # type: ignore[union-attr,arg-type]
+                self.allocator.free_swa(node.full.value)  # type: ignore[arg-type]
                 return node
             upper = self.tree.split(node, cut)
-            self.allocator.free_swa(upper.data[_FULL].value)  # type: ignore[union-attr,arg-type]
+            self.allocator.free_swa(upper.full.value)  # type: ignore[arg-type]
         self._add_swa(node)
         excess = node.key_len - self.leaf_cap
         if excess > 0:
@@ -271,7 +276,7 @@ class SWAComponent(TreeComponent):
             return prefix_len
         if start:
             self.tree.split(node, start)
-        full = node.data[_FULL]
+        full = node.data[FULL_INDEX]
         assert full is not None and full.value is not None
         if full.lock_ref == 0:
             old = full.value
@@ -296,7 +301,7 @@ class SWAComponent(TreeComponent):
         ``start = b - total_prefix_len``: the part at ``start`` and below gets SWA when those
         slots still map SWA pages (split off first when ``0 < start``); the rest stays a
         tombstone and the SWA pages of its slots are released, so nothing leaks."""
-        full = node.data[_FULL].value  # type: ignore[union-attr]
+        full = node.full.value
         assert full is not None
         alloc = self.allocator
         start = max(self._boundary(params) - total_prefix_len, 0)
@@ -305,7 +310,7 @@ class SWAComponent(TreeComponent):
             return
         if start:
             upper = self.tree.split(node, start)
-            alloc.free_swa(upper.data[_FULL].value)  # type: ignore[union-attr,arg-type]
+            alloc.free_swa(upper.full.value)  # type: ignore[arg-type]
         self._restored(node)
 
     def _restored(self, node: TreeNode) -> None:
@@ -379,7 +384,7 @@ class SWAComponent(TreeComponent):
         assert value is not None and cd.lock_ref == 0, (
             f"evicting SWA of node {node.id}: value={value is not None} lock={cd.lock_ref}"
         )
-        full = node.data[_FULL].value  # type: ignore[union-attr]
+        full = node.full.value
         assert full is not None, f"node {node.id} has SWA without Full"
         # Frees the SWA pages and clears the map (queued until the allocator next needs
         # them), so no later free can hit a reused page.
@@ -440,7 +445,7 @@ class SWAComponent(TreeComponent):
         # Full's lock first (``release_implies_full_lock``): the walk can pass an unlocked
         # SWA tombstone and take counts that other locks hold on the window above it.  The
         # common case inline, Full's own check for the rest.
-        full_locks = node.full.lock_ref  # type: ignore[union-attr]
+        full_locks = node.full.lock_ref
         if full_locks <= 0 or (params is not None and params.full_start_id is not None):
             check_full_lock(node, params)
         if (
@@ -493,7 +498,7 @@ class SWAComponent(TreeComponent):
             part = device[pos : pos + n]
             pos += n
             cd = piece.data[_SWA]
-            full = piece.data[_FULL].value  # type: ignore[union-attr]
+            full = piece.full.value
             assert cd is not None
             if cd.value is not None or full is None or not torch.equal(alloc.translate(full), part):
                 continue
@@ -531,7 +536,7 @@ class SWAComponent(TreeComponent):
 
     def check_node(self, node: TreeNode) -> None:
         cd = node.data[_SWA]
-        full = node.data[_FULL]
+        full = node.data[FULL_INDEX]
         assert cd is not None and full is not None
         if cd.value is not None:
             assert cd.value.shape[0] == node.key_len, (

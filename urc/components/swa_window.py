@@ -39,7 +39,6 @@ __all__ = [
     "window_path_validator",
 ]
 
-_FULL = ComponentType.FULL
 _SWA = ComponentType.SWA
 
 
@@ -54,7 +53,7 @@ def _has_window_kv_any_tier(node: TreeNode) -> bool:
     assert cd is not None
     if cd.value is not None:
         return True
-    return cd.host_value is not None and node.data[_FULL].value is None  # type: ignore[union-attr]
+    return cd.host_value is not None and node.full.value is None
 
 
 def window_match_validator(window: int, device_only: bool) -> Callable[[TreeNode], bool]:

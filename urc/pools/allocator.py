@@ -27,7 +27,7 @@ thus only queues its frees; the release of their pages is paid once, by the merg
 of up to ``_CAT_SLOTS`` slots (:func:`merged_groups`: one ``torch.cat`` each).
 
 The per-page loops of ``free``, ``check_owned``, ``alloc`` and the extent pushes are
-:mod:`urc.pageops` primitives: compiled where built, else their numpy twins
+:mod:`urc.pools.pageops` primitives: compiled where built, else their numpy twins
 (:meth:`TokenSlotAllocator.use_page_ops`; the cache selects them with its walk).
 """
 
@@ -40,7 +40,7 @@ import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError
 from urc.fastpath import WalkImpl
-from urc.pageops import PageOps, select_page_ops
+from urc.pools.pageops import PageOps, select_page_ops
 
 __all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size", "merged_groups"]
 
@@ -68,7 +68,7 @@ class TokenSlotAllocator:
     boundary (what a request or a tree node owns): the page of every run's first token is
     freed.  Sizes (``size``, ``available_size()``) are in tokens.
 
-    Free pages sit in a host-side stack of extents (numpy; :mod:`urc.pageops`): ``free``
+    Free pages sit in a host-side stack of extents (numpy; :mod:`urc.pools.pageops`): ``free``
     checks the pages' states and pushes the runs of consecutive pages it frees (a value is
     mostly such runs: a few extents, not one entry per page), ``alloc`` takes pages from the
     top extents -- no torch dispatch beyond building the returned tensor.
@@ -111,7 +111,7 @@ class TokenSlotAllocator:
         self.clear()
 
     def use_page_ops(self, impl: WalkImpl) -> None:
-        """Run the page bookkeeping with ``impl`` (:func:`urc.pageops.select_page_ops`); both
+        """Run the page bookkeeping with ``impl`` (:func:`urc.pools.pageops.select_page_ops`); both
         implementations give the same results, so this only changes speed."""
         self._ops = select_page_ops(impl)
 

@@ -21,16 +21,12 @@ free, a free of a never-allocated slot or of a tree-owned slot is an error that 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
 
-if TYPE_CHECKING:
-    from urc.config import CacheConfig
-
-__all__ = ["MambaPool", "build_mamba_pool"]
+__all__ = ["MambaPool"]
 
 SlotIndex = int | torch.Tensor
 
@@ -239,10 +235,3 @@ class MambaPool:
         assert n_free == len(free), f"{n_free} Mamba slots marked free, {len(free)} listed"
         assert all(state[s] == _FREE for s in free), "a listed free Mamba slot is allocated"
         assert n_free + state.count(_HELD) + state.count(_TREE) == self.size, "bad slot state"
-
-
-def build_mamba_pool(config: CacheConfig) -> MambaPool:
-    """The Mamba pool ``config`` describes (``mamba_size`` slots on ``config.device``)."""
-    return MambaPool(
-        config.mamba_size, config.mamba_conv_shape, config.mamba_ssm_shape, config.device
-    )

@@ -43,20 +43,15 @@ cache's input checks use); ``swa_size`` / ``swa_available_size()`` the SWA side,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from urc.errors import ConfigError, InvalidIndicesError
-from urc.pageops import Unmap
 from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
 from urc.pools.kv_pool import KVPool, KVShape
+from urc.pools.pageops import Unmap
 
-if TYPE_CHECKING:
-    from urc.config import CacheConfig
-
-__all__ = ["SWAKVPool", "SWAPagePool", "SWATokenSlotAllocator", "build_swa_allocator"]
+__all__ = ["SWAKVPool", "SWAPagePool", "SWATokenSlotAllocator"]
 
 
 class SWAPagePool:
@@ -104,7 +99,7 @@ class SWAPagePool:
         shift: int,
     ) -> int:
         """Release the pages ``page_map`` names for the Full pages ``idx[start:end][::step] >>
-        shift`` and clear those entries (:func:`urc.pageops.py_unmap`); returns how many
+        shift`` and clear those entries (:func:`urc.pools.pageops.py_unmap`); returns how many
         pages were released (cleared entries release nothing)."""
         top = self._top
         self._top = unmap(page_map, self.state, self._stack, top, idx, start, end, step, shift)
@@ -347,15 +342,6 @@ class SWAKVPool:
     def scatter(self, full_idx: torch.Tensor, data: torch.Tensor) -> None:
         """Write SWA K/V (as returned by :meth:`gather`) for Full slots ``full_idx``."""
         self.kv_pool.scatter(self.translate(full_idx), data)
-
-
-def build_swa_allocator(config: CacheConfig) -> tuple[SWATokenSlotAllocator, SWAKVPool]:
-    """The paired allocator and SWA KV pool ``config`` describes (``swa_kv_size`` defaults
-    to ``kv_size``)."""
-    allocator = SWATokenSlotAllocator(
-        config.kv_size, config.swa_kv_size, config.page_size, config.device
-    )
-    return allocator, SWAKVPool(allocator, config.kv_shape)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

@@ -1,11 +1,15 @@
 """``AsyncUnifiedRadixCache``: an awaitable cache whose tree is owned by one actor task.
 
-Package layout (the rooms): :mod:`~urc.service.facade` (the public coroutines: build a
-command, send it, await the reply), :mod:`~urc.service.transport` (send, wait for room,
-cancel, abandon, give back), :mod:`~urc.service.actor` (the loop, drain, fail),
-:mod:`~urc.service.workers` (background workers), :mod:`~urc.service.lifecycle` (start,
-close), :mod:`~urc.service.base` (the shared state), :mod:`~urc.service.call` (what travels
-on the stream), :mod:`~urc.service.anyio_private` (the only use of anyio internals).
+Package layout (the rooms): :mod:`~urc.service._facade` (the public coroutines: build a
+command, send it, await the reply), :mod:`~urc.service._transport` (send, wait for room,
+cancel, abandon, give back), :mod:`~urc.service._actor` (the loop, drain, fail),
+:mod:`~urc.service._workers` (background workers), :mod:`~urc.service._lifecycle` (start,
+close), :mod:`~urc.service._base` (the shared state), :mod:`~urc.service._call` (what travels
+on the stream), :mod:`~urc.service._anyio_private` (the only use of anyio internals); the
+command layer: :mod:`~urc.service._commands` (one frozen class per operation, with its
+cancellation policy), :mod:`~urc.service._executor` (one ``@handles`` method per command),
+:mod:`~urc.service._request_ops`, :mod:`~urc.service._lease`, :mod:`~urc.service._observer`,
+:mod:`~urc.service._snapshots`.  Only this package's ``__all__`` is public.
 
 Usage::
 
@@ -14,20 +18,20 @@ Usage::
         ...
         await hit.lease.release()
 
-Design (ARCHITECTURE §6)
-------------------------
-Every public coroutine builds a frozen command (:mod:`urc.commands`), wraps it in a call
+Design (docs/architecture.md §1-§2)
+-----------------------------------
+Every public coroutine builds a frozen command (:mod:`urc.service._commands`), wraps it in a call
 (the command plus a one-shot reply slot), sends the call on a bounded anyio memory object
 stream (``max_queued`` buffered calls) and awaits the reply: on asyncio a bare
 ``asyncio.Future`` of the running loop, elsewhere (trio) an ``anyio.Event``; the result
-travels in the call object (``python -m urc.service_bench --replies`` compares reply
+travels in the call object (``python -m urc.apps.bench.service --replies`` compares reply
 objects).  Sending is ``send_nowait``: it never yields, so nothing happens between the
 caller's checks and the call entering the stream.  Only when the buffer is full does a caller
 fall back to ``await send(...)`` (backpressure); once one caller waits there, later callers
 queue behind it through the same path, so the stream keeps send order.
 
 One actor task takes the calls and applies them strictly in order, one at a time, through a
-:class:`~urc.executor.CommandExecutor`.  It blocks on ``await receive()`` only when the
+:class:`~urc.service._executor.CommandExecutor`.  It blocks on ``await receive()`` only when the
 stream is empty; woken, it applies that call and every call already queued
 (``receive_nowait``, at most ``max_batch`` in all) in one batch, then yields once, so the
 callers it just answered run and their next commands form its next batch.  (It knows how many
@@ -36,14 +40,14 @@ calls are queued from a counter the senders bump, so draining a batch raises no
 mid-command and no lock is needed.
 
 Handles, not nodes: results carry device indices, hit lengths, an opaque
-:class:`~urc.lease.NodeHandle` and, when asked, a :class:`~urc.lease.Lease` (released exactly
+:class:`~urc.service.NodeHandle` and, when asked, a :class:`~urc.service.Lease` (released exactly
 once).  ``Req`` objects passed to ``match_req`` / ``cache_*_req`` do hold tree nodes
 (``req.last_node``): the request belongs to the server, but only the actor may read or write
 ``last_node`` / ``lock_receipt`` -- callers must never touch them.
 
 A server's request loop (what ``urc replay`` does): ``alloc_req_row(req)``;
 ``match_req(req, load_back=True)`` (a host hit is loaded back and locked in one command pair:
-the match, then the commit after the byte copy; :mod:`urc.request_ops`); ``alloc`` then
+the match, then the commit after the byte copy; :mod:`urc.service._request_ops`); ``alloc`` then
 ``write_req_slots`` per prefill chunk, ``cache_unfinished_req`` between chunks;
 ``alloc_req_mamba`` / ``slide_req_window`` for hybrid models; ``cache_finished_req``.
 
@@ -54,7 +58,7 @@ scopes; level-triggered: delivered again at every checkpoint until the scope exi
 ``TaskGroup`` shutdown; delivered once).  Applying a command never awaits, so the actor's
 side of every command is atomic: the core raises a :class:`~urc.errors.URCError` before
 changing anything, or applies the command fully.  Where the caller can be cancelled, and what
-happens then (:data:`~urc.service.call.ON_CANCEL` classifies the commands)::
+happens then (:data:`~urc.service._call.ON_CANCEL` classifies the commands)::
 
     command kind         | cancelled where                | what it passed in / what it got
     ---------------------+--------------------------------+-----------------------------------
@@ -122,9 +126,9 @@ exception ends that worker only (logged, kept in :attr:`background_failures`): i
 the tree only through atomic commands, so it cannot leave the tree half-changed.  Calls after
 close (or before start) raise :class:`~urc.errors.ServiceClosedError`.
 
-Observers (:mod:`urc.observer`): the actor times every command (one clock read when the
+Observers (:mod:`urc.service._observer`): the actor times every command (one clock read when the
 caller sends, two around the command) and reports it; a plain observer also gets a
-``cache.stats()`` snapshot after every batch, a :class:`~urc.observer.PullingObserver` pulls
+``cache.stats()`` snapshot after every batch, a :class:`~urc.service.PullingObserver` pulls
 snapshots from the service when it needs them (``metrics`` does so at scrape time) or asks
 for them at most every so often.
 
@@ -137,21 +141,34 @@ then releases every lease still held (pins included) and reports how many.
 
 from __future__ import annotations
 
-from urc.commands import CommandKind, InsertOutcome, MatchOutcome
-from urc.lease import Lease, NodeHandle
-from urc.service.base import LoadBackPolicy, ServiceState, TraceHook
-from urc.service.facade import AsyncUnifiedRadixCache
-from urc.service.workers import BackgroundWorker
+from urc.service._base import BackgroundWorker, LoadBackPolicy, ServiceState, TraceHook
+from urc.service._commands import Call, Command, CommandKind, InsertOutcome, MatchOutcome
+from urc.service._facade import AsyncUnifiedRadixCache
+from urc.service._lease import Lease, NodeHandle
+from urc.service._observer import (
+    PullingObserver,
+    ServiceObserver,
+    ServiceSnapshot,
+    StatsSource,
+    TransferKind,
+)
 
 __all__ = [
     "AsyncUnifiedRadixCache",
     "BackgroundWorker",
+    "Call",
+    "Command",
     "CommandKind",
     "InsertOutcome",
     "Lease",
     "LoadBackPolicy",
     "MatchOutcome",
     "NodeHandle",
+    "PullingObserver",
+    "ServiceObserver",
+    "ServiceSnapshot",
     "ServiceState",
+    "StatsSource",
     "TraceHook",
+    "TransferKind",
 ]

@@ -1,0 +1,114 @@
+"""Two checkouts' core benchmark in one process, interleaved; prints ratios.
+
+Usage::
+
+    python -m urc.apps.bench.compare OLD_TREE NEW_TREE [--rounds 5] [--components full ...]
+        [--old-module urc.apps.bench.core] [--page-sizes 1 16] [--num-seqs 2000]
+
+``OLD_TREE`` and ``NEW_TREE`` are source trees (each with its C extensions built in place,
+``python setup.py build_ext --inplace``).  Both copies of ``urc`` are imported into this
+process, each fully (every submodule, so that no lazy import crosses over), and their
+``sys.modules`` entries are swapped in before each run: round by round, configuration by
+configuration, old and new run back to back on the same workload and the best of the rounds
+is kept per phase.  On a shared machine this is the comparison to quote (a ratio from one
+process), never two figures from separate runs.  ``--old-module`` names the old tree's
+benchmark module (``urc.bench`` before the applications moved to ``urc.apps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import pkgutil
+import sys
+from types import ModuleType
+from typing import Any
+
+__all__ = ["main"]
+
+# Application modules of either layout (before and after ``urc.apps``).
+_APPS = (".apps", ".cli", ".replay", ".workloads", "bench")
+_PHASES = ("insert", "match_prefix", "match_prefix_without_indices", "lock", "unlock", "evict")
+
+
+def _urc_keys() -> list[str]:
+    return [k for k in sys.modules if k == "urc" or k.startswith("urc.")]
+
+
+def _load(tree: str, bench_module: str) -> tuple[ModuleType, dict[str, ModuleType]]:
+    """Import ``bench_module`` and every ``urc`` submodule from ``tree``; returns the
+    benchmark module and the ``urc`` modules of that tree (removed from ``sys.modules``)."""
+    for k in _urc_keys():
+        del sys.modules[k]
+    sys.path.insert(0, tree)
+    try:
+        bench = importlib.import_module(bench_module)
+        urc = sys.modules["urc"]
+        for info in pkgutil.walk_packages(urc.__path__, "urc."):
+            app = any(part in info.name for part in _APPS)
+            if app and info.name != bench_module:
+                continue  # applications pull in hicache/metrics: not needed here
+            with contextlib.suppress(ImportError):  # an optional part (a missing extra)
+                importlib.import_module(info.name)
+    finally:
+        sys.path.remove(tree)
+    modules = {k: sys.modules.pop(k) for k in _urc_keys()}
+    return bench, modules
+
+
+def _run(
+    bench: ModuleType, modules: dict[str, ModuleType], name: str, ps: int, seqs: Any
+) -> dict[str, Any]:
+    for k in _urc_keys():
+        del sys.modules[k]
+    sys.modules.update(modules)
+    result: dict[str, Any] = bench.run_phases(bench.COMPONENT_SETS[name], ps, seqs)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m urc.apps.bench.compare", description=__doc__)
+    ap.add_argument("old_tree")
+    ap.add_argument("new_tree")
+    ap.add_argument("--old-module", default="urc.apps.bench.core")
+    ap.add_argument("--new-module", default="urc.apps.bench.core")
+    ap.add_argument("--components", nargs="+", default=["full", "full+swa", "full+mamba"])
+    ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--num-seqs", type=int, default=2000)
+    ap.add_argument("--chunk-len", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    old = _load(args.old_tree, args.old_module)
+    new = _load(args.new_tree, args.new_module)
+    import torch
+
+    torch.set_num_threads(1)
+    seqs = new[0].generate_sequences(args.num_seqs, args.chunk_len, 42)
+    best: dict[tuple[str, str, int], dict[str, float]] = {}
+    for _ in range(args.rounds):
+        for name in args.components:
+            for ps in args.page_sizes:
+                for label, (bench, modules) in (("old", old), ("new", new)):
+                    res = _run(bench, modules, name, ps, seqs)
+                    cell = best.setdefault((label, name, ps), {})
+                    for phase in _PHASES:
+                        ops = res[phase]["ops_per_s"]
+                        cell[phase] = max(cell.get(phase, 0.0), ops)
+    report: dict[str, Any] = {}
+    for name in args.components:
+        for ps in args.page_sizes:
+            o, n = best[("old", name, ps)], best[("new", name, ps)]
+            report[f"{name}/page{ps}"] = {
+                p: {"old": round(o[p]), "new": round(n[p]), "ratio": round(n[p] / o[p], 3)}
+                for p in _PHASES
+            }
+    print(f"{'config':18}" + "".join(f"{p[:14]:>16}" for p in _PHASES))
+    for cfg, row in report.items():
+        print(f"{cfg:18}" + "".join(f"{row[p]['ratio']:>16.3f}" for p in _PHASES))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

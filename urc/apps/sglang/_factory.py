@@ -1,0 +1,215 @@
+"""Build urc from SGLang's ``TreeCacheBuildContext`` (the ``--radix-cache-backend urc``
+factory), refusing at start-up every option it does not serve."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from urc.cache import UnifiedRadixCache
+from urc.config import CacheConfig
+from urc.errors import ConfigError
+from urc.eviction_policy import EvictionPolicy
+from urc.node import ComponentType
+from urc.pools.cache_pools import CachePools
+
+__all__ = ["check_supported", "create_cache", "unsupported_options"]
+
+# SGLang's ``--radix-eviction-policy`` values urc implements: an ``EvictionPolicy`` member of
+# the same name (urc's own offline or experimental orders are not SGLang's to select).
+_NOT_SGLANG = {EvictionPolicy.BELADY, EvictionPolicy.FORK_AWARE}
+
+
+def _policy(name: str) -> EvictionPolicy | None:
+    try:
+        policy = EvictionPolicy(name)
+    except ValueError:
+        return None
+    return None if policy in _NOT_SGLANG else policy
+
+
+def _memory() -> Any:
+    from sglang.srt.runtime_context import get_memory
+
+    return get_memory()
+
+
+def unsupported_options(ctx: Any) -> list[str]:
+    """The launch options in ``ctx`` (and the published server args) that urc does not
+    serve, each as ``"--flag: why"``; empty when urc can run this configuration."""
+    params = ctx.params
+    memory = _memory()
+    out: list[str] = []
+    if ctx.disable_radix_cache or params.disable:
+        out.append("--disable-radix-cache: nothing to plug in (SGLang's own cache serves it)")
+    if ctx.enable_hierarchical_cache or memory.enable_hierarchical_cache:
+        out.extend(_unsupported_hicache(ctx, memory))
+    if ctx.is_hybrid_swa and ctx.full_tokens_per_layer == 0:
+        out.append("a pure sliding-window model: SGLang serves it with its PureSWARadixCache")
+    if ctx.is_hybrid_swa and getattr(params.token_to_kv_pool_allocator, "swa_req_ring", False):
+        out.append("a per-request SWA ring (unified_kv): the tree holds no SWA slots there")
+    if ctx.is_hybrid_swa and not params.swa_gates_prefix_match:
+        out.append("an SWA pool only a draft reads: its matches are not gated by the window")
+    if ctx.is_hybrid_ssm:
+        pool = params.req_to_token_pool
+        if ctx.is_hybrid_swa:
+            out.append("a model with both sliding-window and Mamba layers: not wired yet")
+        if params.enable_mamba_extra_buffer or params.enable_mamba_extra_buffer_lazy:
+            out.append(
+                "--mamba-radix-cache-strategy extra_buffer: urc serves no_buffer "
+                "(the request's ping-pong track buffers are not wired yet)"
+            )
+        if getattr(pool, "mamba_ckpt_pool", None) is not None:
+            out.append("--enable-int8-mamba-checkpoint: the int8 checkpoint pool is not wired")
+        mamba_pool = getattr(pool, "mamba_pool", None)
+        if getattr(mamba_pool, "replayssm_write_pos", None) is not None:
+            out.append("a ReplaySSM (GDN) Mamba pool: its state lags the ring, not wired")
+        if params.mtp_draft_mamba_pools:
+            out.append("speculative draft Mamba pools: only SGLang's own cache copies them")
+    if ctx.is_dsa or hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
+        out.append("a DeepSeek sparse-attention model: its sidecar pools are SGLang's own")
+    if _policy(params.eviction_policy) is None:
+        served = ", ".join(p.value for p in EvictionPolicy if p not in _NOT_SGLANG)
+        out.append(f"--radix-eviction-policy {params.eviction_policy}: urc serves {served}")
+    if params.eviction_policy_config:
+        out.append("--radix-eviction-policy-config: urc's policies take no parameters here")
+    if params.enable_kv_cache_events:
+        out.append("--kv-events-config: urc does not publish SGLang's KV events yet")
+    if params.enable_session_radix_cache or memory.enable_session_radix_cache:
+        out.append("--enable-session-radix-cache: SGLang's session refs are its own")
+    if params.is_eagle:
+        out.append("--speculative-algorithm EAGLE: bigram keys are not wired yet")
+    if params.mtp_draft_device_pools or params.sidecar_draft_device_pools:
+        out.append("speculative draft KV pools: only SGLang's own cache copies them")
+    if params.pp_size > 1 or params.attn_cp_size > 1:
+        out.append("--pp-size / --attn-cp-size > 1: the tree is not synchronised across ranks")
+    if memory.enable_lmcache or memory.enable_flexkv:
+        out.append("--enable-lmcache / --enable-flexkv: those are SGLang's own backends")
+    if memory.enable_unified_cache_external_linker:
+        out.append("--enable-unified-cache-external-linker: SGLang's own linker")
+    return out
+
+
+def _unsupported_hicache(ctx: Any, memory: Any) -> list[str]:
+    """What urc's host tier (HiCache L2, synchronous copies) cannot serve of SGLang's
+    HiCache options."""
+    out = []
+    if ctx.is_hybrid_ssm:
+        out.append("--enable-hierarchical-cache with a Mamba model")
+    kv = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    halves = [kv.full_kv_pool, kv.swa_kv_pool] if ctx.is_hybrid_swa else [kv]
+    if not all(isinstance(getattr(h, "k_buffer", None), list) for h in halves):
+        out.append(
+            f"--enable-hierarchical-cache with a {type(kv).__name__}: urc mirrors "
+            "per-layer K/V buffers (MHATokenToKVPool) only"
+        )
+    if memory.hicache_storage_backend is not None:
+        out.append("--hicache-storage-backend: urc's L3 stores are not wired to SGLang yet")
+    if memory.hicache_host_memory_mode != "cache":
+        out.append(f"--hicache-host-memory-mode {memory.hicache_host_memory_mode}")
+    return out
+
+
+def _hicache_config(allocator: Any, memory: Any) -> Any:
+    """urc's ``HiCacheConfig`` for SGLang's ``--hicache-*`` options (write policy; host
+    size from ``--hicache-size`` in GB, else ``--hicache-ratio``, default 2)."""
+    from hicache import HiCacheConfig
+    from urc.apps.sglang._pools import SGLangKVBuffers
+    from urc.host.protocol import WritePolicy
+
+    policy = WritePolicy(memory.hicache_write_policy)
+    if memory.hicache_size:
+        kvcache = allocator.get_kvcache()
+        per_slot = SGLangKVBuffers(getattr(kvcache, "full_kv_pool", kvcache)).bytes_per_slot()
+        tokens = int(memory.hicache_size * (1 << 30) // max(per_slot, 1))
+        return HiCacheConfig(write_policy=policy, host_tokens=tokens)
+    return HiCacheConfig(write_policy=policy, host_ratio=memory.hicache_ratio or 2.0)
+
+
+def check_supported(ctx: Any) -> None:
+    """Raise :class:`~urc.errors.ConfigError` naming every unsupported option of ``ctx``."""
+    problems = unsupported_options(ctx)
+    if problems:
+        raise ConfigError(
+            "--radix-cache-backend urc cannot serve this launch: " + "; ".join(problems)
+        )
+
+
+def create_cache(ctx: Any) -> Any:
+    """SGLang's ``RadixCacheFactory``: urc on SGLang's own pools for ``ctx``.
+
+    Raises :class:`~urc.errors.ConfigError` (before anything is built) for a launch option
+    urc does not serve (:func:`unsupported_options`)."""
+    check_supported(ctx)
+    from urc.apps.sglang._cache import SGLangRadixCache
+    from urc.apps.sglang._pools import (
+        SGLangKVBuffers,
+        SGLangMambaSlots,
+        SGLangSlots,
+        SGLangSWASlots,
+    )
+
+    params = ctx.params
+    allocator = params.token_to_kv_pool_allocator
+    policy = _policy(params.eviction_policy)
+    assert policy is not None, params.eviction_policy  # check_supported
+    components = [ComponentType.FULL]
+    slots: Any
+    sizes: dict[str, Any] = {}
+    if ctx.is_hybrid_swa:
+        components.append(ComponentType.SWA)
+        slots = SGLangSWASlots(allocator)
+        sizes.update(
+            kv_size=allocator.size_full,
+            swa_kv_size=allocator.size_swa,
+            # What the request's own frees keep behind it and what a lock pins: the
+            # window every SWA reader needs (the model's, or a draft's if wider).
+            sliding_window_size=params.swa_retain_window,
+        )
+    else:
+        slots = SGLangSlots(allocator)
+        sizes.update(kv_size=allocator.size)
+    mamba = None
+    if ctx.is_hybrid_ssm:
+        from sglang.srt.runtime_context import mamba_checkpoint_grid
+
+        components.append(ComponentType.MAMBA)
+        mamba = SGLangMambaSlots(params.req_to_token_pool)
+        # Where a request snapshots its state so the next request can branch there.
+        grid = mamba_checkpoint_grid(params.page_size)
+        sizes.update(mamba_size=mamba.size, mamba_chunk_size=grid)
+    config = CacheConfig(
+        components=tuple(components),
+        page_size=params.page_size,
+        # The pools are SGLang's: these sizes only describe them (nothing is allocated).
+        **sizes,
+        max_num_reqs=params.req_to_token_pool.size,
+        max_context_len=params.req_to_token_pool.max_context_len,
+        device=str(allocator.device),
+        eviction_policy=policy,
+        is_eagle=params.is_eagle,
+    )
+    hicache = ctx.enable_hierarchical_cache or _memory().enable_hierarchical_cache
+    kv_pool = swa = None
+    if hicache:  # the device buffers urc's host tier mirrors
+        kvcache = allocator.get_kvcache()
+        if ctx.is_hybrid_swa:
+            kv_pool = SGLangKVBuffers(kvcache.full_kv_pool)
+            swa = SimpleNamespace(kv_pool=SGLangKVBuffers(kvcache.swa_kv_pool))
+        else:
+            kv_pool = SGLangKVBuffers(kvcache)
+    pools = CachePools(
+        token_allocator=slots,
+        req_to_token_pool=params.req_to_token_pool,
+        # Duck-typed stand-ins on SGLang's pools (see urc.apps.sglang._pools).
+        kv_pool=kv_pool,  # type: ignore[arg-type]
+        swa=swa,  # type: ignore[arg-type]
+        mamba=mamba,  # type: ignore[arg-type]
+    )
+    core = UnifiedRadixCache(config, pools)
+    host = None
+    if hicache:
+        from hicache.host_tier import attach_hicache
+
+        host = attach_hicache(core, _hicache_config(allocator, _memory()))
+    return SGLangRadixCache(core, params, host)

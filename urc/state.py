@@ -1,0 +1,143 @@
+"""``CacheState``: everything one cache holds, for the operations to work on.
+
+The operation modules (:mod:`urc.locking`, :mod:`urc.matching`, :mod:`urc.insertion`,
+:mod:`urc.eviction`, :mod:`urc.request_caching`, :mod:`urc.host.transfers`) are functions of a
+``CacheState``; :class:`~urc.cache.UnifiedRadixCache` is a ``CacheState`` plus SGLang's method
+surface, and no operation imports it.  An operation never calls back up: it calls the other
+operations' functions, or a hook the state holds (``write_back``, set when a host tier is
+attached).
+
+What lives here (set once by ``__init__`` unless noted):
+
+| field | what |
+|---|---|
+| ``config``, ``pools``, ``page_size``, ``device``, ``on_cpu``, ``is_eagle`` | as built |
+| ``tree`` | the node structure, the clock and the key walks (:class:`~urc.tree.Tree`) |
+| ``components``, ``full``, ``by_type``, ``components_rev`` | the component objects, FULL first |
+| ``hooks`` | per-hook lists of the components that override it (rebuilt on attach) |
+| ``acquire_locks``, ``release_locks``, ``release_checks`` | the lock hooks, in call order |
+| ``counters`` | cumulative counters (:class:`~urc.counters.CacheCounters`) |
+| ``host_tier``, ``write_policy``, ``backup_threshold`` | HiCache, once attached |
+| ``pending_backups``, ``backups_in_flight``, ``tier_events`` | HiCache bookkeeping |
+| ``write_back`` | back a node up to host now (set by the host tier's attach), or None |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from urc.components import component_class
+from urc.components.base import EvictionSteps, TreeComponent
+from urc.components.full import FullComponent
+from urc.config import CacheConfig
+from urc.counters import CacheCounters
+from urc.fastpath import select_match_tail, select_walk
+from urc.hooks import ComponentHooks
+from urc.host.protocol import HostTier, TierEvents, WritePolicy
+from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, TreeNode
+from urc.pools.cache_pools import CachePools
+from urc.tree import Tree
+
+__all__ = ["CacheState"]
+
+
+class CacheState:
+    """The tree, its components and hooks, the pools' fast paths, counters and host-tier
+    fields of one cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        pools: CachePools,
+        eviction_steps: Callable[[CacheState], EvictionSteps],
+    ) -> None:
+        """Build the tree and the components on ``pools``; ``eviction_steps(state)`` gives
+        the components the cache-wide eviction steps (:class:`urc.eviction.Evictor`: passed
+        in, so that this module stays below the operations)."""
+        self.config = config
+        self.pools = pools
+        self.page_size = config.page_size
+        self.device = torch.device(config.device)
+        #: A miss's pending indices concatenate this (a fresh empty tensor each read).
+        self.no_indices = torch.empty(0, dtype=torch.int64, device=self.device)
+        #: Index tensors live in host memory (numpy views of them are free).
+        self.on_cpu = self.device.type == "cpu"
+        self.is_eagle = config.is_eagle
+        self.req_to_token_pool = pools.req_to_token_pool
+        self.token_to_kv_pool_allocator = alloc = pools.token_allocator
+        #: Free slots a caller holds (checked: a slot that is not allocated raises).
+        self.free_checked: Callable[[torch.Tensor], None] = alloc.free
+        # Tree-owned slots were checked when the tree adopted them (insert): free them
+        # without re-validating.  Allocators of callers' own pools may lack the fast path.
+        self.free_owned: Callable[[torch.Tensor], None] = getattr(alloc, "free_owned", alloc.free)
+        use_page_ops = getattr(alloc, "use_page_ops", None)
+        if use_page_ops is not None:  # the page bookkeeping follows the walk (urc.pools.pageops)
+            use_page_ops(config.walk_impl)
+        self.counters = CacheCounters()
+        # HiCache (``attach_host_tier``): nodes may then live on device, host, or both.
+        self.host_tier: HostTier | None = None
+        self.write_policy: WritePolicy | None = None
+        self.backup_threshold: int | None = None
+        #: Back a node (and its ancestors without a copy) up to host now; returns the tokens
+        #: backed up, 0 when impossible.  Set with the host tier (eviction under write-back).
+        self.write_back: Callable[[TreeNode], int] | None = None
+        # Nodes whose hit count reached the write-through threshold, waiting for a backup.
+        self.pending_backups: dict[int, TreeNode] = {}
+        self.backups_in_flight: set[int] = set()
+        # The tiers below device that listen (``subscribe``): see ``urc.host.protocol.TierEvents``.
+        self.tier_events: tuple[TierEvents, ...] = ()
+        # The tree's structure and the eviction steps first: components are built with them.
+        self.tree = tree = Tree(
+            config.page_size,
+            config.is_eagle,
+            self.device,
+            select_walk(config.walk_impl),
+            select_match_tail(config.walk_impl),
+        )
+        self.evictor = eviction_steps(self)
+        self.components: list[TreeComponent] = [
+            component_class(ct)(tree, pools, config, self.evictor) for ct in config.types
+        ]
+        full = self.components[0]
+        assert isinstance(full, FullComponent), f"the first component is {full!r}, not FULL"
+        self.full: FullComponent = full
+        self.components_rev = self.components[::-1]
+        self.by_type: dict[ComponentType, TreeComponent] = {
+            c.component_type: c for c in self.components
+        }
+        comps = self.components
+        self.hooks = hooks = ComponentHooks.of(comps)
+        # Lock hooks as bound methods: a lock or an unlock is a handful of attribute loads,
+        # so the per-component method lookup is worth saving.
+        self.acquire_locks = [c.acquire_component_lock for c in comps]
+        self.release_locks = [c.release_component_lock for c in self.components_rev]
+        # The component released first validates inside its own release (the hook contract:
+        # raise before changing anything), so only the later ones need a separate check --
+        # not Full's (released last) when every release before it that changes anything
+        # proves the Full lock: then a failing Full release follows only releases that
+        # changed nothing.
+        first = self.components_rev[0]
+        full_implied = all(
+            c.release_implies_full_lock for c in self.components_rev if c is not full
+        )
+        self.release_checks = [
+            c.check_release
+            for c in hooks.release_checks
+            if c is not first and not (c is full and full_implied)
+        ]
+        tree.bind(self._new_data, [c.redistribute_on_node_split for c in comps])
+
+    def _new_data(self) -> tuple[ComponentData | None, ...]:
+        data: list[ComponentData | None] = [None] * NUM_COMPONENT_TYPES
+        for c in self.components:
+            data[c.component_type] = c.new_data()
+        return tuple(data)
+
+    def component(self, ct: ComponentType) -> TreeComponent:
+        """The component of type ``ct`` (``KeyError`` if the cache was built without it)."""
+        return self.by_type[ct]
+
+    def has_component(self, ct: ComponentType) -> bool:
+        return ct in self.by_type
