@@ -86,6 +86,8 @@ class StorageConfig:
     than ``prefetch_threshold_pages`` pages is not looked up.  ``max_pending_writes`` bounds
     the nodes waiting for a write-through put and ``max_pending_bytes`` the page bytes staged
     for puts on host eviction; work beyond either bound is dropped (and counted).
+    ``flush_timeout_s`` bounds a flush of the queued writes (the worker's ``flush`` and
+    ``close``): what is still queued then is dropped and counted.
     """
 
     backup_policy: StorageBackupPolicy = StorageBackupPolicy.WRITE_THROUGH
@@ -96,8 +98,11 @@ class StorageConfig:
     batch_pages: int = 16
     max_pending_writes: int = 1024
     max_pending_bytes: int = 64 << 20
+    flush_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not self.flush_timeout_s > 0:
+            raise ConfigError(f"flush_timeout_s must be > 0, got {self.flush_timeout_s}")
         if self.timeout_base_s <= 0 or self.timeout_per_page_s < 0:
             raise ConfigError(f"invalid prefetch timeouts in {self}")
         if min(self.prefetch_threshold_pages, self.batch_pages, self.max_pending_writes) < 1:

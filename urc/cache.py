@@ -14,7 +14,7 @@ Not thread-safe: one owner mutates it (the async service's actor task, or a sche
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from urc.hooks import ComponentHooks
 from urc.host import transfers as host_transfers
 from urc.host.protocol import HostTier, TierEvents, WritePolicy
 from urc.key import RadixKey
+from urc.kv_events import KVEvent, KVEventRecorder
 from urc.node import FULL_INDEX, ComponentType, Tier, TreeNode
 from urc.params import (
     EvictParams,
@@ -331,6 +332,32 @@ class UnifiedRadixCache(CacheState):
         for c in self.components:
             c.reset()
         self.tree.reset()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
+
+    # ================================================================== KV events
+    def enable_kv_events(self, notify: Callable[[], None] | None = None) -> KVEventRecorder:
+        """Record KV events from now on (:mod:`urc.kv_events`; SGLang's
+        ``enable_kv_cache_events``) and return the recorder; already on: the same recorder,
+        its ``notify`` replaced when one is given.  ``notify`` is called from the cache's
+        owner when the event queue goes from empty to non-empty (it must not change the
+        tree)."""
+        rec = self.kv_events
+        if rec is None:
+            rec = self.kv_events = KVEventRecorder(self.page_size, notify)
+        elif notify is not None:
+            rec.notify = notify
+        return rec
+
+    def disable_kv_events(self) -> None:
+        """Stop recording KV events; events not taken yet are dropped."""
+        self.kv_events = None
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last call, oldest first (SGLang's
+        ``take_events``); empty while events are off."""
+        rec = self.kv_events
+        return rec.take() if rec is not None else []
 
     def sanity_check(self) -> None:
         """Recompute every invariant from scratch; ``AssertionError`` names the first broken

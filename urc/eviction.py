@@ -86,6 +86,8 @@ def evict_device_leaf(state: CacheState, node: TreeNode, tracker: list[int]) -> 
     for c, ct in state.hooks.evict_order:
         if data[ct].value is not None:  # type: ignore[union-attr]
             tracker[ct] += c.evict_component(node, _DEVICE)
+    if state.kv_events is not None:
+        state.kv_events.removed_from_device(node)
     if fcd.host_value is not None:
         _demoted(state, node)
         return True
@@ -204,6 +206,8 @@ def evict_host_leaf(state: CacheState, node: TreeNode, tracker: list[int]) -> No
     """Free every host copy of the host-only leaf ``node`` and delete it."""
     for events in state.tier_events:
         events.host_evicted(node)
+    if state.kv_events is not None:
+        state.kv_events.removed_from_host(node)
     for c in state.components:
         cd = node.data[c.component_type]
         assert cd is not None

@@ -9,11 +9,16 @@ components commit their data on it (``commit_insert_component_data``).  Slot own
     [prev_prefix_len, prefix)    duplicates of cached tokens: freed here
     [prefix, aligned)            new: the new leaf owns them
     [aligned, len(key))          unaligned tail: ignored, still the caller's
+
+Every slot from ``prev_prefix_len`` on must be held by the caller, each page once: the
+allocator's ``claim_value`` checks that and makes those pages the tree's in the same pass
+(refused with nothing changed otherwise); the duplicates are then freed and the unaligned
+tail handed back to the caller (``unclaim``) before ``insert`` returns.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -21,6 +26,7 @@ import torch
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
 from urc.host import transfers as host_transfers
 from urc.host.protocol import WritePolicy
+from urc.key import RadixKey, check_key
 from urc.node import FULL_INDEX, TreeNode
 from urc.params import InsertParams, InsertResult
 
@@ -49,15 +55,18 @@ def _add_leaf(
     tree.link(parent, leaf)
     full_c.note_child(parent)
     full_c.note_leaf(leaf)
+    if state.kv_events is not None:
+        state.kv_events.stored_on_device(leaf)
     return leaf
 
 
 def _check_value(
-    state: CacheState, n_key: int, value: torch.Tensor | None, owned_from: int = 0
+    state: CacheState, n_key: int, value: torch.Tensor | None, owned_from: int, prev: int
 ) -> tuple[torch.Tensor, np.ndarray | None]:
     """``value`` once it is known to be valid, and the allocator's host view of it (``None``
-    when the allocator has no ``check_owned`` or nothing was checked); raises the insert's
-    typed errors."""
+    when the allocator has no ``claim_value`` or nothing was checked); raises the insert's
+    typed errors.  With a host view, the pages of ``value[prev:]`` are the tree's now
+    (:meth:`~urc.pools.allocator.TokenSlotAllocator.claim_value`)."""
     if value is None:
         raise InvalidInputError("insert needs a value tensor of device indices")
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
@@ -67,14 +76,21 @@ def _check_value(
     if value.shape[0] != n_key:
         raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
     if n_key > owned_from:
-        check_owned = getattr(state.token_to_kv_pool_allocator, "check_owned", None)
-        if check_owned is not None:
-            return value, check_owned(value, owned_from)  # range and allocation, host side
+        claim_value = getattr(state.token_to_kv_pool_allocator, "claim_value", None)
+        if claim_value is not None:  # range, allocation, owner and repeats, host side
+            return value, claim_value(value, owned_from, prev, True)
         lo, hi = torch.aminmax(value)
         size = state.token_to_kv_pool_allocator.size
         if int(lo) < 0 or int(hi) >= size:
             raise InvalidIndicesError(f"value indices outside [0, {size}): [{lo}, {hi}]")
     return value, None
+
+
+def _refuse_key(key: object) -> NoReturn:
+    if key is None:
+        raise InvalidInputError("insert needs a key")
+    check_key(key, "insert's key")
+    raise AssertionError(f"{key!r} is a RadixKey")
 
 
 def insert(
@@ -96,8 +112,8 @@ def insert(
     the whole prompt.  Only the slots from ``prev_prefix_len`` on are checked then.
     """
     key = params.key
-    if key is None:
-        raise InvalidInputError("insert needs a key")
+    if not isinstance(key, RadixKey):
+        _refuse_key(key)
     if state.is_eagle and not key.is_bigram:
         key = key.bigram()
     n_key = len(key)
@@ -113,12 +129,24 @@ def insert(
                 f"resume_from node {resume_from.id} must be locked and end at or before "
                 f"prev_prefix_len {prev} (it ends at {start_len})"
             )
-    value, host = _check_value(state, n_key, params.value, prev if resumed else 0)
-    for c in state.hooks.validate_insert:
-        c.validate_insert(params, n_key)
+    owned_from = prev if resumed else 0
+    # The pages the allocator's claim_value adopts: from the first page boundary at or
+    # above ``prev`` (a partly protected page is checked, not adopted).
+    claimed = min(n_key, -(-prev // state.page_size) * state.page_size) if prev else 0
+    value, host = _check_value(state, n_key, params.value, owned_from, claimed)
+    alloc = state.token_to_kv_pool_allocator
+    try:
+        for c in state.hooks.validate_insert:
+            c.validate_insert(params, n_key)
+    except BaseException:
+        if host is not None:
+            alloc.unclaim(host, claimed, n_key)
+        raise
     tree = state.tree
     tokens = tree.tokens_of(key)
     n = len(tokens)
+    if host is not None and n < n_key:
+        alloc.unclaim(host, max(claimed, n), n_key)  # the unaligned tail stays the caller's
     if n == 0:
         return InsertResult(prefix_len=0, mamba_exist=True)
     priority = params.priority
@@ -195,9 +223,8 @@ def insert(
     if free_ranges:
         # The allocator copies what it frees: the caller may overwrite its tensor
         # (cache_unfinished_req rewrites the req_to_token row it passed).
-        alloc = state.token_to_kv_pool_allocator
         free_span = getattr(alloc, "free_span", None)
-        # check_owned validated [owned_from, n), which holds every free range, and no Full
+        # claim_value validated [owned_from, n), which holds every free range, and no Full
         # slot of the value was freed since: its host view lets the allocator skip the checks.
         for a, b in free_ranges:
             if free_span is not None:
@@ -245,3 +272,5 @@ def _adopt_device_value(
         c.recover_after_unevict(node, pos, params)
     if node.heap_entry is None and state.full.is_device_leaf(node):
         state.full.note_leaf(node)
+    if state.kv_events is not None:
+        state.kv_events.stored_on_device(node)

@@ -20,6 +20,7 @@ import torch
 
 from urc.components.base import MatchValidator
 from urc.errors import InvalidInputError
+from urc.key import RadixKey, check_key
 from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams, MatchResult, PendingIndices
 
@@ -45,6 +46,9 @@ def match_prefix(state: CacheState, params: MatchPrefixParams) -> MatchResult:
     Returns the device hit (concatenated indices, or ``None`` and its length with
     ``params.with_indices=False``) and the nodes that end it.
     """
+    given: object = params.key  # typed RadixKey, but callers pass anything
+    if not isinstance(given, RadixKey):
+        check_key(given, "match_prefix's key")
     for check in state.hooks.match_checks:
         check.validate_match(params)
     tree = state.tree

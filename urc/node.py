@@ -141,7 +141,9 @@ class TreeNode:
         self.heap_entry: tuple[Any, int, TreeNode] | None = None
         self.in_host_heap = False
         self.deleted = False
-        self.hash_value: list[str] | None = None
+        # Page digests for KV events (urc.kv_events: SHA-256 chain from the root; kept, and
+        # split with the node, once computed).
+        self.hash_value: list[bytes] | None = None
         # Per-node state of the eviction strategy, if it keeps any (``urc.eviction_policy``).
         self.eviction_state: Any = None
 

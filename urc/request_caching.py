@@ -33,6 +33,7 @@ def _row(state: CacheState, req: Req, is_finished: bool) -> int:
     row = req.req_pool_idx
     if row is None:
         raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
+    state.req_to_token_pool.check_row(row)
     for check in state.hooks.req_checks:
         check.validate_caching_req(req, is_finished)
     return row

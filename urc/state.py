@@ -20,11 +20,13 @@ What lives here (set once by ``__init__`` unless noted):
 | ``host_tier``, ``write_policy``, ``backup_threshold`` | HiCache, once attached |
 | ``pending_backups``, ``backups_in_flight``, ``tier_events`` | HiCache bookkeeping |
 | ``write_back`` | back a node up to host now (set by the host tier's attach), or None |
+| ``kv_events`` | the KV event recorder (:mod:`urc.kv_events`), or None: events off |
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +41,9 @@ from urc.host.protocol import HostTier, TierEvents, WritePolicy
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, TreeNode
 from urc.pools.cache_pools import CachePools
 from urc.tree import Tree
+
+if TYPE_CHECKING:
+    from urc.kv_events.recorder import KVEventRecorder
 
 __all__ = ["CacheState"]
 
@@ -88,6 +93,9 @@ class CacheState:
         self.backups_in_flight: set[int] = set()
         # The tiers below device that listen (``subscribe``): see ``urc.host.protocol.TierEvents``.
         self.tier_events: tuple[TierEvents, ...] = ()
+        #: KV events for routers (``enable_kv_events``); None: off, and the operations'
+        #: emission sites cost one attribute test.
+        self.kv_events: KVEventRecorder | None = None
         # The tree's structure and the eviction steps first: components are built with them.
         self.tree = tree = Tree(
             config.page_size,

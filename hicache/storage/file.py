@@ -28,8 +28,6 @@ from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 
-import aiofiles
-import aiofiles.os
 import anyio
 import torch
 
@@ -55,7 +53,8 @@ class _Presence(Enum):
 
 async def _write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to a new file at ``path`` (a seam the tests use to inject ENOSPC)."""
-    async with aiofiles.open(path, "wb") as f:
+    # anyio's file API (worker threads): the same on asyncio and trio.
+    async with await anyio.open_file(path, "wb") as f:
         await f.write(data)
 
 
@@ -197,7 +196,7 @@ class FileStorage(StorageBackend):
 
     async def _remove_file(self, key: PageKey) -> None:
         try:
-            await aiofiles.os.remove(self.path_of(key))
+            await anyio.Path(self.path_of(key)).unlink()
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -213,7 +212,7 @@ class FileStorage(StorageBackend):
                 break
             if key not in self._index:
                 try:
-                    stat = await aiofiles.os.stat(self.path_of(key))
+                    stat = await anyio.Path(self.path_of(key)).stat()
                 except OSError:
                     break
                 await self._adopt(key, stat.st_size)
@@ -226,7 +225,7 @@ class FileStorage(StorageBackend):
             if key in self._writing:
                 break  # not in place yet
             try:
-                async with aiofiles.open(self.path_of(key), "rb") as f:
+                async with await anyio.open_file(self.path_of(key), "rb") as f:
                     data = await f.read()
             except FileNotFoundError:
                 self._forget(key)
@@ -291,12 +290,12 @@ class FileStorage(StorageBackend):
 
     async def _write_atomic(self, path: Path, data: bytes) -> None:
         if path.parent not in self._dirs:  # one makedirs per fan-out dir, not per page
-            await aiofiles.os.makedirs(path.parent, exist_ok=True)
+            await anyio.Path(path.parent).mkdir(parents=True, exist_ok=True)
             self._dirs.add(path.parent)
         temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{_TEMP_SUFFIX}")
         try:
             await _write_bytes(temp, data)
-            await aiofiles.os.replace(temp, path)
+            await anyio.Path(temp).replace(path)
         except BaseException as exc:
             if isinstance(exc, FileNotFoundError):
                 self._dirs.discard(path.parent)  # removed behind our back: recreate next time

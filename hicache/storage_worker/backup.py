@@ -6,6 +6,11 @@ holds, stages the rest (and the other components' pages of the same span) and ``
 then unpins.  On host eviction: the evicted leaf's pages (every component's) are copied into
 staging memory on the spot (bounded by ``max_pending_bytes``) and ``put`` afterwards.  A
 failed write is retried (up to ``RetryPolicy.max_attempts`` writes, then dropped and counted).
+
+A flush is bounded: it waits at most ``StorageConfig.flush_timeout_s``, and while it waits a
+store known to be down (``RetryPolicy.down_after`` failed calls in a row) makes every queued
+write fail fast -- dropped and counted, not retried with its own back-off.  :meth:`close`
+flushes, then refuses (and counts) further writes.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class BackupWriter(TierEvents):
         self._staged_bytes = 0
         self._wake: anyio.Event | None = None
         self._idle: anyio.Event | None = None
+        self._flushing = 0  # flushes waiting: a store known to be down drops the queue
+        self._closed = False
 
     # ------------------------------------------------------------------ tier events (actor)
     def _signal(self) -> None:
@@ -66,6 +73,9 @@ class BackupWriter(TierEvents):
     def host_committed(self, node: TreeNode) -> None:
         """Write-through: ``node``'s host copy landed; queue its path for a put."""
         if self.policy is not StorageBackupPolicy.WRITE_THROUGH:
+            return
+        if self._closed:
+            self.stats.dropped_writes += 1
             return
         if node.id not in self._due and len(self._due) >= self.config.max_pending_writes:
             self.stats.dropped_writes += 1
@@ -77,6 +87,9 @@ class BackupWriter(TierEvents):
         """On host eviction: stage the host-only leaf's pages now (its slots are freed right
         after), put them later."""
         if self.policy is not StorageBackupPolicy.ON_HOST_EVICTION:
+            return
+        if self._closed:
+            self.stats.dropped_writes += 1
             return
         cd = node.data[FULL]
         assert cd is not None and cd.host_value is not None
@@ -125,8 +138,23 @@ class BackupWriter(TierEvents):
                 else:
                     await self._write_through(svc)
 
+    def _fail_fast(self) -> bool:
+        """While a flush waits on a store known to be down: drop (and count) every queued
+        write; returns whether it did."""
+        if not (self._flushing and self.calls.backoff.store_down):
+            return False
+        self.stats.dropped_writes += len(self._due) + len(self._staged)
+        self._due.clear()
+        self._staged.clear()
+        self._staged_bytes = 0
+        self._attempts.clear()
+        return True
+
     def _retry_staged(self, job: WriteJob) -> None:
         job.attempts += 1
+        if self._fail_fast():
+            self.stats.dropped_writes += 1
+            return
         if job.attempts >= self.retry.max_attempts:
             self.stats.dropped_writes += 1
             return
@@ -136,6 +164,9 @@ class BackupWriter(TierEvents):
 
     def _retry_due(self, node: TreeNode) -> None:
         attempts = self._attempts.get(node.id, 0) + 1
+        if self._fail_fast():
+            self.stats.dropped_writes += 1
+            return
         if attempts >= self.retry.max_attempts:
             self._attempts.pop(node.id, None)
             self.stats.dropped_writes += 1
@@ -144,18 +175,50 @@ class BackupWriter(TierEvents):
         self.stats.retried_writes += 1
         self._due.setdefault(node.id, node)
 
-    async def flush(self) -> None:
-        """Wait until every queued backup was written (or failed)."""
-        while self._due or self._staged or (self._idle is not None and not self._idle.is_set()):
-            if self._idle is None:
-                await anyio.sleep(0)  # not started yet: let ``run`` begin
-                continue
-            await self._idle.wait()
+    async def flush(self, timeout_s: float | None = None) -> int:
+        """Wait until every queued backup was written or dropped, at most ``timeout_s``
+        (default ``StorageConfig.flush_timeout_s``); a store known to be down drops the queue
+        at once.  What is still queued at the deadline is dropped.  Returns the writes
+        dropped meanwhile (all counted in ``stats.dropped_writes``)."""
+        dropped = self.stats.dropped_writes
+        self._flushing += 1
+        try:
+            # No drop up front: the store may be back since its last failure.  The first
+            # write that fails while the store is known down drops the rest.
+            with anyio.move_on_after(
+                self.config.flush_timeout_s if timeout_s is None else timeout_s
+            ):
+                while (
+                    self._due
+                    or self._staged
+                    or (self._idle is not None and not self._idle.is_set())
+                ):
+                    if self._idle is None:
+                        await anyio.sleep(0.001)  # not started yet: let ``run`` begin
+                        continue
+                    await self._idle.wait()
+            self.stats.dropped_writes += len(self._due) + len(self._staged)
+            self._due.clear()
+            self._staged.clear()
+            self._staged_bytes = 0
+        finally:
+            self._flushing -= 1
+        return self.stats.dropped_writes - dropped
+
+    async def close(self, timeout_s: float | None = None) -> int:
+        """:meth:`flush` (bounded the same way), then drop and count every later write;
+        returns the writes the flush dropped."""
+        try:
+            return await self.flush(timeout_s)
+        finally:
+            self._closed = True
 
     async def _write_through(self, svc: AsyncUnifiedRadixCache) -> None:
         picked: list[TreeNode] = []
 
         def start(cache: UnifiedRadixCache) -> WriteJob | None:
+            if not self._due:  # a flush dropped the queue meanwhile
+                return None
             _, node = self._due.popitem()
             picked.append(node)
             if node.deleted:
@@ -183,7 +246,8 @@ class BackupWriter(TierEvents):
 
         job = await svc.call(start, undo=undo)
         if job is None:
-            self._attempts.pop(picked[0].id, None)
+            if picked:
+                self._attempts.pop(picked[0].id, None)
             return
         try:
             ok = await self._put(job)

@@ -77,9 +77,18 @@ class StorageWorker:
         """Write queued backups until cancelled (by the service's close)."""
         await self.writer.run(svc)
 
-    async def flush(self) -> None:
-        """Wait until every queued backup was written (or failed)."""
-        await self.writer.flush()
+    async def flush(self, timeout_s: float | None = None) -> int:
+        """Wait until every queued backup was written or dropped, at most ``timeout_s``
+        (default ``StorageConfig.flush_timeout_s``; a store known to be down fails the
+        queued writes at once); returns how many were dropped (see
+        :meth:`~hicache.storage_worker.backup.BackupWriter.flush`)."""
+        return await self.writer.flush(timeout_s)
+
+    async def close(self, timeout_s: float | None = None) -> int:
+        """Flush as :meth:`flush` does, then take no more writes (each later one is dropped
+        and counted); returns how many the flush dropped.  Call it before closing the
+        service: the service's close cancels the worker without flushing."""
+        return await self.writer.close(timeout_s)
 
     async def fetch(
         self, svc: AsyncUnifiedRadixCache, key: RadixKey, stop: anyio.Event | None = None

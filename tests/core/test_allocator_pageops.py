@@ -48,6 +48,66 @@ def test_native_count_held_is_the_twin(
     assert native.count_held(*args) == PYTHON_OPS.count_held(*args)
 
 
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    state=st.lists(st.integers(0, 2), min_size=1, max_size=80),
+    idx=st.lists(st.integers(-3, 85), max_size=90),
+    step=st.sampled_from([1, 2, 4]),
+    shift=st.sampled_from([0, 1, 2]),
+    bound=st.sampled_from([-1, 0, 10, 80, 320]),
+    stride=st.sampled_from([1, 2]),
+    span=st.tuples(st.integers(0, 8), st.integers(0, 90)),
+    tensor=st.booleans(),
+    move=st.sampled_from([(1, 2), (2, 1)]),
+    run=st.booleans(),
+)
+def test_native_claim_is_the_twin(
+    state: list[int],
+    idx: list[int],
+    step: int,
+    shift: int,
+    bound: int,
+    stride: int,
+    span: tuple[int, int],
+    tensor: bool,
+    move: tuple[int, int],
+    run: bool,
+) -> None:
+    """``claim`` (issue 33): the pages move from one state to another, all or none; a page
+    out of range is -1, one in another state or named twice -2, nothing changed.  ``run``:
+    a run of consecutive pages (the compiled code's block paths) with the drawn indices
+    appended."""
+    if run:
+        idx = list(range(3, 3 + 70)) + idx
+        state = state + [move[0]] * 80
+    ix = _indices(idx, stride, tensor)
+    start, end = _span(ix, (span[0], span[1] + (70 if run else 0)))
+    outs = []
+    for ops in (select_page_ops(WalkImpl.NATIVE), PYTHON_OPS):
+        s = np.array(state, dtype=np.int8)
+        res = ops.claim(s, ix, start, end, step, shift, bound, *move)
+        outs.append((res, s.tolist()))
+    assert outs[0] == outs[1]
+    if outs[0][0] < 0:
+        assert outs[0][1] == state
+
+
+@pytest.mark.parametrize("ops", ["python", "native"])
+def test_claim_refuses_a_page_named_twice_and_changes_nothing(ops: str) -> None:
+    if ops == "native" and not native_pages_available():
+        pytest.skip("_pages not built")
+    impl = PYTHON_OPS if ops == "python" else select_page_ops(WalkImpl.NATIVE)
+    state = np.ones(200, dtype=np.int8)
+    for pages in ([5, 6, 5], [*range(100), 50], list(range(64)) * 2):
+        ix = np.array(pages, dtype=np.int64)
+        assert impl.claim(state, ix, 0, ix.shape[0], 1, 0, -1, 1, 2) == -2
+        assert (state == 1).all()
+    ix = np.arange(10, 150, dtype=np.int64)
+    assert impl.claim(state, ix, 0, 140, 1, 0, -1, 1, 2) == 140
+    assert int((state == 2).sum()) == 140
+
+
 @pytest.mark.parametrize("ops", ["python", "native"])
 @pytest.mark.parametrize(
     ("idx", "start", "end", "bound", "held"),
@@ -114,7 +174,7 @@ def _release_outcome(
 @needs_native
 @settings(max_examples=300, deadline=None)
 @given(
-    state=st.lists(st.integers(0, 1), min_size=1, max_size=40),
+    state=st.lists(st.integers(0, 2), min_size=1, max_size=40),  # 2: tree-owned
     idx=st.lists(st.integers(-2, 44), max_size=20),
     extents=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=_EXTENT_CAP),
     step=st.sampled_from([1, 2, 4]),

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-from urc import RadixKey
+from array import array
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from urc import (
+    CacheConfig,
+    ComponentType,
+    InsertParams,
+    InvalidInputError,
+    MatchPrefixParams,
+    RadixKey,
+    UnifiedRadixCache,
+    build_cache,
+)
 
 
 def test_page_aligned_truncates_to_whole_pages() -> None:
@@ -22,3 +38,83 @@ def test_bigram_view_pairs_consecutive_tokens() -> None:
     assert k.token_ids == [(1, 2), (2, 3), (3, 4)] and k.is_bigram and k.extra_key == ("x",)
     assert k.bigram() is k
     assert RadixKey([1]).bigram().token_ids == []
+
+
+# ---------------------------------------------------------------------- accepted types (issue 33)
+def _cache() -> UnifiedRadixCache:
+    return build_cache(CacheConfig(kv_size=256))
+
+
+@pytest.mark.parametrize(
+    "make_key",
+    [
+        lambda ids: ids,
+        tuple,
+        lambda ids: array("q", ids),
+        lambda ids: torch.tensor(ids, dtype=torch.int64),
+        lambda ids: torch.tensor(ids, dtype=torch.int32),
+        lambda ids: np.array(ids, dtype=np.int64),
+    ],
+    ids=["list", "tuple", "array_q", "tensor_int64", "tensor_int32", "numpy"],
+)
+def test_a_key_of_any_accepted_type_matches_the_same_list_key(make_key: Any) -> None:
+    """Tensors and arrays become Python ints once: the tree matches them like a list
+    (a tensor's elements would be 0-d tensors, which hash by identity: never a hit)."""
+    cache = _cache()
+    ids = list(range(16))
+    key = RadixKey(make_key(ids))
+    assert key.token_ids == ids and all(type(t) is int for t in key.token_ids)
+    slots = cache.token_to_kv_pool_allocator.alloc(16)
+    cache.insert(InsertParams(key=key, value=slots))
+    for probe in (RadixKey(ids), RadixKey(make_key(ids)), RadixKey(torch.arange(16))):
+        assert cache.match_prefix(MatchPrefixParams(key=probe)).device_prefix_len == 16
+    cache.sanity_check()
+
+
+def test_a_list_is_kept_without_a_copy() -> None:
+    ids = [1, 2, 3]
+    assert RadixKey(ids).token_ids is ids
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        "abc",
+        b"abc",
+        5,
+        {1: 2},
+        torch.zeros(2, 2, dtype=torch.int64),
+        torch.tensor(3),
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.bool),
+        array("d", [1.0]),
+        np.zeros(3),
+    ],
+    ids=lambda b: type(b).__name__ + (f"_{b.dtype}_{b.dim()}d" if torch.is_tensor(b) else ""),
+)
+def test_a_key_of_another_type_is_a_typed_error(bad: object) -> None:
+    with pytest.raises(InvalidInputError, match="RadixKey token ids"):
+        RadixKey(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [None, "abc", [1, 2, 3], (1, 2)])
+def test_insert_and_match_refuse_a_key_that_is_not_a_radix_key(bad: object) -> None:
+    cache = _cache()
+    slots = cache.token_to_kv_pool_allocator.alloc(3)
+    with pytest.raises(InvalidInputError):
+        cache.insert(InsertParams(key=bad, value=slots))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        cache.match_prefix(MatchPrefixParams(key=bad))  # type: ignore[arg-type]
+    cache.sanity_check()
+    cache.check_pools({ComponentType.FULL: 3})
+
+
+def test_eagle_bigram_keys_accept_tensors_too() -> None:
+    cache = build_cache(CacheConfig(kv_size=256, is_eagle=True))
+    ids = list(range(9))
+    slots = cache.token_to_kv_pool_allocator.alloc(8)
+    cache.insert(InsertParams(key=RadixKey(torch.tensor(ids)), value=slots))
+    hit = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids))))
+    assert hit.device_prefix_len == 8
+    cache.sanity_check()

@@ -33,6 +33,7 @@ from hicache_harness import (
 from urc import (
     ComponentType,
     EvictParams,
+    InvalidLockError,
 )
 from urc.host import transfers as host_transfers
 from urc.host.protocol import WritePolicy
@@ -401,20 +402,23 @@ def test_insert_over_a_host_only_node_recovers_swa(case: str, ps: int) -> None:
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_a_lock_taken_across_host_only_nodes_survives_their_load_back(split: bool) -> None:
-    """A lock on a host-only node skips every host-only node above it (no device data to
-    pin); loading them back must not make its release touch them.  SWA stamps loaded nodes
-    (restore epoch), which also covers pieces split off them later."""
+def test_a_lock_on_a_host_only_node_is_refused_until_it_is_loaded_back(split: bool) -> None:
+    """The core refuses ``inc_lock_ref`` on a host-only node (issue 33, defect 6: the lock
+    would protect fewer tokens than its depth, and host eviction may delete the node under
+    it); once loaded back (and split), the same node locks and releases normally."""
     cache = make((FULL, SWA), 1)
     a = seq(0, 4, 1)
     assert insert(cache, a) and insert(cache, a + seq(100, 4, 1))
     demote_all(cache)
-    upper, lower = path_to(leaves(cache)[0])
-    receipt = cache.inc_lock_ref(lower)
+    _upper, lower = path_to(leaves(cache)[0])
+    with pytest.raises(InvalidLockError, match="not on device"):
+        cache.inc_lock_ref(lower)
     check(cache)
-    assert cache.load_back(upper) == 4
+    assert cache.load_back(lower) == 8
     check(cache)
     if split:
         match(cache, a[:2])
+    receipt = cache.inc_lock_ref(lower)
+    check(cache)
     cache.dec_lock_ref(lower, receipt.to_dec_params())
     check(cache)

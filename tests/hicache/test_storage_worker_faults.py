@@ -22,6 +22,7 @@ from cache_harness import pins
 from storage_harness import L3Stack
 from test_service_ownership import CancelTaskOnApply
 
+from hicache.config import StorageConfig
 from hicache.storage.errors import StorageUnavailableError
 from hicache.storage.file import FileStorage
 from hicache.storage.keys import PageKey
@@ -165,3 +166,60 @@ async def test_a_natively_cancelled_prefetch_unpins_the_host_node_it_starts_from
             assert await s.svc.call(pins) == 0
             await s.svc.sanity_check()
     s.cache.check_pools({FULL: 0}, {FULL: 0})
+
+
+# ---------------------------------------------------------------------- issue 33, defect 4
+async def host_backups_landed(stack: L3Stack) -> None:
+    """Wait until every host backup was committed (so its storage write is queued)."""
+    with anyio.fail_after(10):
+        while True:
+            await anyio.wait_all_tasks_blocked()
+            if not await stack.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight)):
+                return
+
+
+@pytest.mark.parametrize("how", ["flush", "close"])
+@pytest.mark.asyncio
+async def test_flushing_queued_writes_to_a_dead_store_is_bounded_and_counted(
+    tmp_path: Path, how: str
+) -> None:
+    """24 queued writes, the store down, the default retry policy (each write retried with
+    its own back-off: minutes): once the store is known to be down the queue fails fast, and
+    ``close()`` returns within its flush timeout, counting every write it dropped."""
+    store = FlakyStore(tmp_path / "pages", StorageUnavailableError)
+    stack = L3Stack(store, host_tokens=512, storage_config=StorageConfig(flush_timeout_s=20.0))
+    async with store, stack.svc:
+        store.down = True
+        for i in range(24):
+            await stack.put(tokens_of(4, 1000 * i))
+        await host_backups_landed(stack)
+        with anyio.fail_after(10):  # the default RetryPolicy alone would take ~4 minutes
+            dropped = await getattr(stack.worker, how)()
+        stats = stack.worker.stats
+        assert stats.pages_written == 0 and dropped == stats.dropped_writes >= 1
+        assert stats.errors >= RetryPolicy().down_after
+        if how == "close":  # closed: a later write is refused and counted
+            await stack.put(tokens_of(4, 99_000))
+            await anyio.wait_all_tasks_blocked()
+            await stack.svc.call(lambda c: None)
+        assert stack.svc.state is ServiceState.RUNNING
+        await stack.svc.sanity_check()
+    stack.cache.sanity_check()
+
+
+@pytest.mark.asyncio
+async def test_a_flush_deadline_drops_what_is_still_queued(tmp_path: Path) -> None:
+    """A store that is slow rather than down: the flush returns at its deadline and counts
+    the writes it gave up on."""
+    store = FlakyStore(tmp_path / "pages", StorageUnavailableError)
+    stack = L3Stack(store, host_tokens=512, retry=RetryPolicy(initial_s=1.0, max_s=1.0))
+    async with store, stack.svc:
+        store.down = True
+        for i in range(8):
+            await stack.put(tokens_of(4, 1000 * i))
+        await host_backups_landed(stack)
+        with anyio.fail_after(10):
+            dropped = await stack.worker.flush(timeout_s=0.2)
+        assert dropped >= 1 and stack.worker.stats.dropped_writes >= dropped
+        store.down = False
+    stack.cache.sanity_check()

@@ -8,6 +8,8 @@ import pytest
 
 from urc.apps.bench import core as bench
 
+PHASES = ("insert", "match_prefix", "match_prefix_without_indices", "lock", "unlock", "evict")
+
 
 def test_reference_workload_is_seeded_and_shares_prefixes() -> None:
     a = bench.generate_sequences(50, 16, seed=1)
@@ -23,14 +25,7 @@ def test_bench_prints_json_for_every_phase(capsys: pytest.CaptureFixture[str]) -
     report = json.loads(out[out.index("{\n") :])
     for name in ("full/page1", "full/page4"):
         entry = report["results"][name]
-        for phase in (
-            "insert",
-            "match_prefix",
-            "match_prefix_without_indices",
-            "lock",
-            "unlock",
-            "evict",
-        ):
+        for phase in PHASES:
             assert entry[phase]["ops"] > 0 and entry[phase]["p99_us"] >= entry[phase]["p50_us"]
         assert entry["evict"]["tokens_per_s"] > 0
 
@@ -81,12 +76,5 @@ def test_compare_runs_two_trees_in_one_process_and_prints_ratios() -> None:
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     row = report["full/page1"]
-    assert set(row) == {
-        "insert",
-        "match_prefix",
-        "match_prefix_without_indices",
-        "lock",
-        "unlock",
-        "evict",
-    }
+    assert set(row) == set(PHASES)
     assert all(cell["old"] > 0 and cell["new"] > 0 and cell["ratio"] > 0 for cell in row.values())

@@ -170,9 +170,10 @@ async def test_native_cancel_of_insert_waiting_for_room_still_applies_it(
 
 
 @pytest.mark.asyncio
-async def test_native_cancel_of_insert_frees_the_unaligned_tail() -> None:
-    """Page size 4: an insert of 6 tokens leaves the 2-token tail to its caller; a natively
-    cancelled caller cannot free it, so the service does."""
+async def test_native_cancel_of_insert_leaves_the_unaligned_tail_to_its_caller() -> None:
+    """Page size 4: an insert of 6 tokens leaves the 2-token tail to its caller, whichever
+    way it was cancelled (issue 33, defect 3): a natively cancelled caller frees it itself,
+    as the docstring says (the service used to free it too: a double free)."""
     with anyio.fail_after(TIMEOUT):
         hook = CancelTaskOnApply(Insert)
         config = CacheConfig(kv_size=256, page_size=4, max_num_reqs=4, max_context_len=64)
@@ -183,6 +184,8 @@ async def test_native_cancel_of_insert_frees_the_unaligned_tail() -> None:
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert (await svc.match([1, 2, 3, 4, 5, 6])).prefix_len == 4
+            await svc.sanity_check({FULL: 4})  # the tail's page is still the caller's
+            await svc.free(value[4:])
             await svc.sanity_check({FULL: 0})
         check_clean(svc.cache)
 

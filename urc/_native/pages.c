@@ -1,5 +1,5 @@
-/* urc._native._pages: the compiled twins of urc.pageops.py_count_held / py_release /
- * py_release_held / py_take / py_unmap (see their docstrings).  They work on numpy arrays
+/* urc._native._pages: the compiled twins of urc.pools.pageops.py_count_held / py_release /
+ * py_release_held / py_take / py_unmap / py_claim (see their docstrings).  They work on numpy arrays
  * through the buffer protocol: ``state`` int8 (one entry per page); ``lo`` and ``len`` int64
  * (the token allocator's free extents), ``stack`` int64 (the SWA page pool's free pages) and
  * ``idx`` int64; ``idx`` may be strided (a sliced tensor's host view), and
@@ -433,17 +433,19 @@ do_release(PyObject *const *args, Py_ssize_t nargs, int need_held)
         PyErr_SetString(PyExc_IndexError, "release: page out of range");
         goto done;
     }
-    if (need_held) {
-        for (Py_ssize_t k = next; k < e; k++) {
-            if (!states_all_n(state, (unsigned long long)xlo[k], (unsigned long long)xlen[k],
-                              1)) {
-                res = PyLong_FromLong(-1);
-                goto done;
-            }
+    /* Each extent is checked (held: state 1) just before it is cleared, so a page repeated
+     * in the call is free when its second extent is checked; on a failure the extents
+     * cleared so far are restored: nothing changed. */
+    for (Py_ssize_t k = next; k < e; k++) {
+        if (need_held &&
+            !states_all_n(state, (unsigned long long)xlo[k], (unsigned long long)xlen[k], 1)) {
+            for (Py_ssize_t r = next; r < k; r++)
+                memset(state + xlo[r], 1, (size_t)xlen[r]);
+            res = PyLong_FromLong(-1);
+            goto done;
         }
-    }
-    for (Py_ssize_t k = next; k < e; k++)
         memset(state + xlo[k], 0, (size_t)xlen[k]);
+    }
     /* The first extent continues the top one (pages freed in the order they were taken):
      * one extent, so that freeing spans one by one leaves what freeing them at once does. */
     if (next > 0 && e > next && xlo[next] == xlo[next - 1] + xlen[next - 1]) {
@@ -640,7 +642,140 @@ done:
     return res;
 }
 
+/* Move the contiguous pages ``pages[0, n)`` from state ``from`` to ``to``, runs of BLK pages
+ * as one block; returns how many moved before the first page out of range (``*bad`` set) or
+ * not in ``from`` (``n`` when all did).  The range is checked as it goes: a separate pass
+ * (64-bit compares do not vectorize on baseline x86-64) would cost more than the claim. */
+WIDE_LOOPS static Py_ssize_t
+claim_pages(signed char *state, unsigned long long num_pages, const unsigned long long *pages,
+            Py_ssize_t n, signed char from, signed char to, int *bad)
+{
+    const unsigned long long from_byte = (unsigned long long)(unsigned char)from;
+    Py_ssize_t i = 0;
+    /* One ascending run (a fresh allocation, the usual value): one test, one memset. */
+    if (n >= BLK && n <= 0x7fffffff && pages[0] < num_pages && pages[n - 1] < num_pages &&
+        pages[n - 1] - pages[0] == (unsigned long long)(n - 1) && ascending(pages, (int)n) &&
+        states_all_n(state, pages[0], (unsigned long long)n, from_byte)) {
+        memset(state + pages[0], to, (size_t)n);
+        return n;
+    }
+    while (i < n) {
+        if (i + BLK <= n) {
+            const unsigned long long lo = run_low_n(pages + i, BLK);
+            if (lo != NO_RUN && num_pages >= BLK && lo <= num_pages - BLK &&
+                states_all(state + lo, BLK, from_byte)) {
+                memset(state + lo, to, BLK);
+                i += BLK;
+                continue;
+            }
+        }
+        const unsigned long long p = pages[i];
+        if (p >= num_pages) {
+            *bad = 1;
+            break;
+        }
+        if (state[p] != from)
+            break;
+        state[p] = to;
+        i++;
+    }
+    return i;
+}
+
+/* claim(state, idx, start, end, step, shift, bound, frm, to) -> int
+ * Move the pages idx[start:end][::step] >> shift from state ``frm`` to state ``to``; returns
+ * how many.  -1: a page outside [0, len(state)) (or, with bound >= 0, an entry of the span
+ * outside [0, bound)); -2: a page not in state ``frm``, or one that occurs twice (its second
+ * occurrence finds it in state ``to``).  Nothing changes on -1 or -2: the range is checked
+ * first, and the pages moved before a failure are moved back. */
+static PyObject *
+claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "claim(state, idx, start, end, step, shift, bound, frm, to)");
+        return NULL;
+    }
+    const long long bound = PyLong_AsLongLong(args[6]);
+    const long frm = PyLong_AsLong(args[7]);
+    const long to = PyLong_AsLong(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (frm < 0 || frm > 127 || to < 0 || to > 127 || frm == to) {
+        PyErr_SetString(PyExc_ValueError, "claim: 0 <= frm, to <= 127 and frm != to");
+        return NULL;
+    }
+    Py_buffer st;
+    if (get_1d(args[0], &st, 1, 1, "state") < 0)
+        return NULL;
+    Idx ix;
+    Py_ssize_t step, shift;
+    if (parse_common(args + 1, &ix, &step, &shift) < 0) {
+        PyBuffer_Release(&st);
+        return NULL;
+    }
+    signed char *const state = (signed char *)st.buf;
+    const unsigned long long num_pages = (unsigned long long)st.shape[0];
+    const char *const ip = ix.base;
+    const Py_ssize_t stride = ix.stride;
+    const Py_ssize_t n = ix.n;
+    const Py_ssize_t count = (n + step - 1) / step;
+    const Py_ssize_t pstride = stride * step;
+    const signed char from_b = (signed char)frm, to_b = (signed char)to;
+    long long res = 0;
+    unsigned long long bad = 0;
+    if (bound >= 0) {
+        const unsigned long long ub = (unsigned long long)bound;
+        if (stride == 8)
+            bad = n > 0 && max_of((const unsigned long long *)ip, n) >= ub;
+        else
+            for (Py_ssize_t i = 0; i < n; i++)
+                bad |= (unsigned long long)(*(const long long *)(ip + i * stride)) >= ub;
+    }
+#define CPAGE(i) ((unsigned long long)(*(const long long *)(ip + (i) * pstride) >> shift))
+    if (pstride != 8 || shift != 0) /* (page 1, contiguous: checked as it claims) */
+        for (Py_ssize_t i = 0; i < count && !bad; i++)
+            bad |= CPAGE(i) >= num_pages;
+    if (bad) {
+        res = -1;
+        goto done;
+    }
+    Py_ssize_t i = 0;
+    int out_of_range = 0;
+    if (pstride == 8 && shift == 0) {
+        i = claim_pages(state, num_pages, (const unsigned long long *)ip, count, from_b, to_b,
+                        &out_of_range);
+    }
+    else {
+        for (; i < count; i++) {
+            const unsigned long long p = CPAGE(i);
+            if (state[p] != from_b)
+                break;
+            state[p] = to_b;
+        }
+    }
+    if (i < count) {
+        /* Move back what moved: pages [0, i) are distinct (a repeat stops the loop). */
+        for (Py_ssize_t r = 0; r < i; r++)
+            state[CPAGE(r)] = from_b;
+        /* Out of range anywhere wins over a state (the twin checks the range first). */
+        for (Py_ssize_t r = i; r < count && !out_of_range; r++)
+            out_of_range = CPAGE(r) >= num_pages;
+        res = out_of_range ? -1 : -2;
+    }
+    else {
+        res = count;
+    }
+#undef CPAGE
+done:
+    release_idx(&ix);
+    PyBuffer_Release(&st);
+    return PyLong_FromLongLong(res);
+}
+
 static PyMethodDef methods[] = {
+    {"claim", (PyCFunction)(void (*)(void))claim, METH_FASTCALL,
+     "claim(state, idx, start, end, step, shift, bound, frm, to) -> int"},
     {"count_held", (PyCFunction)(void (*)(void))count_held, METH_FASTCALL,
      "count_held(state, idx, start, end, step, shift, bound) -> int"},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
@@ -655,7 +790,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pages", "Compiled page bookkeeping (see urc.pageops).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_pages", "Compiled page bookkeeping (see urc.pools.pageops).", -1, methods,
 };
 
 PyMODINIT_FUNC

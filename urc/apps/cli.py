@@ -194,11 +194,22 @@ def _run_once(
     async def announce(url: str) -> None:
         print(f"urc replay: serving metrics at {url}", file=sys.stderr, flush=True)
 
+    publisher = None
+    if args.kv_events is not None:
+        from urc.service import KVEventPublisher, KVEventsConfig
+
+        publisher = KVEventPublisher(KVEventsConfig(endpoint=args.kv_events))
     report = anyio.run(
         lambda: run_replay(
-            config, progress=progress, metrics_port=args.metrics_port, on_metrics=announce
+            config,
+            progress=progress,
+            metrics_port=args.metrics_port,
+            on_metrics=announce,
+            kv_publisher=publisher,
         )
     )
+    if publisher is not None:
+        print(f"urc replay: KV events on {publisher.endpoint}: {publisher.stats}", file=sys.stderr)
     return dataclasses.replace(report, startup_time_s=startup)
 
 

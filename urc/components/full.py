@@ -341,6 +341,20 @@ class FullComponent(TreeComponent):
     def release_load_slots(self, device: torch.Tensor) -> None:
         self._free_owned(device)
 
+    def commit_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
+        """The default commit; the load's slots a piece takes become the tree's."""
+        adopt = getattr(self.allocator, "adopt", None)
+        if adopt is not None:
+            pos = 0
+            for piece in pieces:
+                n = piece.key_len
+                cd = piece.data[FULL_INDEX]
+                assert cd is not None
+                if cd.value is None:
+                    adopt(device[pos : pos + n])
+                pos += n
+        super().commit_load(pieces, device)
+
     # ------------------------------------------------------------------ locks
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
         # Host-only nodes at the bottom of the path hold no device data: skip them, and record
@@ -350,13 +364,10 @@ class FullComponent(TreeComponent):
         cd = node.full
         assert cd is not None
         if cd.value is None:
-            while node.parent is not None and node.full.value is None:
-                node = node.parent
-            result.full_start_id = node.id
-            if node.parent is None:
-                return  # ``result.delta`` stays 0
-            cd = node.full
-            assert cd is not None
+            # Full acquires first: raising here changes nothing.  A lease on a host-only
+            # node would protect fewer tokens than its depth, and host eviction may delete
+            # the node under it (load it back first).
+            raise InvalidLockError(f"inc_lock_ref on node {node.id}, which is not on device")
         # Counting rule (see the module docstring): only nodes going 0 -> 1 tell their parent.
         # (The first step is unrolled: most locks stop after it or after one more node.)
         cd.lock_ref += 1
@@ -466,6 +477,11 @@ class FullComponent(TreeComponent):
             )
 
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
+        count = getattr(self.allocator, "num_tree_slots", None)
+        if count is not None:  # conservation: the tree owns exactly the slots it holds
+            owned = count()
+            held = self.evictable_size + self.protected_size
+            assert owned == held, f"{owned} Full slots tree-owned, the tree holds {held}"
         for node in nodes:
             d_leaf = self.is_device_leaf(node)
             h_leaf = self.is_host_leaf(node)

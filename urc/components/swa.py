@@ -232,10 +232,10 @@ class SWAComponent(TreeComponent):
         if cut > 0:
             if cut >= node.key_len:
                 # Entirely below the boundary: a tombstone leaf that lives on its Full value.
-                self.allocator.free_swa(node.full.value)  # type: ignore[arg-type]
+                self.allocator.release_swa(node.full.value)  # type: ignore[arg-type]
                 return node
             upper = self.tree.split(node, cut)
-            self.allocator.free_swa(upper.full.value)  # type: ignore[arg-type]
+            self.allocator.release_swa(upper.full.value)  # type: ignore[arg-type]
         self._add_swa(node)
         excess = node.key_len - self.leaf_cap
         if excess > 0:
@@ -282,7 +282,7 @@ class SWAComponent(TreeComponent):
             old = full.value
             full.value = fresh.clone()
             # ``old`` maps no SWA (cleared when it was tombstoned): this frees Full only.
-            self.allocator.free(old)
+            self.allocator.free_owned(old)
             self._add_swa(node)
             return start
         # Full is locked: its indices are in use and must not change.  Move the SWA pages
@@ -306,11 +306,11 @@ class SWAComponent(TreeComponent):
         alloc = self.allocator
         start = max(self._boundary(params) - total_prefix_len, 0)
         if start >= node.key_len or not alloc.swa_mapped(full[start:]):
-            alloc.free_swa(full)
+            alloc.release_swa(full)
             return
         if start:
             upper = self.tree.split(node, start)
-            alloc.free_swa(upper.full.value)  # type: ignore[arg-type]
+            alloc.release_swa(upper.full.value)  # type: ignore[arg-type]
         self._restored(node)
 
     def _restored(self, node: TreeNode) -> None:
@@ -483,7 +483,7 @@ class SWAComponent(TreeComponent):
         assert cd is not None and cd.value is None
         alloc = self.allocator
         if cd.host_value is None or not alloc.swa_mapped(full_device):
-            alloc.free_swa(full_device)
+            alloc.release_swa(full_device)
             return None
         return TransferItem(ComponentType.SWA, alloc.translate(full_device), cd.host_value)
 

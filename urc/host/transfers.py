@@ -18,7 +18,7 @@ Pins, so that nothing in flight is ever freed::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +69,16 @@ def pieces_of(node: TreeNode, length: int) -> list[TreeNode]:
     assert total == length, f"pieces of node {pieces[0].id} cover {total} != {length}"
     pieces.reverse()
     return pieces
+
+
+def _record(
+    record: Callable[[TreeNode], None], nodes: Sequence[TreeNode], lengths: Sequence[int]
+) -> None:
+    """KV events: ``record`` each piece of a finished transfer's nodes, top-down."""
+    for n, length in zip(nodes, lengths, strict=True):
+        if not n.deleted:
+            for piece in pieces_of(n, length):
+                record(piece)
 
 
 def host_alloc(state: CacheState, ct: ComponentType, n: int) -> torch.Tensor | None:
@@ -196,6 +206,8 @@ def finish_backup(state: CacheState, ticket: BackupTicket, ok: bool = True) -> i
     if not ok:
         return 0
     state.counters.backed_up_tokens += ticket.tokens
+    if state.kv_events is not None:
+        _record(state.kv_events.stored_on_host, ticket.nodes, ticket.lengths)
     if not ticket.nodes[-1].deleted:
         for events in state.tier_events:
             events.host_committed(ticket.nodes[-1])
@@ -287,6 +299,8 @@ def finish_load_back(state: CacheState, ticket: LoadTicket, ok: bool = True) -> 
     if not ok:
         return 0
     state.counters.loaded_back_tokens += ticket.tokens
+    if state.kv_events is not None:
+        _record(state.kv_events.stored_on_device, ticket.nodes, ticket.lengths)
     return ticket.tokens
 
 
@@ -451,6 +465,8 @@ def _insert_host(
             cd.host_value = host_value[pos - start : pos + m - start]
             full.add_host(cd, m)
             _commit_aux(state, child, pos, aux)
+            if state.kv_events is not None:
+                state.kv_events.stored_on_host(child)
             done = pos + m
         pos += m
         node = child
@@ -471,6 +487,8 @@ def _insert_host(
         full.add_host(cd, b - pos)
         tree.link(node, leaf)
         _commit_aux(state, leaf, pos, aux)
+        if state.kv_events is not None:
+            state.kv_events.stored_on_host(leaf)
         node = leaf
         pos = b
     full.note_host_leaf(leaf)

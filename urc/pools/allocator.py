@@ -6,16 +6,29 @@ token indices of them, so an unaligned request still owns whole pages.
 
 Freeing costs O(freed pages), independent of the pool size (SGLang's allocator concatenates
 the whole free list on every free, which dominated its insert and evict phases).  A per-page
-state makes double frees and frees of never-allocated slots an error instead of silent
-corruption.  The free pages are a stack of extents (runs of consecutive pages, ``[lo, lo +
-len)``): a free pushes the runs of what it frees, joining the top extent when the first run
+state makes double frees, frees of never-allocated slots, of slots the tree owns and of a
+slot named twice in one call an error that changes nothing, instead of silent corruption.
+
+Page states (:data:`urc.pools.pageops.FREE` / ``HELD`` / ``TREE``)::
+
+    FREE   on the free extents (or queued by ``free_owned``: see below)
+    HELD   handed out by ``alloc``: the caller's (a request's KV, a load's reserved slots);
+           ``free`` takes only these
+    TREE   adopted by the tree: an insert's new slots (:meth:`TokenSlotAllocator.claim_value`
+           at insert), a load-back's committed slots (:meth:`TokenSlotAllocator.adopt`);
+           only eviction frees them (``free_owned``)
+
+A caller passing a tree-owned slot as its own (``free``, or as an insert's new value) gets a
+:class:`~urc.errors.TreeOwnedSlotError`.
+
+The free pages are a stack of extents (runs of consecutive pages, ``[lo, lo + len)``): a
+free pushes the runs of what it frees, joining the top extent when the first run
 continues it, and an allocation takes pages from the top extents, ascending within each.
 Values are mostly such runs (an allocation hands out runs, a tree node frees what it was
 given), so a free writes a few extents instead of one stack entry per page.  State and
 extents live in host memory (numpy) because per-call torch dispatch costs more than the
-bookkeeping itself; a slot repeated inside one ``free`` call is caught by
-:meth:`check_consistency` (run by ``sanity_check``) rather than on every free, to keep
-``free`` at a few microseconds.
+bookkeeping itself.  A checked free is one pass over the indices that checks each run of
+pages just before it clears it (a page repeated in the call is then already free).
 
 Slots the tree frees (evicted nodes) go through :meth:`TokenSlotAllocator.free_owned`, which
 only queues the tensor, unchecked: the tree validated those slots when it adopted them.  The
@@ -38,9 +51,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError
+from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
 from urc.fastpath import WalkImpl
-from urc.pools.pageops import PageOps, select_page_ops
+from urc.pools.pageops import FREE, HELD, TREE, PageOps, select_page_ops
 
 __all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size", "merged_groups"]
 
@@ -101,7 +114,7 @@ class TokenSlotAllocator:
         self.device = torch.device(device)
         self.num_pages = size // page_size
         self._arange = torch.arange(page_size, dtype=torch.int64, device=self.device)
-        # Per page: 1 = allocated, 0 = free.
+        # Per page: FREE, HELD (a caller's) or TREE (the tree's): see the module docstring.
         self._state = np.zeros(self.num_pages, dtype=np.int8)
         # The free extents: at most one per free page (disjoint, each at least a page).
         # Empty arrays: only the extents in use are ever touched.
@@ -158,13 +171,14 @@ class TokenSlotAllocator:
         """Free the pages owned by ``indices``.
 
         Raises :class:`InvalidIndicesError` for a non-int64 tensor, another device, or an index
-        outside ``[0, size)``, and :class:`DoubleFreeError` when a page is not allocated; in
-        both cases nothing is freed.
+        outside ``[0, size)``, :class:`TreeOwnedSlotError` for a page the tree owns, and
+        :class:`DoubleFreeError` when a page is not allocated or is named twice; in every
+        case nothing is freed.  O(len(indices)).
         """
+        self._check_tensor(indices)
         k = indices.shape[0]
         if k == 0:
             return
-        self._check_tensor(indices)
         self.flush()  # a page still queued must count as free to catch a double free
         self._free_span(_host(indices), 0, k)
 
@@ -188,6 +202,8 @@ class TokenSlotAllocator:
             self._free_span(checked, start, end, True)
 
     def _check_tensor(self, indices: torch.Tensor, what: str = "indices") -> None:
+        if not isinstance(indices, torch.Tensor):
+            raise InvalidIndicesError(f"{what} must be a tensor, got {type(indices).__name__}")
         if indices.dtype != torch.int64 or indices.device != self.device or indices.dim() != 1:
             raise InvalidIndicesError(
                 f"{what} must be a 1-D int64 tensor on {self.device}, "
@@ -201,11 +217,7 @@ class TokenSlotAllocator:
         if self._free_pages + n > self.num_pages:
             # More pages than are allocated: out of range, not allocated, or a repeat.
             if not checked:
-                held = ops.count_held(self._state, host, start, end, ps, self._shift, -1)
-                if held < 0:
-                    raise InvalidIndicesError(f"indices outside [0, {self.size})")
-                if held != n:
-                    raise DoubleFreeError("freeing a slot that is not allocated")
+                raise self.refusal(host, start, end, "freeing")
             raise DoubleFreeError("freeing more pages than are allocated (a page repeats)")
         # Extents of page numbers (the caller may reuse its tensor); unless ``checked``, the
         # allocation check reads the same pass.
@@ -218,9 +230,109 @@ class TokenSlotAllocator:
             except IndexError:
                 raise InvalidIndicesError(f"indices outside [0, {self.size})") from None
             if nxt < 0:
-                raise DoubleFreeError("freeing a slot that is not allocated")
+                raise self.refusal(host, start, end, "freeing")
             self._next = nxt
         self._free_pages += n
+
+    def refusal(
+        self, host: np.ndarray, start: int, end: int, doing: str, want: int = HELD
+    ) -> InvalidIndicesError | DoubleFreeError:
+        """The error for the page runs of ``host[start:end]`` that were refused because a
+        page is not in state ``want`` (or repeats): out of range, tree-owned, free, or named
+        twice (checked in that order; numpy, on the error path only)."""
+        h = host[start:end]
+        pages = h[:: self.page_size] >> self._shift
+        if int(h.min()) < 0 or int(h.max()) >= self.size:
+            return InvalidIndicesError(f"{doing} indices outside [0, {self.size})")
+        states = self._state[pages]
+        if want != TREE and bool((states == TREE).any()):
+            page = int(pages[states == TREE][0])
+            return TreeOwnedSlotError(f"{doing} slot {page * self.page_size}, owned by the tree")
+        if bool((states == FREE).any()):
+            page = int(pages[states == FREE][0])
+            return DoubleFreeError(f"{doing} slot {page * self.page_size}, which is not allocated")
+        if bool((states != want).any()):
+            return InvalidIndicesError(f"{doing} a slot that is not the caller's")
+        return DoubleFreeError(f"{doing} a slot named twice in one call")
+
+    def claim_value(
+        self, indices: torch.Tensor, start: int, held_from: int, tensor_checked: bool = False
+    ) -> np.ndarray:
+        """Validate an insert's value and adopt its new part: ``indices[start:held_from]``
+        must be allocated (the tree's own slots a match gave the caller, or the caller's),
+        ``indices[held_from:]`` held by the caller with no page named twice; those pages
+        become tree-owned.  Returns the host view (for :meth:`free_span`'s ``checked``).
+        Raises like :meth:`free` (:class:`InvalidIndicesError` and subclasses for every
+        refusal), changing nothing.  Undo the adoption of a range with :meth:`unclaim`.
+        ``start`` and ``held_from``: page boundaries.  ``tensor_checked``: the caller knows
+        ``indices`` is a 1-D int64 tensor on this device."""
+        if not tensor_checked:
+            self._check_tensor(indices, "value")
+        host = _host(indices)
+        k = host.shape[0]
+        if k <= start:
+            return host
+        self.flush()
+        ps = self.page_size
+        held_from = min(k, max(start, held_from))
+        bound = self.size if ps > 1 else -1
+        shift = self._shift
+        if held_from > start:
+            held = self._ops.count_held(self._state, host, start, held_from, ps, shift, bound)
+            if held < 0:
+                raise InvalidIndicesError(f"value indices outside [0, {self.size})")
+            if held != (held_from - start + ps - 1) >> shift:
+                raise InvalidIndicesError("value holds slots that are not allocated")
+        if held_from < k:
+            got = self._ops.claim(self._state, host, held_from, k, ps, shift, bound, HELD, TREE)
+            if got < 0:
+                err = self.refusal(host, held_from, k, "inserting")
+                if isinstance(err, DoubleFreeError):  # an insert's input error, not a free's
+                    err = InvalidIndicesError(f"value: {err}")
+                raise err
+        return host
+
+    def check_held(self, indices: torch.Tensor, doing: str = "passing") -> np.ndarray:
+        """Raise like :meth:`free` unless ``indices`` (page runs) are a 1-D int64 tensor on
+        this device whose pages are all held by the caller, each once; changes nothing.
+        Returns the host view.  Two passes (a round trip through the tree-owned state)."""
+        self._check_tensor(indices)
+        host = _host(indices)
+        k = host.shape[0]
+        if k == 0:
+            return host
+        self.flush()
+        ps, shift = self.page_size, self._shift
+        if self._ops.claim(self._state, host, 0, k, ps, shift, self.size, HELD, TREE) < 0:
+            raise self.refusal(host, 0, k, doing)
+        self._ops.claim(self._state, host, 0, k, ps, shift, -1, TREE, HELD)
+        return host
+
+    def unclaim(self, host: np.ndarray, start: int, end: int) -> None:
+        """Give the tree-owned pages of ``host[start:end]`` (page runs, adopted by
+        :meth:`claim_value`) back to the caller."""
+        if start >= end:
+            return
+        got = self._ops.claim(
+            self._state, host, start, end, self.page_size, self._shift, -1, TREE, HELD
+        )
+        assert got >= 0, f"unclaim of [{start}, {end}): a page is not tree-owned ({got})"
+
+    def adopt(self, indices: torch.Tensor) -> None:
+        """The caller-held page runs ``indices`` become tree-owned (a load-back's slots, now
+        a node's value)."""
+        host = _host(indices)
+        k = host.shape[0]
+        if k == 0:
+            return
+        self.flush()
+        got = self._ops.claim(self._state, host, 0, k, self.page_size, self._shift, -1, HELD, TREE)
+        assert got >= 0, f"adopting {k} slots: a page is not held ({got})"
+
+    def num_tree_slots(self) -> int:
+        """Slots in tree-owned pages, queued frees merged first (O(size); for sanity checks)."""
+        self.flush()
+        return int(np.count_nonzero(self._state == TREE)) * self.page_size
 
     def _release_pages(self, pages: np.ndarray) -> None:
         """Mark ``pages`` free and push them on the free extents (no checks)."""
@@ -306,6 +418,7 @@ class TokenSlotAllocator:
             f"{int(length.sum())} pages in extents, {n_free} counted"
         )
         free = np.repeat(lo - (np.cumsum(length) - length), length) + np.arange(n_free)
+        assert int(self._state.max(initial=0)) <= TREE and int(self._state.min(initial=0)) >= 0
         n_state_free = int((self._state == 0).sum())
         assert n_state_free == n_free, f"{n_state_free} pages marked free, {n_free} listed"
         assert (self._state[free] == 0).all(), "a listed free page is marked allocated"

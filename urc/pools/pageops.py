@@ -1,15 +1,17 @@
 """Page bookkeeping of the token allocator: a compiled implementation and its numpy twin.
 
 :func:`py_count_held`, :func:`py_release`, :func:`py_release_held` (a checked free),
-:func:`py_take` (an allocation) and :func:`py_unmap` (the SWA side of a free) are the
-reference; ``urc._native._pages`` (built from ``urc/_native/pages.c`` next to the compiled
-walk) computes exactly the same results in one pass over the indices, without the
-temporaries and dispatch of several numpy calls (a free or an insert's ownership check was a
-dozen of them).  Which set an allocator runs follows the cache's
+:func:`py_take` (an allocation), :func:`py_claim` (a checked change of owner: the tree adopting
+an insert's slots) and :func:`py_unmap` (the SWA side of a free) are the reference;
+``urc._native._pages`` (built from ``urc/_native/pages.c`` next to the compiled walk)
+computes exactly the same results in one pass over the indices, without the temporaries
+and dispatch of several numpy calls (a free or an insert's ownership check was a dozen of
+them).  Which set an allocator runs follows the cache's
 :attr:`urc.config.CacheConfig.walk_impl` (:func:`select_page_ops`): ``PYTHON`` is the twin
 everywhere, ``AUTO`` the compiled code where it was built.
 
-Arrays: ``state`` int8, one entry per page (non-zero = allocated); ``lo`` and ``length``
+Arrays: ``state`` int8, one entry per page (0 free, 1 held by a caller, 2 owned by the tree;
+see :mod:`urc.pools.allocator`); ``lo`` and ``length``
 int64, the token allocator's free list: a stack of extents, pages ``[lo[e], lo[e] +
 length[e])`` free for ``e < nxt`` (a free pushes the runs of consecutive pages it frees, so
 a value costs a few extents, not one entry per page); ``stack`` int64, the SWA page pool's
@@ -28,10 +30,14 @@ import numpy as np
 from urc.fastpath import WalkImpl, choose_impl
 
 __all__ = [
+    "FREE",
+    "HELD",
     "PYTHON_OPS",
+    "TREE",
     "PageOps",
     "Unmap",
     "native_pages_available",
+    "py_claim",
     "py_count_held",
     "py_release",
     "py_release_held",
@@ -39,6 +45,10 @@ __all__ = [
     "py_unmap",
     "select_page_ops",
 ]
+
+
+#: Page states (``state``): free, held by a caller (allocated to it), owned by the tree.
+FREE, HELD, TREE = 0, 1, 2
 
 
 def _pages(idx: np.ndarray, start: int, end: int, step: int, shift: int) -> np.ndarray:
@@ -99,9 +109,11 @@ def py_release_held(
     step: int,
     shift: int,
 ) -> int:
-    """:func:`py_release` of pages that must all be allocated: ``-1``, with nothing changed,
-    when one is not (``ValueError`` / ``IndexError`` as :func:`py_release`, first).  A free
-    checked in one pass over ``idx`` (the compiled twin checks its extents)."""
+    """:func:`py_release` of pages that must all be held by a caller (state 1) and distinct:
+    ``-1``, with nothing changed, when one is not (``ValueError`` / ``IndexError`` as
+    :func:`py_release`, first).  A free checked in one pass over ``idx`` (the compiled twin
+    checks each extent as it clears it, and restores the ones it cleared when a later one
+    fails: a page repeated in the call is then already free)."""
     return _release(state, lo, length, nxt, _pages(idx, start, end, step, shift), True)
 
 
@@ -124,7 +136,7 @@ def _release(
         raise ValueError("release: more extents than the free list holds")
     if int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]:
         raise IndexError("release: page out of range")
-    if need_held and int(np.count_nonzero(state[pages])) != n:
+    if need_held and (int(np.count_nonzero(state[pages] == HELD)) != n or _repeats(pages)):
         return -1
     state[pages] = 0
     firsts, lens = pages[cuts[:-1]], np.diff(cuts)
@@ -134,6 +146,52 @@ def _release(
     lo[nxt : nxt + k] = firsts
     length[nxt : nxt + k] = lens
     return int(nxt + k)
+
+
+def _repeats(pages: np.ndarray) -> bool:
+    """Whether a page occurs twice in ``pages`` (all in range): O(len), one scratch write
+    and read per page (an uninitialised scratch the size of the largest page touches only
+    the memory of the pages named)."""
+    n = pages.shape[0]
+    if n < 2:
+        return False
+    d = np.diff(pages)
+    if bool((d > 0).all()) or bool((d < 0).all()):  # monotonic (values mostly are): distinct
+        return False
+    order = np.arange(n, dtype=np.int64)
+    scratch = np.empty(int(pages.max()) + 1, dtype=np.int64)
+    scratch[pages] = order  # of a repeated page one position survives, whichever
+    return not bool((scratch[pages] == order).all())
+
+
+def py_claim(
+    state: np.ndarray,
+    idx: np.ndarray,
+    start: int,
+    end: int,
+    step: int,
+    shift: int,
+    bound: int,
+    frm: int,
+    to: int,
+) -> int:
+    """Move the pages ``ix[::step] >> shift`` (``ix = idx[start:end]``) from state ``frm``
+    to state ``to``; returns how many.  ``-1`` when one is outside ``[0, len(state))`` or,
+    with ``bound >= 0``, an entry of ``ix`` is outside ``[0, bound)``; ``-2`` when a page
+    is not in state ``frm`` or occurs twice -- nothing changed in either case."""
+    h = _pages(idx, start, end, 1, 0)
+    if h.shape[0] == 0:
+        return 0
+    if bound >= 0 and (int(h.min()) < 0 or int(h.max()) >= bound):
+        return -1
+    pages = _pages(h, 0, h.shape[0], step, shift)
+    if int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]:
+        return -1
+    n = pages.shape[0]
+    if int(np.count_nonzero(state[pages] == frm)) != n or _repeats(pages):
+        return -2
+    state[pages] = to
+    return int(n)
 
 
 def py_take(
@@ -196,9 +254,9 @@ def py_unmap(
     """Clear the map entries of the pages ``idx[start:end][::step] >> shift`` and release the
     pages of another pool they named: every entry ``s >= 0`` marks page ``s`` free in
     ``state`` and is pushed on ``stack`` above ``top``, in order; returns the new top (entries
-    already -1 release nothing).  The pages must be distinct (the allocator's contract; a
-    repeat is a bug that ``check_consistency`` reports).  ``IndexError`` for a page outside
-    the map or a named page outside ``state``, ``ValueError`` when the stack would overflow
+    already -1 release nothing, so a page repeated releases once, at its first occurrence).
+    ``IndexError`` for a page outside the map or a named page outside ``state``,
+    ``ValueError`` when the stack could overflow (every occurrence of a named page counted)
     -- before anything changes."""
     pages = _pages(idx, start, end, step, shift)
     if pages.shape[0] == 0:
@@ -213,6 +271,12 @@ def py_unmap(
         raise IndexError("unmap: page out of range")
     if top + n > stack.shape[0]:
         raise ValueError("unmap: more pages than the stack holds")
+    if n and _repeats(pages):  # rare (the allocators refuse repeats): first occurrences
+        _, first = np.unique(pages, return_index=True)
+        pages = pages[np.sort(first)]
+        named = page_map[pages]
+        named = named[named >= 0]
+        n = named.shape[0]
     page_map[pages] = -1
     state[named] = 0
     stack[top : top + n] = named
@@ -220,6 +284,7 @@ def py_unmap(
 
 
 CountHeld = Callable[[np.ndarray, np.ndarray, int, int, int, int, int], int]
+Claim = Callable[[np.ndarray, np.ndarray, int, int, int, int, int, int, int], int]
 Release = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
 Take = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], int]
 Unmap = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, int, int, int, int], int]
@@ -233,17 +298,18 @@ class PageOps(NamedTuple):
     release_held: Release
     take: Take
     unmap: Unmap
+    claim: Claim
 
 
-PYTHON_OPS = PageOps(py_count_held, py_release, py_release_held, py_take, py_unmap)
+PYTHON_OPS = PageOps(py_count_held, py_release, py_release_held, py_take, py_unmap, py_claim)
 
 
 def _native() -> PageOps | None:
     try:
-        from urc._native._pages import count_held, release, release_held, take, unmap
+        from urc._native._pages import claim, count_held, release, release_held, take, unmap
     except ImportError:
         return None
-    return PageOps(count_held, release, release_held, take, unmap)
+    return PageOps(count_held, release, release_held, take, unmap, claim)
 
 
 _NATIVE = _native()

@@ -53,6 +53,12 @@ class ReqToTokenPool:
         self._used.remove(row)
         self._free_rows.append(row)
 
+    def check_row(self, row: object) -> int:
+        """``row`` when it is a row in use; :class:`InvalidInputError` otherwise."""
+        if type(row) is not int or row not in self._used:
+            raise InvalidInputError(f"request row {row!r} is not allocated")
+        return row
+
     def write(self, row: int, start: int, indices: torch.Tensor) -> None:
         """Store ``indices`` as the slots of tokens ``[start, start + len)`` of ``row``."""
         end = start + indices.shape[0]

@@ -46,10 +46,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from urc.errors import ConfigError, InvalidIndicesError
+from urc.errors import ConfigError
 from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
 from urc.pools.kv_pool import KVPool, KVShape
-from urc.pools.pageops import Unmap
+from urc.pools.pageops import FREE, Unmap
 
 __all__ = ["SWAKVPool", "SWAPagePool", "SWATokenSlotAllocator"]
 
@@ -203,10 +203,9 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         Raises like :meth:`TokenSlotAllocator.free` (nothing freed) for invalid or
         unallocated Full slots.
         """
-        if indices.shape[0] == 0:
-            return
-        super().free(indices)
-        self._release_swa_of(indices)
+        super().free(indices)  # checks first
+        if indices.shape[0]:
+            self._release_swa_of(indices)
 
     def free_span(
         self, indices: torch.Tensor, start: int, end: int, checked: np.ndarray | None = None
@@ -232,13 +231,24 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
             self.flush()
 
     def free_swa(self, full_idx: torch.Tensor) -> int:
-        """Free only the SWA side of ``full_idx`` (the Full slots stay allocated) and clear
-        their map entries.  Entries already cleared free nothing.  Returns the SWA tokens
+        """Free only the SWA side of the caller's Full slots ``full_idx`` (they stay
+        allocated) and clear their map entries.  Entries already cleared free nothing.
+        Returns the SWA tokens freed.  Raises like :meth:`free` (nothing freed) unless every
+        page is held by the caller, once: the tree's pages are released by the tree
+        (:meth:`release_swa`)."""
+        host = self.check_held(full_idx, "freeing SWA of")
+        if host.shape[0] == 0:
+            return 0
+        return self._release_swa(host, 0, host.shape[0], self.page_size, self._shift) * (
+            self.page_size
+        )
+
+    def release_swa(self, full_idx: torch.Tensor) -> int:
+        """:meth:`free_swa` of Full slots the tree owns or reserved (a node becoming an SWA
+        tombstone, a load's slots without SWA data): unchecked, now.  Returns the SWA tokens
         freed."""
         if full_idx.shape[0] == 0:
             return 0
-        if full_idx.dtype != torch.int64 or full_idx.device != self.device:
-            raise InvalidIndicesError(f"indices must be int64 on {self.device}")
         self.flush()
         return self._release_swa_of(full_idx) * self.page_size
 
@@ -309,7 +319,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         assert page_map[-1] == -1, "the padding entry of the SWA map was overwritten"
         mapped = np.nonzero(page_map[:-1] >= 0)[0]
         targets = page_map[mapped]
-        assert (self._state[mapped] == 1).all(), "a free Full page still maps an SWA page"
+        assert (self._state[mapped] != FREE).all(), "a free Full page still maps an SWA page"
         assert np.unique(targets).shape[0] == targets.shape[0], "two Full pages share an SWA page"
         allocated = np.nonzero(self.swa_pages.state == 1)[0]
         assert np.array_equal(np.sort(targets), allocated), (

@@ -88,16 +88,17 @@ happens then (:data:`~urc.service._call.ON_CANCEL` classifies the commands)::
     write_req_slots,     | for the reply                  | actor answered.  Passed in: taken
     alloc_req_mamba,     |                                | as if the call returned (insert:
     slide_req_window,    |                                | the tree took the value; free:
-    cache_finished_req,  |                                | freed; a Req holds its outcome).
-    cache_unfinished_req,|                                | Got: given back by the service --
-    call                 |                                | alloc / alloc_mamba slots freed,
-                         |                                | an insert's leftovers (unaligned
-                         |                                | tail, an unadopted Mamba value)
-                         |                                | freed, a load-back the match
-                         |                                | started dropped (the Req keeps its
-                         |                                | match), a call's result handed to
-                         |                                | its ``undo`` (else dropped).  If
-                         |                                | the command failed (typed error),
+    cache_finished_req,  |                                | freed; a Req holds its outcome;
+    cache_unfinished_req,|                                | an insert's unaligned tail and an
+    call                 |                                | unadopted Mamba value stay the
+                         |                                | caller's, as in every other case).
+                         |                                | Got: given back by the service --
+                         |                                | alloc / alloc_mamba slots freed,
+                         |                                | a load-back the match started
+                         |                                | dropped (the Req keeps its match),
+                         |                                | a call's result handed to its
+                         |                                | ``undo`` (else dropped).  If the
+                         |                                | command failed (typed error),
                          |                                | nothing changed: what it passed in
                          |                                | is still its own
     ---------------------+--------------------------------+-----------------------------------
@@ -105,6 +106,10 @@ happens then (:data:`~urc.service._call.ON_CANCEL` classifies the commands)::
     load_back_req with   | load-back (between its two     | shielded: the load is committed
     a load-back          | commands)                      | (or dropped if the copy failed)
                          |                                | before the cancellation lands
+
+The rule under every row: what a caller passed in is either taken by the applied command or
+still the caller's, whichever way it was cancelled; only results the caller never saw are
+given back by the service.
 
 So a caller that sees ``CancelledError`` from an ownership move knows which case it is in:
 its own anyio/trio scope was cancelled (``current_effective_deadline() == -inf``) -- nothing
@@ -144,6 +149,7 @@ from __future__ import annotations
 from urc.service._base import BackgroundWorker, LoadBackPolicy, ServiceState, TraceHook
 from urc.service._commands import Call, Command, CommandKind, InsertOutcome, MatchOutcome
 from urc.service._facade import AsyncUnifiedRadixCache
+from urc.service._kv_publisher import KVEventPublisher, KVEventsConfig, KVPublisherStats
 from urc.service._lease import Lease, NodeHandle
 from urc.service._observer import (
     PullingObserver,
@@ -160,6 +166,9 @@ __all__ = [
     "Command",
     "CommandKind",
     "InsertOutcome",
+    "KVEventPublisher",
+    "KVEventsConfig",
+    "KVPublisherStats",
     "Lease",
     "LoadBackPolicy",
     "MatchOutcome",

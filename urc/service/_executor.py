@@ -300,12 +300,13 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
     """The commands that give back what ``result`` (``cmd``'s successful result) handed to
     its caller, for a caller that is gone (cancelled natively, see the service's cancellation
     rules).  Marks a returned lease released.  Empty when the result owns nothing: the
-    request commands leave what they change in the ``Req``, which the server still holds.
+    request commands leave what they change in the ``Req``, which the server still holds,
+    and what a caller passed in (an insert's value and its unaligned tail, a Mamba value
+    the tree did not adopt) is the caller's whichever way it was cancelled: only what it
+    would have got back is given back here.
 
     - a lease (a locking match, a lock): its release;
     - slots from ``alloc`` / ``alloc_mamba``: their free;
-    - an insert's leftovers: the value past what the tree took (the unaligned tail) and a
-      Mamba value the tree did not adopt (``mamba_exist``);
     - a request match that started a load-back (``pending_load``): that load dropped
       (the request keeps its match and lock);
     - a ``call`` with an ``undo``: that undo, run on the result.
@@ -321,14 +322,6 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
             return [Free(result)] if result.shape[0] else []
         case AllocMamba():
             return [FreeMamba(result)] if result.shape[0] else []
-        case Insert(value=value, prev_prefix_len=prev, mamba_value=mamba):
-            out: list[Command] = []
-            tail = value[max(result.total_len, prev) :]
-            if tail.shape[0]:
-                out.append(Free(tail))
-            if result.mamba_exist and mamba is not None and mamba.numel():
-                out.append(FreeMamba(mamba))
-            return out
         case MatchReq() | StartReqLoad():
             load = result.pending_load
             return [] if load is None else [FinishReqLoad(cmd.req, load, False)]

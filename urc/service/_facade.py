@@ -175,8 +175,10 @@ class AsyncUnifiedRadixCache(Lifecycle):
         ``prev_prefix_len`` are freed; an unaligned tail stays the caller's, as does
         ``mamba_value`` when the result says ``mamba_exist``).  Never withdrawn once sent: a
         scope-cancelled caller still gets the outcome; a natively cancelled one gets
-        ``CancelledError`` after the insert was applied, and the service frees what would
-        have stayed the caller's (see the cancellation rules)."""
+        ``CancelledError`` after the insert was applied.  Either way the unaligned tail (and
+        an unadopted ``mamba_value``) stays the caller's to free (see the cancellation
+        rules): the insert consumed ``value[:len(key) - len(key) % page_size]`` (kept or
+        freed as duplicates)."""
         cmd = Insert(
             _as_key(key, extra_key),
             value,

@@ -107,8 +107,10 @@ class Lifecycle(Actor, Transport, WorkerSupervisor):
 
     @property
     def leases_held(self) -> int:
-        """Leases issued and not yet released."""
-        return len(self._executor.leases)
+        """Leases issued and not yet released by their holders: a lease whose release is
+        still queued to the actor (``async with lease:`` just exited, or a give-back) no
+        longer counts.  O(leases held)."""
+        return sum(not entry[0].released for entry in self._executor.leases.values())
 
     @property
     def leases_released_at_close(self) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from urc.components.mamba import MambaComponent
 from urc.components.swa import SWAComponent
-from urc.errors import InvalidInputError, OutOfMemoryError
+from urc.errors import InvalidIndicesError, InvalidInputError, OutOfMemoryError, PoolError
 from urc.host import transfers as host_transfers
 from urc.host.protocol import HostTier, LoadTicket
 from urc.key import RadixKey
@@ -176,11 +176,21 @@ def write_req_slots(
     """Write caller-owned ``slots`` into ``req``'s row after what it holds (from then on the
     request owns them: ``cache_*_req`` caches or frees them) and set ``kv_committed_len`` to
     ``committed``.  The first write also stores the matched prefix's indices at the row's
-    start.  Raises :class:`InvalidInputError` past the row's end or without a row."""
+    start.  Raises :class:`InvalidInputError` past the row's end or without a row, and
+    :class:`~urc.errors.InvalidIndicesError` (or :class:`~urc.errors.TreeOwnedSlotError`)
+    unless ``slots`` are page runs held by the caller, each page once (O(len(slots))); a
+    slot the request's row already holds is not detected (it is held too)."""
     row = req.req_pool_idx
     if row is None:
         raise InvalidInputError(f"request {req.rid} has no req_pool_idx")
     pool = cache.req_to_token_pool
+    pool.check_row(row)
+    check_held = getattr(cache.token_to_kv_pool_allocator, "check_held", None)
+    if check_held is not None:
+        try:
+            check_held(slots, "writing request slots:")
+        except PoolError as exc:  # a slot that is not allocated: the caller's input
+            raise InvalidIndicesError(str(exc)) from None
     prefix = req.cache_protected_len
     start = max(req.kv_allocated_len, prefix)
     end = start + int(slots.shape[0])

@@ -9,8 +9,9 @@ Usage::
 ``python setup.py build_ext --inplace``).  Both copies of ``urc`` are imported into this
 process, each fully (every submodule, so that no lazy import crosses over), and their
 ``sys.modules`` entries are swapped in before each run: round by round, configuration by
-configuration, old and new run back to back on the same workload and the best of the rounds
-is kept per phase.  On a shared machine this is the comparison to quote (a ratio from one
+configuration, old and new run back to back on the same workload (which goes first alternates
+by round) and the best of the rounds is kept per phase.  Run it with the same tree twice to
+see the noise floor.  On a shared machine this is the comparison to quote (a ratio from one
 process), never two figures from separate runs.  ``--old-module`` names the old tree's
 benchmark module (``urc.bench`` before the applications moved to ``urc.apps``).
 """
@@ -23,6 +24,7 @@ import importlib
 import json
 import pkgutil
 import sys
+import time
 from types import ModuleType
 from typing import Any
 
@@ -79,7 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-seqs", type=int, default=2000)
     ap.add_argument("--chunk-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="thread: time with this thread's CPU clock (time.thread_time), which a busy "
+        "machine's other processes do not inflate (it leaves out waits the phases never make)",
+    )
     args = ap.parse_args(argv)
+    if args.clock == "thread":
+        # The benchmarks read ``time.perf_counter``; on a shared machine a descheduled
+        # thread's wall time measures the neighbours, its CPU time the code.
+        time.perf_counter = time.thread_time
     old = _load(args.old_tree, args.old_module)
     new = _load(args.new_tree, args.new_module)
     import torch
@@ -87,10 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     seqs = new[0].generate_sequences(args.num_seqs, args.chunk_len, 42)
     best: dict[tuple[str, str, int], dict[str, float]] = {}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        # Alternate which tree runs first, so that neither always meets a warmer machine.
+        order = (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))
         for name in args.components:
             for ps in args.page_sizes:
-                for label, (bench, modules) in (("old", old), ("new", new)):
+                for label, (bench, modules) in order:
                     res = _run(bench, modules, name, ps, seqs)
                     cell = best.setdefault((label, name, ps), {})
                     for phase in _PHASES:

@@ -217,12 +217,20 @@ def make_config(
 
 
 def run_phases(
-    components: tuple[ComponentType, ...], page_size: int, seqs: list[list[int]], **config: Any
+    components: tuple[ComponentType, ...],
+    page_size: int,
+    seqs: list[list[int]],
+    kv_events: bool = False,
+    **config: Any,
 ) -> dict[str, Any]:
     """Run the phases on a fresh cache (``config``: more ``CacheConfig`` fields);
-    returns per-phase figures."""
+    returns per-phase figures.  ``kv_events``: with the cache's KV events on, taken after the
+    insert and the evict phase (outside the phases' timings: the drain, where the page hashes
+    are computed, is reported on its own)."""
     total = sum(len(s) for s in seqs)
     cache = build_cache(make_config(components, page_size, total + 1024, **config))
+    if kv_events:
+        cache.enable_kv_events()
     driver = _Driver(cache)
     _settle()  # the workload itself (lists of millions of ints) is not the cache's
     clock = time.perf_counter
@@ -235,6 +243,9 @@ def run_phases(
         after(result)
     insert = _phase(lat, total)
     cached = cache.total_size()
+    t0 = clock()
+    events = len(cache.take_events())
+    drain = clock() - t0
 
     _settle()
     lat = []
@@ -275,10 +286,15 @@ def run_phases(
         if er.num_tokens_evicted == 0:
             break
     evict = _phase(lat, freed)
+    t0 = clock()
+    events += len(cache.take_events())
+    drain += clock() - t0
     gc.unfreeze()
     cache.sanity_check()
     cache.check_pools()
     return {
+        # KV events: how many were taken, and the time taking them cost (the page hashes)
+        "kv_events": {"events": events, "drain_s": drain},
         "cached_tokens": cached,
         "match_hit_tokens": hit,
         "insert": insert.as_dict(),
@@ -488,6 +504,11 @@ def main(argv: list[str] | None = None) -> None:
         help="evict only the tail pages an eviction needs (the evict phase then splits leaves)",
     )
     ap.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="record KV events (urc.kv_events) during the phases",
+    )
+    ap.add_argument(
         "--scaling",
         action="store_true",
         help="also measure 1e4/1e5/1e6 trees and per-token cost at 1k vs 128k-token keys",
@@ -512,12 +533,13 @@ def main(argv: list[str] | None = None) -> None:
             "total_tokens": sum(len(s) for s in seqs),
             "eviction_policy": args.eviction_policy,
             "partial_leaf_eviction": args.partial_leaf_eviction,
+            "kv_events": args.kv_events,
         },
         "results": {},
     }
     for name in names:
         for ps in args.page_sizes:
-            entry = run_phases(COMPONENT_SETS[name], ps, seqs, **eviction)
+            entry = run_phases(COMPONENT_SETS[name], ps, seqs, args.kv_events, **eviction)
             if args.scaling:
                 entry["scaling"] = run_scaling(
                     COMPONENT_SETS[name], ps, args.chunk_len, [10**4, 10**5, 10**6]

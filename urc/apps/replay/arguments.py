@@ -350,6 +350,13 @@ def add_replay_parser(sub: Any) -> None:
         help="serve Prometheus /metrics on 127.0.0.1:PORT during the run (0: any free port)",
     )
     out.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        default=None,
+        help="publish KV events (SGLang 0.5.23's ZMQ format) on this PUB address during the "
+        "run, e.g. tcp://127.0.0.1:5557 (needs pyzmq and msgspec)",
+    )
+    out.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar (it is also off when stderr is not a terminal)",

@@ -58,6 +58,7 @@ from hicache.storage.file import FileStorage
 from hicache.storage_worker import StorageWorker
 from metrics.exporter import CacheMetrics
 from metrics.http import MetricsServer, MetricsServerConfig
+from metrics.kv_events import KVPublisherMetrics
 from urc.apps.replay.belady import NextUseTable, build_next_use
 from urc.apps.replay.config import ModelProfile, ReplayConfig
 from urc.apps.replay.report import TIERS, LatencyRecorder, ReplayReport
@@ -69,7 +70,13 @@ from urc.eviction_policy import EvictionPolicy
 from urc.key import RadixKey
 from urc.node import ComponentType, Tier
 from urc.req import Req
-from urc.service import AsyncUnifiedRadixCache, BackgroundWorker, LoadBackPolicy, TraceHook
+from urc.service import (
+    AsyncUnifiedRadixCache,
+    BackgroundWorker,
+    KVEventPublisher,
+    LoadBackPolicy,
+    TraceHook,
+)
 
 __all__ = ["OUTPUT_TOKEN_BASE", "MetricsHook", "output_token_ids", "run_replay"]
 
@@ -346,6 +353,7 @@ async def run_replay(
     on_metrics: MetricsHook | None = None,
     summary: WorkloadSummary | None = None,
     trace: TraceHook | None = None,
+    kv_publisher: KVEventPublisher | None = None,
 ) -> ReplayReport:
     """Replay ``config``'s workload through a fresh cache and service; returns the report.
 
@@ -353,7 +361,9 @@ async def run_replay(
     (0: any free port) serves ``/metrics`` on 127.0.0.1 for the duration of the run;
     ``on_metrics`` is awaited with its URL once the endpoint and the service are up.
     ``summary``: a first pass already made (a sweep reuses one).  ``trace``: the service's
-    test hook (every command the actor applies, with its result).
+    test hook (every command the actor applies, with its result).  ``kv_publisher``: publish
+    the cache's KV events for the run (read its ``stats`` afterwards; with ``metrics_port`` its
+    counters are served too).
 
     Raises :class:`~urc.apps.replay.source.EmptyWorkloadError` (no request to replay),
     :class:`~urc.apps.workloads.TraceFormatError` (malformed trace), ``OSError`` (unreadable
@@ -381,6 +391,8 @@ async def run_replay(
 
     registry = CollectorRegistry(auto_describe=True)
     metrics = CacheMetrics(registry) if metrics_port is not None else None
+    if metrics is not None and kv_publisher is not None:
+        KVPublisherMetrics(registry, kv_publisher)
     controller: HiCacheController | None = None
     storage: StorageWorker | None = None
     store: FileStorage | None = None
@@ -400,6 +412,8 @@ async def run_replay(
         )
         host = hc.tier.host_capacity(ComponentType.FULL)
         controller, storage, workers = hc.controller, hc.storage, hc.workers
+    if kv_publisher is not None:
+        workers = (*workers, kv_publisher)
 
     bar = tqdm(
         total=summary.requests,

@@ -50,8 +50,13 @@ class SGLangSWASlots(SWATokenSlotAllocator):
     got), so :meth:`free` splits a span by its mapping.
     """
 
-    # The insert's ownership check and range-free shortcut are urc's pools' own.
+    # The insert's ownership check and range-free shortcut are urc's pools' own, as are the
+    # page states of tree ownership (issue 33): SGLang's allocator keeps none.
     check_owned = None  # type: ignore[assignment]
+    claim_value = None  # type: ignore[assignment]
+    check_held = None  # type: ignore[assignment]
+    adopt = None  # type: ignore[assignment]
+    num_tree_slots = None  # type: ignore[assignment]
 
     def __init__(self, allocator: Any) -> None:  # no super().__init__: see the docstring
         self.allocator = allocator
@@ -126,6 +131,10 @@ class SGLangSWASlots(SWATokenSlotAllocator):
 
     def free_swa_owned(self, full_idx: torch.Tensor) -> None:
         self.free_swa(full_idx)
+
+    def release_swa(self, full_idx: torch.Tensor) -> int:
+        """The tree's SWA frees (tombstones, a load's slots): :meth:`free_swa`."""
+        return self.free_swa(full_idx)
 
     def move_swa(self, dst_full: torch.Tensor, src_full: torch.Tensor) -> None:
         """Give ``src_full``'s SWA slots to ``dst_full`` (which maps none)."""
