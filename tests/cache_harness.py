@@ -178,19 +178,36 @@ class _FirstTokenOracle:
 
 # Every strategy, with and without partial-leaf eviction (cheaper sequences than the LRU
 # tests above: these check invariants, the LRU ones are also checked against SGLang).
-POLICY_CONFIGS = [
-    pytest.param({"eviction_policy": p, "partial_leaf_eviction": partial}, id=f"{p.value}-{tag}")
-    for p in EvictionPolicy
-    if p is not EvictionPolicy.BELADY
-    for partial, tag in ((False, "whole"), (True, "partial"))
-] + [
-    pytest.param(
-        {
-            "eviction_policy": EvictionPolicy.BELADY,
-            "next_use": _FirstTokenOracle(),
-            "partial_leaf_eviction": partial,
-        },
-        id=f"belady-{tag}",
-    )
-    for partial, tag in ((False, "whole"), (True, "partial"))
-]
+POLICY_CONFIGS = (
+    [
+        pytest.param(
+            {"eviction_policy": p, "partial_leaf_eviction": partial}, id=f"{p.value}-{tag}"
+        )
+        for p in EvictionPolicy
+        if p is not EvictionPolicy.BELADY
+        for partial, tag in ((False, "whole"), (True, "partial"))
+    ]
+    + [
+        pytest.param(
+            {
+                "eviction_policy": EvictionPolicy.TLRU,
+                "tlru_threshold": 12,
+                "tlru_next_prompt_estimate": 4,
+                "partial_leaf_eviction": partial,
+            },
+            id=f"tlru-12-4-{tag}",
+        )
+        for partial, tag in ((False, "whole"), (True, "partial"))
+    ]
+    + [
+        pytest.param(
+            {
+                "eviction_policy": EvictionPolicy.BELADY,
+                "next_use": _FirstTokenOracle(),
+                "partial_leaf_eviction": partial,
+            },
+            id=f"belady-{tag}",
+        )
+        for partial, tag in ((False, "whole"), (True, "partial"))
+    ]
+)

@@ -49,6 +49,13 @@ class CacheConfig:
     kv_shape: KVShape = field(default_factory=KVShape)
     device: str = "cpu"
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    # SLRU: a leaf with at least this many hits is in the protected segment (SGLang's
+    # ``protected_threshold``).  TLRU: a conversation keeps ``tlru_threshold`` tokens fewer
+    # than its history plus ``tlru_next_prompt_estimate`` (SGLang's ``threshold`` and
+    # ``next_prompt_estimate``, in tokens); see ``urc.eviction_policy.TlruStrategy``.
+    slru_protected_threshold: int = 2
+    tlru_threshold: int = 0
+    tlru_next_prompt_estimate: int = 0
     is_eagle: bool = False
     # Reasoning models: a finished request that produced thinking tokens caches its prompt
     # only (SGLang's ``strip_thinking_cache``); its output KV is freed.
@@ -82,6 +89,9 @@ class CacheConfig:
             raise ConfigError(f"duplicate components in {types}")
         if types != sorted(types):
             raise ConfigError(f"components must be in FULL, SWA, MAMBA order: {types}")
+        for name in ("tlru_threshold", "tlru_next_prompt_estimate", "slru_protected_threshold"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("kv_size", "max_num_reqs", "max_context_len", "mamba_chunk_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -12,12 +12,19 @@ The interface is small:
   re-keyed when the two differ.  So a key that grows is always honoured; a key that can
   *drop* while the leaf sits in the heap needs :attr:`EvictionStrategy.rekey_on_release`
   (the leaf gets a fresh entry on every release, insert and split).
+* :attr:`EvictionStrategy.rekey_before_evict`: a key that drops on *every* use (MRU) cannot
+  be kept fresh lazily; the heap is re-keyed from scratch at the start of each eviction
+  (O(leaves) per ``evict``, as SGLang rebuilds its heap on every call).
 * :meth:`EvictionStrategy.superseded` / :meth:`EvictionStrategy.still_superseded`: when a
   node gets its second child the strategy may name the older sibling; the Full component
   queues it and evicts it before the heap's order while the strategy still says so.
+* :meth:`EvictionStrategy.note_split` (when :attr:`EvictionStrategy.keeps_node_state`): a
+  strategy that keeps per-node state in ``node.eviction_state`` hands it on at a split.
 
 Which strategy the cache uses is ``CacheConfig.eviction_policy``; LRU is the default and is
-exactly SGLang's order; BELADY needs ``CacheConfig.next_use``.  Host-only leaves are evicted
+exactly SGLang's order, and so are LFU, FIFO, MRU, FILO, PRIORITY, SLRU and TLRU (SGLang
+0.5.23's ``evict_policy.py``; ties, which SGLang breaks by access time, cannot occur for
+them); BELADY needs ``CacheConfig.next_use``.  Host-only leaves are evicted
 in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU lists: they evict
 when their own pools run out, and the Full order decides which prefixes stay.
 
@@ -41,9 +48,14 @@ __all__ = [
     "EvictionStrategy",
     "ForkAwareStrategy",
     "LruStrategy",
+    "MruStrategy",
+    "NewestFirstStrategy",
     "NextUseOracle",
     "OrderByStrategy",
+    "SlruStrategy",
+    "TlruStrategy",
     "make_strategy",
+    "tlru_state",
 ]
 
 
@@ -55,6 +67,10 @@ class EvictionPolicy(Enum):
     LFU = "lfu"  # fewest hits, then least recently used
     FIFO = "fifo"  # oldest inserted
     PRIORITY = "priority"  # lowest insert priority, then least recently used
+    MRU = "mru"  # most recently used
+    FILO = "filo"  # newest inserted
+    SLRU = "slru"  # segmented LRU: fewer than ``slru_protected_threshold`` hits first
+    TLRU = "tlru"  # tail-optimized LRU: ``tlru_threshold``, ``tlru_next_prompt_estimate``
     FORK_AWARE = "fork-aware"  # LRU, but a branch the traffic just forked away from goes first
     BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
 
@@ -79,6 +95,10 @@ class EvictionStrategy(ABC):
     rekey_on_release: bool = False
     # Whether :meth:`superseded` is worth asking at each fork (off: no call on the insert path).
     marks_forks: bool = False
+    # Whether keys drop on every use, so the heap is re-keyed before each eviction.
+    rekey_before_evict: bool = False
+    # Whether the strategy keeps ``node.eviction_state`` (then :meth:`note_split` is called).
+    keeps_node_state: bool = False
 
     @abstractmethod
     def key_function(self) -> HeapKey:
@@ -91,6 +111,9 @@ class EvictionStrategy(ABC):
     def still_superseded(self, node: TreeNode) -> bool:
         """Whether a node :meth:`superseded` named is still to be evicted first."""
         return False
+
+    def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """``lower`` was just split: ``upper`` is its new parent (their keys are final)."""
 
 
 class OrderByStrategy(EvictionStrategy):
@@ -149,6 +172,116 @@ class ForkAwareStrategy(LruStrategy):
         return any(sibling.last_access_time > t for sibling in parent.children.values())
 
 
+class MruStrategy(EvictionStrategy):
+    """Most recently used first (SGLang's ``mru``).  Every use lowers a leaf's key, so the
+    heap is re-keyed before each eviction (:attr:`EvictionStrategy.rekey_before_evict`)."""
+
+    __slots__ = ()
+
+    rekey_before_evict = True
+
+    def key_function(self) -> HeapKey:
+        return lambda node: -node.last_access_time
+
+
+class SlruStrategy(EvictionStrategy):
+    """Segmented LRU (SGLang's ``slru``): leaves with fewer than ``protected_threshold`` hits
+    (the probationary segment) go first, least recently used first within a segment."""
+
+    __slots__ = ("_threshold",)
+
+    def __init__(self, protected_threshold: int = 2) -> None:
+        self._threshold = protected_threshold
+
+    def key_function(self) -> HeapKey:
+        t = self._threshold
+        return lambda node: (1 if node.hit_count >= t else 0, node.last_access_time)
+
+
+class TlruStrategy(EvictionStrategy):
+    """Tail-optimized LRU (Zhang et al., arXiv:2510.15152; SGLang's ``tlru``).
+
+    A conversation whose history is ``L`` tokens and whose next prompt is expected to add
+    ``next_prompt_estimate`` tokens needs only ``L + next_prompt_estimate - threshold``
+    tokens cached to keep its next prefill within budget; a leaf whose parent already ends
+    at or past that budget is "TEL-safe" and goes before every other leaf, then LRU order.
+    ``L`` is the branch's high-water depth: the deepest end any node ever had at or below
+    the leaf, which does not shrink when the tail is evicted (so a trimmed conversation
+    stops after ``threshold - next_prompt_estimate`` tokens instead of going to nothing).
+    Both parameters are in tokens.
+
+    Per-node state (``node.eviction_state``): ``[end, history]``, the node's end position
+    and its high-water depth, set the first time a key needs it (every new leaf's key is
+    read when it enters the heap, which raises its ancestors' histories), and handed on at a
+    split (the upper part inherits the lower part's history).  Keys only grow, except that
+    a split moves a leaf's start further in (its parent ends later): the leaf gets a fresh
+    heap entry then (:attr:`EvictionStrategy.rekey_on_release`).  Cost: O(depth) on the
+    first key of a node, O(1) after.
+    """
+
+    __slots__ = ("_slack",)
+
+    rekey_on_release = True
+    keeps_node_state = True
+
+    def __init__(self, threshold: int = 0, next_prompt_estimate: int = 0) -> None:
+        self._slack = next_prompt_estimate - threshold
+
+    def key_function(self) -> HeapKey:
+        slack = self._slack
+
+        def key(node: TreeNode) -> tuple[int, int]:
+            end, history = tlru_state(node)
+            safe = end - node.key_len >= max(history + slack, 0)
+            return (-1 if safe else 0, node.last_access_time)
+
+        return key
+
+    def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        st = lower.eviction_state
+        if st is not None:  # else both get theirs when first needed
+            upper.eviction_state = [st[0] - lower.key_len, st[1]]
+
+
+def tlru_state(node: TreeNode) -> list[int]:
+    """``node.eviction_state`` for :class:`TlruStrategy` (``[end, history]``), set first if
+    missing: for ``node`` and each ancestor without one, top down, and then every ancestor's
+    history is raised to ``node``'s (mutates those nodes' ``eviction_state``)."""
+    st = node.eviction_state
+    if st is not None:
+        return st  # type: ignore[no-any-return]
+    chain = []
+    cur: TreeNode | None = node
+    while cur is not None and cur.eviction_state is None:
+        chain.append(cur)
+        cur = cur.parent
+    end = 0 if cur is None else cur.eviction_state[0]
+    for n in reversed(chain):
+        end = end + n.key_len if n.parent is not None else 0
+        history = end
+        for c in n.children.values():
+            cs = c.eviction_state
+            if cs is not None and cs[1] > history:
+                history = cs[1]
+        n.eviction_state = [end, history]
+    st = node.eviction_state
+    h = st[1]
+    up = node.parent
+    while up is not None and up.eviction_state[1] < h:
+        up.eviction_state[1] = h
+        up = up.parent
+    return st  # type: ignore[no-any-return]
+
+
+class NewestFirstStrategy(EvictionStrategy):
+    """Last inserted first (SGLang's ``filo``)."""
+
+    __slots__ = ()
+
+    def key_function(self) -> HeapKey:
+        return lambda node: (-node.creation_time, node.last_access_time)
+
+
 class BeladyStrategy(EvictionStrategy):
     """Furthest next use first: the offline optimum's order (Belady's MIN), for measurement.
 
@@ -173,13 +306,25 @@ _SIMPLE: dict[EvictionPolicy, Callable[[], EvictionStrategy]] = {
     EvictionPolicy.LRU: LruStrategy,
     EvictionPolicy.LFU: lambda: OrderByStrategy("hit_count", "last_access_time"),
     EvictionPolicy.FIFO: lambda: OrderByStrategy("creation_time"),
+    EvictionPolicy.MRU: MruStrategy,
+    # Newest first; SGLang breaks a creation-time tie (the parts of one split node) by
+    # access time.
+    EvictionPolicy.FILO: NewestFirstStrategy,
     EvictionPolicy.PRIORITY: lambda: OrderByStrategy("priority", "last_access_time"),
     EvictionPolicy.FORK_AWARE: ForkAwareStrategy,
 }
 
 
-def make_strategy(policy: EvictionPolicy, oracle: NextUseOracle | None = None) -> EvictionStrategy:
-    """A fresh strategy for ``policy``.
+def make_strategy(
+    policy: EvictionPolicy,
+    oracle: NextUseOracle | None = None,
+    *,
+    slru_protected_threshold: int = 2,
+    tlru_threshold: int = 0,
+    tlru_next_prompt_estimate: int = 0,
+) -> EvictionStrategy:
+    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's and TLRU's, see
+    :class:`SlruStrategy` and :class:`TlruStrategy`; other policies ignore them).
 
     Raises:
         ConfigError: BELADY without an ``oracle``, or an ``oracle`` with another policy.
@@ -190,4 +335,8 @@ def make_strategy(policy: EvictionPolicy, oracle: NextUseOracle | None = None) -
         return BeladyStrategy(oracle)
     if oracle is not None:
         raise ConfigError(f"a next-use oracle is only used by belady, not {policy.name}")
+    if policy is EvictionPolicy.SLRU:
+        return SlruStrategy(slru_protected_threshold)
+    if policy is EvictionPolicy.TLRU:
+        return TlruStrategy(tlru_threshold, tlru_next_prompt_estimate)
     return _SIMPLE[policy]()

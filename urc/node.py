@@ -98,6 +98,7 @@ class TreeNode:
         "creation_time",
         "data",
         "deleted",
+        "eviction_state",
         "full",
         "hash_value",
         "heap_entry",
@@ -143,6 +144,8 @@ class TreeNode:
         # Page digests for KV events (urc.kv_events: SHA-256 chain from the root; kept, and
         # split with the node, once computed).
         self.hash_value: list[bytes] | None = None
+        # Per-node state of the eviction strategy, if it keeps any (``urc.eviction_policy``).
+        self.eviction_state: Any = None
 
     @property
     def evicted(self) -> bool:

@@ -1,4 +1,4 @@
-"""SGLang ``UnifiedRadixCache`` (0.5.16) rules that decide eviction order, one test per rule.
+"""SGLang ``UnifiedRadixCache`` (0.5.23) rules that decide eviction order, one test per rule.
 
 Written from the semantics (SGLang's ``unified_radix_cache.py`` and its components), table-
 driven over page sizes; every mutating step is followed by ``sanity_check`` and pool
@@ -123,7 +123,8 @@ def test_match_stamps_increase_down_the_matched_path(ps: int) -> None:
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-def test_split_moves_the_lower_part_to_the_mru_end_of_the_mamba_lru(ps: int) -> None:
+def test_split_leaves_the_lower_part_in_its_place_in_the_mamba_lru(ps: int) -> None:
+    # A split is no use of the state (0.5.23; 0.5.16 moved the lower part to the MRU end).
     cache = make(ps)
     ab, c = pages(ps, 1, 2), pages(ps, 3)
     insert_state(cache, ab)
@@ -131,12 +132,55 @@ def test_split_moves_the_lower_part_to_the_mru_end_of_the_mamba_lru(ps: int) -> 
     m = match(cache, pages(ps, 1))  # splits ab; the upper part has no state: no hit
     check(cache)
     assert m.device_indices.shape[0] == 0
+    b_node = _node(cache.iter_nodes(), pages(ps, 2))
     c_node = _node(cache.iter_nodes(), c)
-    lru = comp(cache).lru.ids()
-    assert lru[0] == c_node.id, f"split child not moved to the MRU end: {lru}"
+    assert comp(cache).lru.ids() == [b_node.id, c_node.id]
     assert cache.evict(EvictParams(mamba_num=1)).mamba_num_evicted == 1
     check(cache)
-    assert c_node.deleted  # c's state was the least recently used: its leaf went
+    assert b_node.deleted and not c_node.deleted  # b's state was the least recently used
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_split_puts_the_upper_part_just_before_the_lower_part_in_the_swa_lru(ps: int) -> None:
+    # window = 2 pages; p (2 pages) and q (2 pages) are leaves, p the older.
+    h = SWAHarness(ps, 2 * ps)
+    p, q = h.seq(0, 2), h.seq(10_000, 2)
+    h.insert(p)
+    h.insert(q)  # SWA LRU: p, q
+    p_low = h.node(p)
+    h.match(p[:ps])  # splits p: the upper page is refreshed, the lower keeps its place
+    p_up = p_low.parent
+    assert p_up is not None and p_up is not h.cache.root and p_up.key_len == ps
+    q_node = h.node(q)
+    assert h.swa.lru.ids() == [p_low.id, q_node.id, p_up.id]
+    # The least recently used SWA node is p's lower page (a leaf: it goes whole), not q.
+    assert h.evict(swa=1) == (ps, ps)
+    assert p_low.deleted and not q_node.deleted
+    assert h.match(q)[0] == len(q)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_an_insert_split_outside_the_refreshed_window_stays_in_the_old_place(ps: int) -> None:
+    # window = 1 page: an insert refreshes 2 pages above its end, so the node it split (far
+    # above a 3-page leaf) is not refreshed: both parts stay where p was in the SWA LRU.
+    h = SWAHarness(ps, ps)
+    p, q = h.seq(0, 3), h.seq(10_000, 1)
+    h.insert(p)  # p_up (2 pages) | p_low (1 page: the leaf is capped to one window)
+    h.insert(q)  # SWA LRU: p_up, p_low, q
+    p_low = h.node(p)
+    p_up = p_low.parent
+    assert p_up is not None and p_up.parent is h.cache.root and p_up.key_len == 2 * ps
+    r = p[:ps] + h.seq(20_000, 3)
+    h.insert(r)  # splits p_up into u1 | u2; r's new leaf is capped: leaf_up | leaf
+    leaf = h.node(r)
+    leaf_up = leaf.parent
+    u1 = p_up.parent  # p_up kept the lower part (u2)
+    assert leaf_up is not None and u1 is not None and leaf_up.parent is u1
+    order = [u1.id, p_up.id, p_low.id, h.node(q).id, leaf_up.id, leaf.id]
+    assert h.swa.lru.ids() == order
+    # The least recently used SWA node is the internal u1: only its SWA goes.
+    assert h.evict(swa=1) == (0, ps)
+    assert h.swa_of(u1) is None and not p_low.deleted
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)

@@ -137,7 +137,8 @@ def test_evicting_swa_breaks_only_the_broken_window(h: SWAHarness) -> None:
 
 # SGLang's legacy ``test_swa_radix_cache_1`` scenario (page 1, window 4).  The expected
 # values are those of SGLang 0.5.16's ``UnifiedRadixCache`` on the same steps (run through the
-# development shim), not of the legacy ``SWARadixCache`` the test was written for: the unified
+# development shim; 0.5.23's split rule leaves them unchanged here), not of the legacy
+# ``SWARadixCache`` the test was written for: the unified
 # cache refreshes one window plus a page on insert end, so the whole of [1..5] stays warm and
 # the evictions take the [6, 7] / [10, 11, 12] / [60, 70] leaves instead.
 _LEGACY_INSERTS = ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12], [1, 2, 3, 4, 5, 60, 70])

@@ -105,7 +105,9 @@ def test_create_tree_cache_returns_urc_on_sglang_pools(kind: str, page_size: int
     assert cache.cache_controller is None
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority"])
+@pytest.mark.parametrize(
+    "policy", ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "tlru"]
+)
 def test_sglang_eviction_policy_selects_urcs_policy_of_that_name(policy: str) -> None:
     from scheduler_steps import Pools, make_context
     from sglang.srt.mem_cache.registry import create_tree_cache
@@ -117,12 +119,41 @@ def test_sglang_eviction_policy_selects_urcs_policy_of_that_name(policy: str) ->
 
 
 @pytest.mark.parametrize(
+    ("policy", "config", "fields"),
+    [
+        ("slru", {"protected_threshold": 4}, {"slru_protected_threshold": 4}),
+        (
+            "tlru",
+            {"threshold": 4096, "next_prompt_estimate": 512},
+            {"tlru_threshold": 4096, "tlru_next_prompt_estimate": 512},
+        ),
+    ],
+)
+def test_sglang_eviction_policy_config_sets_the_policys_parameters(
+    policy: str, config: dict[str, int], fields: dict[str, int]
+) -> None:
+    from scheduler_steps import Pools, make_context
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    _register()
+    _publish(1)
+    ctx = make_context(Pools(1, 64, 2, 64), eviction_policy=policy, eviction_policy_config=config)
+    cache = create_tree_cache(ctx)
+    for name, value in fields.items():
+        assert getattr(cache.urc.config, name) == value
+
+
+@pytest.mark.parametrize(
     ("change", "flag"),
     [
         ({"is_hybrid_ssm": True, "enable_mamba_extra_buffer": True}, "extra_buffer"),
         ({"enable_hierarchical_cache": True, "is_hybrid_ssm": True}, "with a Mamba model"),
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
-        ({"eviction_policy": "tlru"}, "--radix-eviction-policy tlru"),
+        ({"eviction_policy": "belady"}, "--radix-eviction-policy belady"),
+        (
+            {"eviction_policy": "lru", "eviction_policy_config": {"threshold": 8}},
+            "--radix-eviction-policy-config",
+        ),
     ],
 )
 def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
@@ -136,7 +167,12 @@ def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
     _register()
     _publish(4)
     pools = Pools(4, 64, 2, 64)
-    init_fields = ("eviction_policy", "enable_kv_cache_events", "enable_mamba_extra_buffer")
+    init_fields = (
+        "eviction_policy",
+        "eviction_policy_config",
+        "enable_kv_cache_events",
+        "enable_mamba_extra_buffer",
+    )
     params = {k: v for k, v in change.items() if k in init_fields}
     ctx = make_context(pools, **params)
     for k, v in change.items():

@@ -84,10 +84,18 @@ class FullComponent(TreeComponent):
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
         # What the heaps order by (``urc.eviction_policy``), and the leaves it wants evicted
         # before that order (oldest fork first; checked again when their turn comes).
-        self.strategy = make_strategy(config.eviction_policy, config.next_use)
+        self.strategy = make_strategy(
+            config.eviction_policy,
+            config.next_use,
+            slru_protected_threshold=config.slru_protected_threshold,
+            tlru_threshold=config.tlru_threshold,
+            tlru_next_prompt_estimate=config.tlru_next_prompt_estimate,
+        )
         self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release
         self._marks_forks = self.strategy.marks_forks
+        self._rekey_before_evict = self.strategy.rekey_before_evict
+        self._keeps_node_state = self.strategy.keeps_node_state
         self._first: deque[TreeNode] = deque()
         self._partial = config.partial_leaf_eviction
         self._heap: list[tuple[Any, int, TreeNode]] = []
@@ -136,6 +144,20 @@ class FullComponent(TreeComponent):
             heapq.heappush(self._heap, entry)
             if len(self._heap) > 2 * self.tree.num_nodes + 64:
                 self._compact()
+
+    def _rekey_all(self) -> None:
+        """Give every live entry its current key (orphaned and stale entries are dropped) and
+        re-heap: for strategies whose keys drop on every use (``rekey_before_evict``)."""
+        key = self._key
+        keep = []
+        for entry in self._heap:
+            node = entry[2]
+            if node.heap_entry is entry:
+                node.heap_entry = fresh = (key(node), entry[1], node)
+                keep.append(fresh)
+        heapq.heapify(keep)
+        self._heap = keep
+        self._dead.clear()
 
     def _compact(self) -> None:
         """Drop entries of nodes that are gone or no longer leaves (keeps the heap O(nodes))."""
@@ -190,6 +212,8 @@ class FullComponent(TreeComponent):
                 rest = node.parent  # the head a partial eviction split off, if any
                 if rest is not above and rest is not None and self._goes_first(rest):
                     first.appendleft(rest)
+        if self._rekey_before_evict:
+            self._rekey_all()
         heap = self._heap
         key = self._key
         skipped: dict[int, TreeNode] = {}
@@ -279,8 +303,11 @@ class FullComponent(TreeComponent):
 
     def drive_host_eviction(self, num_tokens: int, tracker: EvictTracker) -> None:
         """Free host-only leaves, oldest first, until ``tracker[FULL] >= num_tokens``."""
-        heap = self._host_heap
         key = self._key
+        if self._rekey_before_evict:
+            self._host_heap = [(key(e[2]), e[1], e[2]) for e in self._host_heap]
+            heapq.heapify(self._host_heap)
+        heap = self._host_heap
         while tracker[FULL_INDEX] < num_tokens and heap:
             k, nid, node = heapq.heappop(heap)
             node.in_host_heap = False
@@ -407,6 +434,8 @@ class FullComponent(TreeComponent):
         # The new parent holds no lock of its own; its one child counts if it is locked.
         p.lock_ref = 1 if c.lock_ref else 0
         p.host_lock_ref = c.host_lock_ref
+        if self._keeps_node_state:
+            self.strategy.note_split(new_parent, child)
         if self._rekey_on_release and child.heap_entry is not None and self.is_device_leaf(child):
             # ``child`` now starts further in: a key read from its first page has changed.
             entry = child.heap_entry = (self._key(child), child.id, child)

@@ -308,9 +308,9 @@ class MambaComponent(TreeComponent):
     # ------------------------------------------------------------------ split
     def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
         # The state belongs to the end of the key, which stays with ``child``; the new upper
-        # node starts with no state and no lock (``new_data``).  A split counts as a use of
-        # ``child``: it moves to the MRU end (as in every auxiliary LRU).
-        self.lru.promote(child)
+        # node starts with no state and no lock (``new_data``).  A split is no use of the
+        # state: ``child`` keeps its place in the LRU (SGLang 0.5.23; 0.5.16 promoted it).
+        return
 
     # ------------------------------------------------------------------ eviction
     def evict_request(self, params: EvictParams) -> int:

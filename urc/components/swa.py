@@ -68,7 +68,7 @@ from urc.components.swa_window import (
 )
 from urc.errors import ConfigError, InvalidInputError
 from urc.host.protocol import TransferItem
-from urc.lru import LRUList
+from urc.lru import LinkedLRUList
 from urc.node import FULL_INDEX, ComponentData, ComponentType, Tier, TreeNode
 from urc.pools.swa import SWATokenSlotAllocator
 
@@ -118,8 +118,7 @@ class SWAComponent(TreeComponent):
         self.page_size = ps
         # Longest SWA span a new leaf keeps: one window, rounded up to whole pages.
         self.leaf_cap = -(-window // ps) * ps
-        self.lru = LRUList()
-        self._od = self.lru.entries
+        self.lru = LinkedLRUList()
         self._uuids = count(1)
         # Bumped on every recovery of a Full-locked tombstone (see the module docstring).
         self._epoch = 0
@@ -178,20 +177,22 @@ class SWAComponent(TreeComponent):
         MRU end, ancestors first; tombstones count toward the span but are not in the list.
         (SGLang's span: the extra page covers a window that starts mid-page.)"""
         window = self.window + self.page_size
-        od = self._od
+        move = self.lru.move_to_mru
         if node.key_len >= window:
-            if node.data[_SWA].value is not None:  # type: ignore[union-attr]
-                od.move_to_end(node.id)
+            cd = node.data[_SWA]
+            if cd.value is not None:  # type: ignore[union-attr]
+                move(cd)  # type: ignore[arg-type]
             return
-        chain: list[TreeNode] = []
+        chain: list[SWAData] = []
         acc = 0
         while node.parent is not None and acc < window:
-            if node.data[_SWA].value is not None:  # type: ignore[union-attr]
-                chain.append(node)
+            cd = node.data[_SWA]
+            if cd.value is not None:  # type: ignore[union-attr]
+                chain.append(cd)  # type: ignore[arg-type]
             acc += node.key_len
             node = node.parent
-        for n in reversed(chain):
-            od.move_to_end(n.id)
+        for cd in reversed(chain):
+            move(cd)
 
     def on_match_end(self, path: Sequence[TreeNode], best_len: int) -> None:
         if best_len:
@@ -213,10 +214,10 @@ class SWAComponent(TreeComponent):
         """Give ``node`` the SWA translation of its Full value (its Full slots map SWA)."""
         full = node.full.value
         cd = node.data[_SWA]
-        assert full is not None and cd is not None and cd.value is None
+        assert full is not None and isinstance(cd, SWAData) and cd.value is None
         cd.value = self.allocator.translate(full)
         self.evictable_size += node.key_len
-        self._od[node.id] = node
+        self.lru.push_mru(cd, node)
 
     def commit_insert_component_data(
         self,
@@ -331,10 +332,9 @@ class SWAComponent(TreeComponent):
         if v is not None:
             p.value = v[:k]
             c.value = v[k:]
-            # Parent before child in eviction order: ancestors are tombstoned first.
-            od = self._od
-            od[new_parent.id] = new_parent
-            od.move_to_end(child.id)
+            # A split is no use of either part (SGLang 0.5.23): the lower part keeps its
+            # place and the upper part goes just before it (ancestors are tombstoned first).
+            self.lru.insert_before(c, p, new_parent)
         hv = c.host_value
         if hv is not None:
             p.host_value = hv[:k]
@@ -357,7 +357,6 @@ class SWAComponent(TreeComponent):
         """Tombstone (internal node) or delete (leaf) nodes from the LRU end, skipping locked
         ones, until ``swa_num_tokens`` are freed."""
         target = params.swa_num_tokens
-        od = self._od
         evictor = self.evictor
         batch = _EVICT_BATCH
         while tracker[_SWA] < target:
@@ -368,7 +367,7 @@ class SWAComponent(TreeComponent):
                     return
                 cd = node.data[_SWA]
                 # Gone or tombstoned by an earlier cascade in this batch, or locked.
-                if node.id not in od or cd.lock_ref:  # type: ignore[union-attr]
+                if cd.lru_next is None or cd.lock_ref:  # type: ignore[union-attr]
                     continue
                 evictor.cascade(node, self, tracker)
                 progressed = True
@@ -391,7 +390,7 @@ class SWAComponent(TreeComponent):
         # them), so no later free can hit a reused page.
         self.allocator.free_swa_owned(full)
         cd.value = None
-        del self._od[node.id]
+        self.lru.remove(cd)  # type: ignore[arg-type]
         n = node.key_len  # == len(value) (check_node)
         self.evictable_size -= n
         return n
@@ -543,7 +542,9 @@ class SWAComponent(TreeComponent):
             assert cd.value.shape[0] == node.key_len, (
                 f"node {node.id}: SWA value len {cd.value.shape[0]} != key len {node.key_len}"
             )
-            assert node.id in self._od, f"node {node.id} holds SWA but is not in the SWA LRU"
+            assert isinstance(cd, SWAData) and cd.lru_node is node, (
+                f"node {node.id} holds SWA but is not in the SWA LRU"
+            )
             assert full.value is not None
             assert torch.equal(cd.value, self.allocator.translate(full.value)), (
                 f"node {node.id}: SWA value is not the translation of its Full value"
@@ -551,7 +552,9 @@ class SWAComponent(TreeComponent):
             assert int(cd.value.min()) >= 0, f"node {node.id}: SWA value has unmapped slots"
         else:
             assert cd.lock_ref == 0, f"node {node.id}: SWA tombstone with lock {cd.lock_ref}"
-            assert node.id not in self._od, f"SWA tombstone {node.id} is in the SWA LRU"
+            assert isinstance(cd, SWAData) and cd.lru_next is None, (
+                f"SWA tombstone {node.id} is in the SWA LRU"
+            )
             if full.value is not None:
                 assert self.allocator.num_swa_mapped(full.value) == 0, (
                     f"SWA tombstone {node.id} still maps SWA pages (leak)"
@@ -569,8 +572,8 @@ class SWAComponent(TreeComponent):
             assert cd is not None
             if cd.value is not None:
                 with_swa += 1
-        assert len(self._od) == with_swa, (
-            f"SWA LRU holds {len(self._od)} nodes, {with_swa} nodes hold SWA"
+        assert len(self.lru) == with_swa, (
+            f"SWA LRU holds {len(self.lru)} nodes, {with_swa} nodes hold SWA"
         )
 
     def reset(self) -> None:

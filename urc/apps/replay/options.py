@@ -58,7 +58,18 @@ urc.apps.bench.chunk`` measures it)."""
 # the suite until it is listed here.
 WORKLOAD_VALUES = ("multi-turn-chat", "shared-system-prompt", "agent-loop")
 TRACE_BLOCK_SIZE = 512
-EVICTION_POLICY_VALUES = ("lru", "lfu", "fifo", "priority", "fork-aware", "belady")
+EVICTION_POLICY_VALUES = (
+    "lru",
+    "lfu",
+    "fifo",
+    "priority",
+    "mru",
+    "filo",
+    "slru",
+    "tlru",
+    "fork-aware",
+    "belady",
+)
 WRITE_POLICY_VALUES = ("write_through", "write_through_selective", "write_back")
 L3_BACKUP_VALUES = ("write_through", "on_host_eviction")
 

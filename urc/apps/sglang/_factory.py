@@ -20,6 +20,24 @@ __all__ = ["check_supported", "create_cache", "unsupported_options"]
 _NOT_SGLANG = {EvictionPolicy.BELADY, EvictionPolicy.FORK_AWARE}
 
 
+# ``--radix-eviction-policy-config`` keys each policy takes (SGLang's names) and the
+# ``CacheConfig`` field each one sets.
+_POLICY_PARAMS: dict[EvictionPolicy, dict[str, str]] = {
+    EvictionPolicy.SLRU: {"protected_threshold": "slru_protected_threshold"},
+    EvictionPolicy.TLRU: {
+        "threshold": "tlru_threshold",
+        "next_prompt_estimate": "tlru_next_prompt_estimate",
+    },
+}
+
+
+def _policy_fields(policy: EvictionPolicy, config: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``CacheConfig`` fields ``--radix-eviction-policy-config`` sets (keys checked by
+    ``unsupported_options``)."""
+    names = _POLICY_PARAMS.get(policy, {})
+    return {names[k]: v for k, v in (config or {}).items() if k in names}
+
+
 def _policy(name: str) -> EvictionPolicy | None:
     try:
         policy = EvictionPolicy(name)
@@ -71,8 +89,15 @@ def unsupported_options(ctx: Any) -> list[str]:
     if _policy(params.eviction_policy) is None:
         served = ", ".join(p.value for p in EvictionPolicy if p not in _NOT_SGLANG)
         out.append(f"--radix-eviction-policy {params.eviction_policy}: urc serves {served}")
-    if params.eviction_policy_config:
-        out.append("--radix-eviction-policy-config: urc's policies take no parameters here")
+    policy = _policy(params.eviction_policy)
+    if policy is not None and params.eviction_policy_config:
+        takes = _POLICY_PARAMS.get(policy, {})
+        for key in params.eviction_policy_config:
+            if key not in takes:
+                out.append(
+                    f"--radix-eviction-policy-config: {key!r} is not a parameter of urc's "
+                    f"{policy.value} (it takes {', '.join(takes) or 'none'})"
+                )
     if params.enable_session_radix_cache or memory.enable_session_radix_cache:
         out.append("--enable-session-radix-cache: SGLang's session refs are its own")
     if params.is_eagle:
@@ -185,6 +210,7 @@ def create_cache(ctx: Any) -> Any:
         max_context_len=params.req_to_token_pool.max_context_len,
         device=str(allocator.device),
         eviction_policy=policy,
+        **_policy_fields(policy, params.eviction_policy_config),
         is_eagle=params.is_eagle,
     )
     hicache = ctx.enable_hierarchical_cache or _memory().enable_hierarchical_cache
