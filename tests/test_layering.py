@@ -142,6 +142,23 @@ def test_hicache_and_metrics_use_only_the_public_core(module: str) -> None:
     assert not bad, f"{module} reaches into {bad}"
 
 
+@pytest.mark.parametrize(
+    "module",
+    sorted(
+        m
+        for m in MODULES
+        if m.split(".")[0] == "urc" and not _is_app(m) and not m.startswith(SERVICE)
+    ),
+)
+def test_only_the_service_imports_anyio_in_the_core(module: str) -> None:
+    bad = [m for m, _ in IMPORTS[module] if m.split(".")[0] == "anyio"]
+    assert not bad, f"{module} imports {bad}: the core below urc.service is synchronous"
+
+
+def test_the_anyio_rule_sees_the_service_import_it() -> None:
+    assert any(m.split(".")[0] == "anyio" for m, _ in IMPORTS["urc.service._transport"])
+
+
 def test_no_import_cycles_but_the_allowed_pair() -> None:
     graph = {
         m: {t for t in (_target(a, n) for a, n in IMPORTS[m]) if t in MODULES and t != m}
