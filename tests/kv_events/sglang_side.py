@@ -108,17 +108,19 @@ def main() -> int:
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(spec["pub"])
     sub.setsockopt(zmq.SUBSCRIBE, spec["topic"].encode())
-    time.sleep(0.3)  # the subscription reaches the publisher (a late one replays anyway)
+    # No wait for the subscription to reach the publisher: frames a late subscriber misses
+    # come back through the replay below, like the ones it drops on purpose.
     print("ready", flush=True)
     published = int(sys.stdin.readline().split()[1])
     live: dict[int, bytes] = {}
     deadline = time.monotonic() + 5
-    while len(live) < published and time.monotonic() < deadline:
+    last = -1  # live frames stop at the last published one (or the deadline, if it was missed)
+    while last < published - 1 and time.monotonic() < deadline:
         if sub.poll(100):
             _topic, seq, payload = sub.recv_multipart()
-            n = int.from_bytes(seq, "big")
-            if n < spec["gap_from"]:
-                live[n] = payload
+            last = int.from_bytes(seq, "big")
+            if last < spec["gap_from"]:
+                live[last] = payload
     first = min([n for n in range(published) if n not in live] or [published])
     req = ctx.socket(zmq.DEALER)
     req.setsockopt(zmq.LINGER, 0)

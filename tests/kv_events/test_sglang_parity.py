@@ -126,8 +126,7 @@ async def test_urc_publishes_every_event_sglang_records_in_order_with_its_hashes
             assert ready == b"ready"
             await _run_urc(svc, script)
             with anyio.fail_after(10):
-                while pub.queued:
-                    await anyio.sleep(0.01)
+                await pub.wait_drained()
             published = pub.stats.batches_published
             await proc.stdin.send(f"published {published}\n".encode())
             with anyio.fail_after(60):

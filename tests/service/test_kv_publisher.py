@@ -122,8 +122,7 @@ async def test_a_full_queue_drops_whole_batches_and_counts_them() -> None:
                 await pub.started.wait()
                 assert pub.replay_endpoint is not None
                 await _insert(svc, 0)
-                while pub.stats.batches_published < 3:
-                    await anyio.sleep(0.01)
+                await pub.wait_published(3)
                 frames = await _replay(ctx, pub.replay_endpoint, 0)
                 payloads = [msgspec.msgpack.decode(f[2])[1] for f in frames]
                 assert [p[0]["block_hashes"] for p in payloads[:2]] == [[0], [1]]

@@ -98,6 +98,7 @@ class KVEventPublisher:
         self.replay_endpoint: str | None = None  #: the ROUTER's address once started
         #: Set once the sockets are bound and the cache's events are on.
         self.started = asyncio.Event()
+        self._sent = asyncio.Event()  # set after each batch sent (see wait_published)
 
     @property
     def stats(self) -> KVPublisherStats:
@@ -107,6 +108,19 @@ class KVEventPublisher:
     def queued(self) -> int:
         """Batches waiting to be sent."""
         return len(self._queue)
+
+    async def wait_published(self, batches: int) -> None:
+        """Return once ``batches`` batches in all have been sent (waits on the sender, never
+        polls; bound it with a deadline)."""
+        while self._stats[0] < batches:
+            self._sent.clear()
+            await self._sent.wait()
+
+    async def wait_drained(self) -> None:
+        """Return once every queued batch has been sent (bound it with a deadline)."""
+        while self._queue:
+            self._sent.clear()
+            await self._sent.wait()
 
     # ------------------------------------------------------------------ the actor's side
     def _notify(self) -> None:
@@ -212,6 +226,7 @@ class KVEventPublisher:
     async def _send_queued(self, pub: Any, topic: bytes, encode: Any) -> None:
         while self._queue:
             await pub.send_multipart(self._next(topic, encode))
+            self._sent.set()
 
     def _send_queued_nowait(self, pub: Any, topic: bytes, encode: Any) -> None:
         import zmq
