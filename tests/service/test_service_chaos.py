@@ -48,7 +48,7 @@ from urc import (
     build_cache,
 )
 from urc.cache import UnifiedRadixCache
-from urc.service import AsyncUnifiedRadixCache
+from urc.service import AsyncUnifiedRadixCache, MatchOutcome
 from urc.service._lease import Lease, NodeHandle
 
 FULL = ComponentType.FULL
@@ -245,17 +245,23 @@ class Client:
             raise
         self.drop(v, self.owned)
 
-    async def insert(self, key: list[int], style: Style | None) -> None:
-        svc = self.svc
-        m = await svc.match(key, lock=True)
+    async def match_and_alloc(self, key: list[int]) -> tuple[MatchOutcome, torch.Tensor | None]:
+        """Lock the cached prefix of ``key`` (the lease is ours) and allocate slots for the
+        rest (owned by us; None when the pool is out)."""
+        m = await self.svc.match(key, lock=True)
         assert m.lease is not None
         self.leases.append(m.lease)
         try:
-            v = await svc.alloc(len(key) - m.prefix_len)
+            v = await self.svc.alloc(len(key) - m.prefix_len)
         except OutOfMemoryError:
-            v = None
+            return m, None
+        self.owned.append(v)
+        return m, v
+
+    async def insert(self, key: list[int], style: Style | None) -> None:
+        svc = self.svc
+        m, v = await self.match_and_alloc(key)
         if v is not None:
-            self.owned.append(v)
             state = None
             if MAMBA in self.components:
                 try:

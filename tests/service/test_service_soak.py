@@ -62,15 +62,8 @@ class SoakClient(Client):
     async def insert(self, key: list[int], style: Style | None) -> None:
         """Insert over a locked match; the unaligned tail stays ours (and is freed)."""
         svc = self.svc
-        m = await svc.match(key, lock=True)
-        assert m.lease is not None
-        self.leases.append(m.lease)
-        try:
-            v = await svc.alloc(len(key) - m.prefix_len)
-        except OutOfMemoryError:
-            v = None
+        m, v = await self.match_and_alloc(key)
         if v is not None:
-            self.owned.append(v)
             value = torch.cat([m.device_indices, v])
             tail = v[len(key) - len(key) % PS - m.prefix_len :]
             try:
