@@ -81,6 +81,8 @@ class FullComponent(TreeComponent):
     ) -> None:
         super().__init__(tree, pools, config, evictor)
         self.allocator = alloc = pools.token_allocator
+        # Allocators that track tree ownership take load-back slots over at commit.
+        self._adopt = getattr(alloc, "adopt", None)
         self._free_owned = getattr(alloc, "free_owned", alloc.free)
         # What the heaps order by (``urc.eviction_policy``), and the leaves it wants evicted
         # before that order (oldest fork first; checked again when their turn comes).
@@ -343,7 +345,7 @@ class FullComponent(TreeComponent):
 
     def commit_load(self, pieces: Sequence[TreeNode], device: torch.Tensor) -> None:
         """The default commit; the load's slots a piece takes become the tree's."""
-        adopt = getattr(self.allocator, "adopt", None)
+        adopt = self._adopt
         if adopt is not None:
             pos = 0
             for piece in pieces:
