@@ -76,7 +76,7 @@ def _check_value(
     if value.shape[0] != n_key:
         raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
     if n_key > owned_from:
-        claim_value = getattr(state.token_to_kv_pool_allocator, "claim_value", None)
+        claim_value = state.claim_value
         if claim_value is not None:  # range, allocation, owner and repeats, host side
             return value, claim_value(value, owned_from, prev, True)
         lo, hi = torch.aminmax(value)
@@ -223,7 +223,7 @@ def insert(
     if free_ranges:
         # The allocator copies what it frees: the caller may overwrite its tensor
         # (cache_unfinished_req rewrites the req_to_token row it passed).
-        free_span = getattr(alloc, "free_span", None)
+        free_span = state.free_span
         # claim_value validated [owned_from, n), which holds every free range, and no Full
         # slot of the value was freed since: its host view lets the allocator skip the checks.
         for a, b in free_ranges:

@@ -26,7 +26,7 @@ What lives here (set once by ``__init__`` unless noted):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -77,6 +77,11 @@ class CacheState:
         # Tree-owned slots were checked when the tree adopted them (insert): free them
         # without re-validating.  Allocators of callers' own pools may lack the fast path.
         self.free_owned: Callable[[torch.Tensor], None] = getattr(alloc, "free_owned", alloc.free)
+        # The allocator's optional fast paths, probed once (an SGLang allocator has neither):
+        # ``claim_value`` checks an insert's value and adopts its pages in one pass,
+        # ``free_span`` frees a span of a value without slicing the tensor.
+        self.claim_value: Callable[..., Any] | None = getattr(alloc, "claim_value", None)
+        self.free_span: Callable[..., None] | None = getattr(alloc, "free_span", None)
         use_page_ops = getattr(alloc, "use_page_ops", None)
         if use_page_ops is not None:  # the page bookkeeping follows the walk (urc.pools.pageops)
             use_page_ops(config.walk_impl)
