@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
+from hicache.storage.keys import KeyScheme
+from hicache.storage.sglang_keys import SGLangNaming
 from urc.errors import ConfigError
 from urc.host.protocol import WritePolicy
 from urc.node import SizeUnit
@@ -88,6 +90,12 @@ class StorageConfig:
     for puts on host eviction; work beyond either bound is dropped (and counted).
     ``flush_timeout_s`` bounds a flush of the queued writes (the worker's ``flush`` and
     ``close``): what is still queued then is dropped and counted.
+
+    ``key_scheme``: urc's own versioned keys and page bytes (``KeyScheme.URC``, the default),
+    or SGLang HiCache's (``KeyScheme.SGLANG``: its page hashes, named with ``sglang_naming``,
+    its ``page_first`` page payload), so that SGLang replicas pointed at the same store
+    reuse this cache's pages and the other way round.  The SGLang scheme stores Full
+    (MHA KV) pages only: a cache with other components is refused by the worker.
     """
 
     backup_policy: StorageBackupPolicy = StorageBackupPolicy.WRITE_THROUGH
@@ -99,6 +107,8 @@ class StorageConfig:
     max_pending_writes: int = 1024
     max_pending_bytes: int = 64 << 20
     flush_timeout_s: float = 30.0
+    key_scheme: KeyScheme = KeyScheme.URC
+    sglang_naming: SGLangNaming = field(default_factory=SGLangNaming)
 
     def __post_init__(self) -> None:
         if not self.flush_timeout_s > 0:

@@ -7,6 +7,10 @@ Header (little-endian, ``HEADER_SIZE`` bytes)::
 Every backend stores exactly ``encode_page(buffer)`` and checks reads with
 ``decode_page_into``, so a torn write, a truncated file or a value from another program is
 detected before a single byte reaches the caller's buffer.
+
+The one exception is a page ``FileStorage`` shares with SGLang's ``HiCacheFile``: that file
+holds the raw payload only (``raw_page``/``copy_raw_page_into``), as SGLang writes and reads
+it, so only its size can be checked.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ __all__ = [
     "PageStatus",
     "buffer_bytes",
     "check_buffer",
+    "copy_raw_page_into",
     "decode_page_into",
     "decode_page_into_async",
     "encode_page",
     "encode_page_async",
+    "raw_page",
 ]
 
 PAGE_MAGIC = b"URCP"
@@ -121,3 +127,20 @@ async def decode_page_into_async(
     if len(data) < _OFFLOAD_BYTES:
         return decode_page_into(data, buffer)
     return await anyio.to_thread.run_sync(decode_page_into, data, buffer)
+
+
+def raw_page(buffer: torch.Tensor) -> bytes:
+    """The raw bytes of ``buffer`` (no header: SGLang's ``HiCacheFile`` format)."""
+    check_buffer(buffer)
+    return buffer_bytes(buffer).tobytes()
+
+
+def copy_raw_page_into(data: bytes | bytearray | memoryview, buffer: torch.Tensor) -> PageStatus:
+    """Copy a raw page into ``buffer`` if the sizes match (``OK``), else leave ``buffer``
+    untouched (``SIZE_MISMATCH``); a raw page has nothing else to verify."""
+    view = memoryview(data).cast("B")
+    target = buffer_bytes(buffer)
+    if target.nbytes != len(view):
+        return PageStatus.SIZE_MISMATCH
+    target[:] = np.frombuffer(view, dtype=np.uint8)
+    return PageStatus.OK

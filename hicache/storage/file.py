@@ -7,6 +7,13 @@ one; a crash can leave only a temp file, which the next ``open`` removes.  Every
 checked against the page header and checksum: a corrupt or truncated file reads as a miss and
 is deleted.
 
+SGLang-scheme keys (``sglang:<hash><suffix>``, see ``hicache.storage.sglang_keys``) are
+stored as SGLang's ``HiCacheFile`` stores them: ``<root>/<hash><suffix>.bin`` holding the raw
+page (no header, so only the size is checked on a read), so an SGLang replica pointed at the
+same directory reads what this one wrote and the other way round.  Their temp files are
+``.<hash><suffix>.bin.<12 hex>.tmp`` in the root; the scan removes only those, never
+SGLang's own (``.<uuid>.tmp``, possibly a write in flight).
+
 Capacity: an in-memory index (key -> size, least recently used first) is rebuilt from disk
 when the backend is created (by modification time, the best order disk keeps) and updated on
 every put and hit.  When a put would exceed ``capacity_bytes``, the least recently used pages
@@ -32,8 +39,16 @@ import anyio
 import torch
 
 from hicache.storage.base import StorageBackend
-from hicache.storage.codec import PageStatus, decode_page_into_async, encode_page_async
-from hicache.storage.keys import KEY_FORMAT_VERSION, PageKey, StorageComponent
+from hicache.storage.codec import (
+    PageStatus,
+    copy_raw_page_into,
+    decode_page_into_async,
+    encode_page_async,
+    raw_page,
+)
+from hicache.storage.errors import InvalidStorageKeyError
+from hicache.storage.keys import KEY_FORMAT_VERSION, KeyScheme, PageKey, StorageComponent
+from hicache.storage.keys import parse_page_key as _parse_page_key
 
 __all__ = ["FileStorage"]
 
@@ -41,6 +56,9 @@ _log = logging.getLogger(__name__)
 _PAGE_NAME = re.compile(r"([0-9a-f]{64})\.(full|swa|mamba)\.v([0-9]+)")
 _FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
 _TEMP_SUFFIX = ".tmp"
+# SGLang-scheme pages in the root, and this backend's temp files for them.
+_SGLANG_FILE = re.compile(r"([0-9a-f]{64}_[A-Za-z0-9._-]*_[0-9]+_[0-9]+)\.bin")
+_SGLANG_TEMP = re.compile(r"\.[0-9a-f]{64}_[A-Za-z0-9._-]*_[0-9]+_[0-9]+\.bin\.[0-9a-f]{12}\.tmp")
 
 
 class _Presence(Enum):
@@ -113,6 +131,8 @@ class FileStorage(StorageBackend):
 
     def path_of(self, key: PageKey) -> Path:
         """Return the file a page is stored in (whether or not it exists)."""
+        if key.scheme is KeyScheme.SGLANG:
+            return self._root / f"{key.sglang_name}.bin"
         digest = key.digest.hex()
         return self._root / digest[:2] / f"{digest}.{key.component.value}.v{key.version}"
 
@@ -120,6 +140,20 @@ class FileStorage(StorageBackend):
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, PageKey, int]] = []
+        for entry in os.scandir(self._root):
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            sgl = _SGLANG_FILE.fullmatch(entry.name)
+            if sgl is not None:
+                try:
+                    key = _parse_page_key(f"sglang:{sgl.group(1)}")
+                except InvalidStorageKeyError:
+                    continue
+                stat = entry.stat(follow_symlinks=False)
+                found.append((stat.st_mtime, key, stat.st_size))
+            elif _SGLANG_TEMP.fullmatch(entry.name):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)  # ours, never renamed into place
         for fanout in os.scandir(self._root):
             if not (fanout.is_dir(follow_symlinks=False) and _FANOUT_DIR.fullmatch(fanout.name)):
                 continue
@@ -234,7 +268,10 @@ class FileStorage(StorageBackend):
                 self._counters.errors += 1
                 _log.warning("could not read %s: %s", key, exc)
                 break
-            status = await decode_page_into_async(data, buffer)
+            if key.scheme is KeyScheme.SGLANG:
+                status = copy_raw_page_into(data, buffer)
+            else:
+                status = await decode_page_into_async(data, buffer)
             if status is PageStatus.CORRUPT:
                 self._counters.corrupt += 1
                 self._forget(key)
@@ -256,7 +293,10 @@ class FileStorage(StorageBackend):
         for key, buffer in zip(keys, buffers, strict=True):
             presence = self._presence(key)
             if presence is _Presence.ABSENT:
-                data = await encode_page_async(buffer)
+                if key.scheme is KeyScheme.SGLANG:
+                    data = raw_page(buffer)
+                else:
+                    data = await encode_page_async(buffer)
                 presence = self._presence(key)  # the encode may have let another put run
             if presence is _Presence.WRITING:
                 break  # another task is storing it; claiming it stored could be false

@@ -11,6 +11,12 @@ length-prefixed and type-tagged, so no two distinct inputs encode to the same by
 
 The key string is ``urc<KEY_FORMAT_VERSION>:<component>:<64 hex digits>``.  Changing any part
 of this format must bump ``KEY_FORMAT_VERSION``; golden tests pin the digests.
+
+A second key grammar names pages under SGLang's key scheme (:class:`KeyScheme`, built by
+``hicache.storage.sglang_keys``): ``sglang:<64 hex digits><suffix>``, the SGLang page hash
+followed by the deployment suffix ``_<model>_<tp rank>_<tp size>`` that SGLang's
+``HiCacheFile`` appends.  Such a key always names a Full (KV) page.  Backends name values
+after ``str(key)``; ``FileStorage`` names SGLang-scheme files as ``HiCacheFile`` does.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ __all__ = [
     "KEY_FORMAT_VERSION",
     "KEY_PATTERN",
     "ROOT_HASH",
+    "SGLANG_KEY_PATTERN",
     "VERSION_PREFIX",
     "ExtraKey",
+    "KeyScheme",
     "PageKey",
     "StorageComponent",
     "encode_namespace",
@@ -53,6 +61,10 @@ KEY_PATTERN = re.compile(r"urc([0-9]+):(full|swa|mamba):([0-9a-f]{64})")
 """A valid key string matches this in full (``fullmatch``: no trailing newline slips through);
 backends build paths and names from its groups only."""
 
+SGLANG_KEY_PATTERN = re.compile(r"sglang:([0-9a-f]{64})(_[A-Za-z0-9._-]*_[0-9]+_[0-9]+)")
+"""A valid SGLang-scheme key string matches this in full: the page hash, then the deployment
+suffix (model name with ``/`` as ``-``, TP rank, TP size; path-safe characters only)."""
+
 ExtraKey = tuple[str | int, ...] | None
 """A namespace (LoRA id, cache salt, tenant): typed parts, never one concatenated string."""
 
@@ -67,16 +79,37 @@ class StorageComponent(Enum):
     MAMBA = "mamba"
 
 
+class KeyScheme(Enum):
+    """Whose key scheme a page key follows."""
+
+    URC = "urc"
+    """urc's versioned keys (this module): namespaced, per component, checksummed pages."""
+    SGLANG = "sglang"
+    """SGLang HiCache's page hashes plus its deployment suffix (Full pages only)."""
+
+
 @dataclass(frozen=True)
 class PageKey:
-    """A parsed key string: its format version, component and 32-byte digest."""
+    """A parsed key string: its format version, component, 32-byte digest, and (SGLang
+    scheme only) the deployment suffix.  ``version`` is 0 for an SGLang-scheme key."""
 
     version: int
     component: StorageComponent
     digest: bytes
+    scheme: KeyScheme = KeyScheme.URC
+    suffix: str = ""
 
     def __str__(self) -> str:
+        if self.scheme is KeyScheme.SGLANG:
+            return f"sglang:{self.digest.hex()}{self.suffix}"
         return f"urc{self.version}:{self.component.value}:{self.digest.hex()}"
+
+    @property
+    def sglang_name(self) -> str:
+        """SGLang's object name of an SGLang-scheme key: hash and suffix (``HiCacheFile``
+        stores it as ``<name>.bin``)."""
+        assert self.scheme is KeyScheme.SGLANG, f"{self} is not an SGLang-scheme key"
+        return f"{self.digest.hex()}{self.suffix}"
 
 
 def _length_prefixed(tag: bytes, payload: bytes) -> bytes:
@@ -167,8 +200,16 @@ def parse_page_key(key: str) -> PageKey:
     """Parse and validate a key string; raise ``InvalidStorageKeyError`` if it is malformed.
 
     Only keys of the current ``KEY_FORMAT_VERSION`` are accepted: a backend never serves
-    pages hashed under another format.
+    pages hashed under another format.  SGLang-scheme keys (``sglang:...``) parse to a Full
+    ``PageKey`` of scheme ``KeyScheme.SGLANG``.
     """
+    if isinstance(key, str) and key.startswith("sglang:"):
+        sgl = SGLANG_KEY_PATTERN.fullmatch(key)
+        if sgl is None:
+            raise InvalidStorageKeyError(f"not an SGLang page key: {key!r}")
+        return PageKey(
+            0, StorageComponent.FULL, bytes.fromhex(sgl.group(1)), KeyScheme.SGLANG, sgl.group(2)
+        )
     match = KEY_PATTERN.fullmatch(key) if isinstance(key, str) else None
     if match is None:
         raise InvalidStorageKeyError(f"not a page key: {key!r}")

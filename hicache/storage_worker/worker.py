@@ -13,12 +13,14 @@ import anyio
 from hicache.config import StorageBackupPolicy, StorageConfig
 from hicache.host_tier import HostMemoryTier
 from hicache.storage.base import StorageBackend
+from hicache.storage.keys import KeyScheme
 from hicache.storage_worker.backup import BackupWriter
 from hicache.storage_worker.calls import StoreCalls
 from hicache.storage_worker.context import WorkerContext
 from hicache.storage_worker.layout import PageLayouts
 from hicache.storage_worker.prefetch import Prefetcher
 from hicache.storage_worker.retry import RetryPolicy
+from hicache.storage_worker.sglang_pages import SGLangPagePayload
 from hicache.storage_worker.stats import StorageWorkerStats
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
@@ -37,8 +39,10 @@ class StorageWorker:
 
     Build it after :func:`~hicache.host_tier.attach_hicache` (or let :func:`hicache.attach` build
     it); ``controller`` (optional) is used by :meth:`fetch` to load prefetched pages on to
-    device.  Raises :class:`~urc.errors.ConfigError` for EAGLE bigram keys and for a
-    component the storage tier cannot store.
+    device.  Raises :class:`~urc.errors.ConfigError` for EAGLE bigram keys, for a
+    component the storage tier cannot store, and, under SGLang's key scheme
+    (``StorageConfig.key_scheme``), for a cache with components other than Full or a KV
+    layout SGLang's page payload cannot express.
     """
 
     def __init__(
@@ -64,7 +68,13 @@ class StorageWorker:
         self.layouts = PageLayouts(cache, tier)
         self.page_size = cache.page_size
         self.stats = StorageWorkerStats()
-        calls = StoreCalls(storage, self.stats, self.retry, cache.page_size, observer)
+        sglang = None
+        if self.config.key_scheme is KeyScheme.SGLANG:
+            if self.layouts.aux:
+                names = ", ".join(ct.name for ct in self.layouts.aux)
+                raise ConfigError(f"SGLang's key scheme stores Full pages only, not {names}")
+            sglang = (self.config.sglang_naming, SGLangPagePayload(self.layouts.full))
+        calls = StoreCalls(storage, self.stats, self.retry, cache.page_size, observer, sglang)
         ctx = WorkerContext(
             tier, self.layouts, calls, self.config, self.retry, self.stats, observer
         )

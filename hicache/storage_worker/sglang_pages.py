@@ -1,0 +1,68 @@
+"""urc's host page rows as SGLang HiCache's per-page L3 payload, and back.
+
+SGLang's ``page_first`` host pool (``MHATokenToKVPoolHost``, 0.5.23) stores one L3 page as
+``kv_buffer[:, index : index + page_size].flatten()``: ``[2 (K, V), page_size, layers, heads,
+head_dim]``.  urc's :class:`~hicache.storage_worker.layout.HostPageLayout` gathers a page as
+its host buffers' blocks one after the other, which for a KV pool (``kv[2, layers, slots,
+heads, dim]``, or SGLang's per-layer K and V buffers under the plug-in) is ``[2, layers,
+page_size, heads * head_dim]``.  The two differ by swapping the page and layer axes; this
+module is the one place that knows it (when urc's host pool moves to a page-first layout,
+only :meth:`SGLangPagePayload.to_sglang` and :meth:`~SGLangPagePayload.from_sglang` change).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.storage_worker.layout import HostPageLayout
+from urc.errors import ConfigError
+
+__all__ = ["SGLangPagePayload"]
+
+
+class SGLangPagePayload:
+    """Converts ``[pages, page_bytes]`` uint8 rows between urc's host page layout and
+    SGLang's ``page_first`` payload (both directions copy; the input is not mutated).
+
+    Raises :class:`~urc.errors.ConfigError` unless ``layout``'s buffers are K and V blocks
+    of one size per slot (an even number of them: the K layers, then the V layers).
+    """
+
+    __slots__ = ("layers", "page_bytes", "page_size", "slot_bytes")
+
+    def __init__(self, layout: HostPageLayout) -> None:
+        ps = layout.page_size
+        blocks = 0
+        sizes = set()
+        for view in layout.views:
+            outer, _, block = view.shape
+            blocks += outer
+            sizes.add(block // ps)
+        if len(sizes) != 1 or blocks % 2:
+            raise ConfigError(
+                "the SGLang page format needs K and V blocks of one size per token "
+                f"(got {blocks} blocks of per-token sizes {sorted(sizes)})"
+            )
+        self.page_size = ps
+        self.layers = blocks // 2
+        self.slot_bytes = sizes.pop()
+        self.page_bytes = layout.page_bytes
+        assert self.page_bytes == 2 * self.layers * ps * self.slot_bytes, (
+            self.page_bytes,
+            self.layers,
+            ps,
+            self.slot_bytes,
+        )
+
+    def to_sglang(self, rows: torch.Tensor) -> torch.Tensor:
+        """urc rows (``[2, layers, page_size, bytes]`` each) as SGLang payloads
+        (``[2, page_size, layers, bytes]`` each)."""
+        n = int(rows.shape[0])
+        grid = rows.view(n, 2, self.layers, self.page_size, self.slot_bytes)
+        return grid.transpose(2, 3).contiguous().view(n, self.page_bytes)
+
+    def from_sglang(self, rows: torch.Tensor) -> torch.Tensor:
+        """SGLang payloads as urc rows (the inverse of :meth:`to_sglang`)."""
+        n = int(rows.shape[0])
+        grid = rows.view(n, 2, self.page_size, self.layers, self.slot_bytes)
+        return grid.transpose(2, 3).contiguous().view(n, self.page_bytes)
