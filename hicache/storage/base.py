@@ -65,6 +65,11 @@ class StorageBackend(abc.ABC):
         return self._counters.snapshot()
 
     @property
+    def op_timeout_s(self) -> float | None:
+        """The deadline of each public call (``None``: none)."""
+        return self._op_timeout_s
+
+    @property
     def closed(self) -> bool:
         """Whether ``close()`` was called."""
         return self._closed

@@ -72,6 +72,7 @@ def sglang_namespace(extra_key: ExtraKey) -> tuple[str | None, str | None]:
 
     ``("extra", e)``, ``("salt", s)`` and ``("extra", e, "salt", s)`` (string parts: what the
     SGLang plug-in makes of SGLang's keys) map to their parts; ``None`` to ``(None, None)``.
+    An empty salt is no salt (SGLang's ``RadixKey`` stores ``cache_salt or None``).
     Any other urc namespace has no SGLang spelling: it maps to the extra key
     ``"urc:" + hex(encode_namespace(ns))``, unique per namespace, so it still never shares a
     page with another namespace.
@@ -83,9 +84,9 @@ def sglang_namespace(extra_key: ExtraKey) -> tuple[str | None, str | None]:
         if len(parts) == 2 and parts[0] == "extra":
             return str(parts[1]), None
         if len(parts) == 2 and parts[0] == "salt":
-            return None, str(parts[1])
+            return None, str(parts[1]) or None
         if len(parts) == 4 and parts[0] == "extra" and parts[2] == "salt":
-            return str(parts[1]), str(parts[3])
+            return str(parts[1]), str(parts[3]) or None
     return "urc:" + encode_namespace(extra_key).hex(), None
 
 

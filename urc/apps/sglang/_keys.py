@@ -12,12 +12,17 @@ __all__ = ["namespace", "to_urc_key"]
 
 def namespace(extra_key: str | None, cache_salt: str | None) -> ExtraKey | None:
     """urc's namespace for SGLang's two: both split the tree (``cache_salt`` is a tenant
-    salt, ``extra_key`` a LoRA or a user's key), so the pair is the namespace."""
+    salt, ``extra_key`` a LoRA or a user's key), so the pair is the namespace.  An absent
+    part is left out rather than written as ``""``: SGLang's storage hash tells an absent
+    ``extra_key`` from an empty one, and ``hicache.storage.sglang_keys.sglang_namespace``
+    maps these namespaces back to SGLang's pair."""
     if extra_key is None and cache_salt is None:
         return None
     if cache_salt is None:
         return ("extra", extra_key)  # type: ignore[return-value]
-    return ("extra", extra_key if extra_key is not None else "", "salt", cache_salt)
+    if extra_key is None:
+        return ("salt", cache_salt)
+    return ("extra", extra_key, "salt", cache_salt)
 
 
 def to_urc_key(key: Any, length: int | None = None) -> RadixKey:

@@ -1,0 +1,272 @@
+"""SGLang's L3 format on urc's side: its key scheme, ``HiCacheFile``'s file naming and raw
+pages in ``FileStorage``, its ``page_first`` payload, and two urc replicas sharing pages
+under it.  (That SGLang itself reads and writes the same pages is shown against the real
+wheel in ``tests/sglang/test_sglang_l3_interop.py``.)"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from sglang_l3_harness import SHAPE, replica, sglang_payloads, tokens_of
+
+import hicache
+from hicache.config import HiCacheConfig, StorageConfig
+from hicache.host_pool import HostPool
+from hicache.storage.errors import InvalidStorageKeyError
+from hicache.storage.file import FileStorage
+from hicache.storage.keys import KeyScheme, StorageComponent, page_keys, parse_page_key
+from hicache.storage.sglang_keys import (
+    SGLangNaming,
+    sglang_namespace,
+    sglang_namespace_seed,
+    sglang_page_hashes,
+    sglang_page_keys,
+)
+from hicache.storage_worker import HostPageLayout
+from hicache.storage_worker.sglang_pages import SGLangPagePayload
+from urc import CacheConfig, ComponentType, ConfigError, build_cache
+from urc.pools.kv_pool import KVPool
+
+pytestmark = pytest.mark.timeout(60)
+NAMING = SGLangNaming("org/model-7b")
+SUFFIX = "_org-model-7b_0_1"
+
+
+# ---------------------------------------------------------------------- keys
+def test_naming_suffix_is_hicache_files_config_suffix() -> None:
+    assert NAMING.suffix == SUFFIX
+    assert SGLangNaming().suffix == "__0_1"
+    assert SGLangNaming("m", 3, 4).suffix == "_m_3_4"
+
+
+@pytest.mark.parametrize(
+    ("model", "rank", "size"), [("a b", 0, 1), ("x\n", 0, 1), ("m", 1, 1), ("m", -1, 2)]
+)
+def test_naming_refuses_unsafe_names_and_bad_ranks(model: str, rank: int, size: int) -> None:
+    with pytest.raises(InvalidStorageKeyError):
+        SGLangNaming(model, rank, size)
+
+
+def test_sglang_key_strings_parse_to_full_sglang_keys() -> None:
+    key = f"sglang:{'ab' * 32}{SUFFIX}"
+    parsed = parse_page_key(key)
+    assert parsed.scheme is KeyScheme.SGLANG and parsed.component is StorageComponent.FULL
+    assert str(parsed) == key and parsed.sglang_name == f"{'ab' * 32}{SUFFIX}"
+    urc = parse_page_key(page_keys([1], 1, StorageComponent.FULL)[0])
+    assert urc.scheme is KeyScheme.URC and parsed != urc
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "sglang:" + "ab" * 32,  # no suffix
+        "sglang:" + "AB" * 32 + SUFFIX,  # upper-case hex
+        "sglang:" + "ab" * 31 + SUFFIX,  # short hash
+        "sglang:" + "ab" * 32 + "_../x_0_1/y",  # a path
+        "sglang:" + "ab" * 32 + SUFFIX + "\n",
+    ],
+)
+def test_malformed_sglang_keys_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidStorageKeyError):
+        parse_page_key(bad)
+
+
+@pytest.mark.parametrize(
+    ("ns", "pair"),
+    [
+        (None, (None, None)),
+        (("extra", "lora-a"), ("lora-a", None)),
+        (("salt", "tenant"), (None, "tenant")),
+        (("salt", ""), (None, None)),
+        (("extra", "", "salt", "t"), ("", "t")),
+        (("extra", "e", "salt", "t"), ("e", "t")),
+    ],
+)
+def test_sglang_namespace_maps_the_plug_in_namespaces(
+    ns: tuple[str, ...] | None, pair: tuple[str | None, str | None]
+) -> None:
+    assert sglang_namespace(ns) == pair
+
+
+def test_other_namespaces_get_a_distinct_extra_key() -> None:
+    a, _ = sglang_namespace(("tenant", 1))
+    b, _ = sglang_namespace(("tenant", "1"))
+    assert a is not None and b is not None and a != b and a.startswith("urc:")
+
+
+def _by_hand(tokens: list[int], ps: int, seed: bytes | None) -> list[bytes]:
+    """SGLang's storage chain as its sources state it: SHA-256 of the previous digest (the
+    seed first) and the page's tokens as little-endian uint32."""
+    out, prior = [], seed
+    for start in range(0, len(tokens) - ps + 1, ps):
+        h = hashlib.sha256(prior or b"")
+        h.update(struct.pack(f"<{ps}I", *tokens[start : start + ps]))
+        prior = h.digest()
+        out.append(prior)
+    return out
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+@pytest.mark.parametrize("ns", [None, ("extra", "lora"), ("extra", "e", "salt", "s")])
+def test_page_hashes_follow_sglangs_chain(ps: int, ns: tuple[str, ...] | None) -> None:
+    tokens = tokens_of(3 * ps + ps // 2, seed=ps)
+    seed = sglang_namespace_seed(*sglang_namespace(ns))
+    assert (seed is None) == (ns is None)
+    assert sglang_page_hashes(tokens, ps, ns) == _by_hand(tokens, ps, seed)
+    keys = sglang_page_keys(tokens, ps, NAMING, ns)
+    assert keys == [f"sglang:{d.hex()}{SUFFIX}" for d in _by_hand(tokens, ps, seed)]
+
+
+def test_namespace_seed_distinguishes_absent_and_empty_parts() -> None:
+    seeds = {
+        sglang_namespace_seed(e, s)
+        for e, s in [("", None), (None, ""), ("", ""), ("a", None), (None, "a"), ("a", "")]
+    }
+    assert len(seeds) == 6
+
+
+def test_negative_tokens_are_refused() -> None:
+    with pytest.raises(InvalidStorageKeyError):
+        sglang_page_keys([1, -2], 2, NAMING)
+
+
+# ---------------------------------------------------------------------- FileStorage
+def _page(seed: int, n: int = 96) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+@pytest.mark.asyncio
+async def test_sglang_pages_are_raw_files_named_as_hicache_file_names_them(tmp_path: Path) -> None:
+    keys = sglang_page_keys(tokens_of(8, 1), 4, NAMING)
+    pages = [_page(1), _page(2)]
+    async with FileStorage(tmp_path) as store:
+        assert await store.put(keys, pages) == 2
+        for key, page in zip(keys, pages, strict=True):
+            path = tmp_path / f"{parse_page_key(key).sglang_name}.bin"
+            assert path.read_bytes() == page.numpy().tobytes()
+        out = [torch.empty_like(p) for p in pages]
+        assert await store.exists(keys) == 2
+        assert await store.get(keys, out) == 2
+        assert all(torch.equal(a, b) for a, b in zip(out, pages, strict=True))
+        # A page of another size is a miss and stays (it is SGLang's, maybe another model's).
+        assert await store.get(keys[:1], [torch.empty(95, dtype=torch.float16)]) == 0
+        assert (tmp_path / f"{parse_page_key(keys[0]).sglang_name}.bin").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{parse_page_key(k).sglang_name}.bin" for k in keys
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_file_sglang_wrote_is_read_and_counted(tmp_path: Path) -> None:
+    key = sglang_page_keys(tokens_of(4, 2), 4, NAMING)[0]
+    page = _page(3)
+    (tmp_path / f"{parse_page_key(key).sglang_name}.bin").write_bytes(page.numpy().tobytes())
+    async with FileStorage(tmp_path) as store:
+        assert store.used_bytes == page.nbytes  # found by the scan
+        out = torch.empty_like(page)
+        assert await store.get([key], [out]) == 1 and torch.equal(out, page)
+
+
+@pytest.mark.asyncio
+async def test_scan_removes_only_its_own_temp_files(tmp_path: Path) -> None:
+    name = parse_page_key(sglang_page_keys(tokens_of(4, 3), 4, NAMING)[0]).sglang_name
+    ours = tmp_path / f".{name}.bin.0123456789ab.tmp"
+    sglangs = tmp_path / f".{'c' * 32}.tmp"  # HiCacheFile's, maybe a write in flight
+    ours.write_bytes(b"x")
+    sglangs.write_bytes(b"y")
+    FileStorage(tmp_path)
+    assert not ours.exists() and sglangs.exists()
+
+
+@pytest.mark.asyncio
+async def test_capacity_counts_and_evicts_sglang_pages(tmp_path: Path) -> None:
+    keys = sglang_page_keys(tokens_of(12, 4), 4, NAMING)
+    page_bytes = _page(0).nbytes
+    async with FileStorage(tmp_path, capacity_bytes=2 * page_bytes) as store:
+        assert await store.put(keys[:2], [_page(0), _page(1)]) == 2
+        assert await store.put(keys[2:], [_page(2)]) == 1
+        assert store.used_bytes == 2 * page_bytes
+        assert await store.exists(keys[:1]) == 0 and await store.exists(keys[1:]) == 2
+    assert len(os.listdir(tmp_path)) == 2
+
+
+@pytest.mark.asyncio
+async def test_urc_and_sglang_keys_share_a_directory(tmp_path: Path) -> None:
+    tokens = tokens_of(8, 5)
+    urc_keys = page_keys(tokens, 4, StorageComponent.FULL)
+    sgl_keys = sglang_page_keys(tokens, 4, NAMING)
+    async with FileStorage(tmp_path) as store:
+        assert await store.put(urc_keys, [_page(1), _page(2)]) == 2
+        assert await store.exists(sgl_keys) == 0
+        assert await store.put(sgl_keys, [_page(3), _page(4)]) == 2
+    async with FileStorage(tmp_path) as store:
+        assert store.used_bytes > 4 * _page(0).nbytes  # urc's pages carry a header
+        out = torch.empty_like(_page(0))
+        assert await store.get(sgl_keys[1:], [out]) == 1 and torch.equal(out, _page(4))
+        assert await store.get(urc_keys[1:], [out]) == 1 and torch.equal(out, _page(2))
+
+
+# ---------------------------------------------------------------------- payload
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_payload_is_sglangs_page_first_layout(ps: int) -> None:
+    pool = KVPool(4 * ps, SHAPE)
+    pool.kv.copy_(torch.randn(pool.kv.shape).to(SHAPE.dtype))
+    host = HostPool(pool.slot_buffers(), 4 * ps, ps)
+    slots = torch.arange(ps, 3 * ps)  # pages 1 and 2
+    host.backup(slots, slots)
+    layout = HostPageLayout(host)
+    payload = SGLangPagePayload(layout)
+    rows = layout.gather(slots)
+    converted = payload.to_sglang(rows)
+    expected = sglang_payloads(pool.kv[:, :, slots], ps)
+    for row, page in zip(converted, expected, strict=True):
+        assert torch.equal(row, page.view(torch.uint8))
+    assert torch.equal(payload.from_sglang(converted), rows)
+
+
+def test_sglang_scheme_refuses_components_other_than_full(tmp_path: Path) -> None:
+    cache = build_cache(
+        CacheConfig(
+            components=(ComponentType.FULL, ComponentType.SWA),
+            page_size=4,
+            kv_size=256,
+            swa_kv_size=256,
+            sliding_window_size=8,
+        )
+    )
+    with pytest.raises(ConfigError, match="Full pages only"):
+        hicache.attach(
+            cache,
+            HiCacheConfig(host_tokens=512),
+            FileStorage(tmp_path),
+            storage_config=StorageConfig(key_scheme=KeyScheme.SGLANG),
+        )
+
+
+# ---------------------------------------------------------------------- two urc replicas
+@pytest.mark.asyncio
+@pytest.mark.parametrize("ps", [1, 16, 64])
+@pytest.mark.parametrize("ns", [None, ("extra", "e", "salt", "s")])
+async def test_two_replicas_share_pages_under_sglangs_scheme(
+    tmp_path: Path, ps: int, ns: tuple[str, ...] | None
+) -> None:
+    tokens = tokens_of(3 * ps, seed=ps)
+    async with replica(FileStorage(tmp_path), ps, NAMING) as first:
+        original = await first.put(tokens, ns)
+        assert first.worker.stats.pages_written == 3
+    files = sorted(p.name for p in tmp_path.iterdir())
+    names = [
+        f"{parse_page_key(k).sglang_name}.bin" for k in sglang_page_keys(tokens, ps, NAMING, ns)
+    ]
+    assert files == sorted(names)
+    async with replica(FileStorage(tmp_path), ps, NAMING) as second:
+        assert (await second.fetch(tokens, None if ns else ("extra", "other")))[0] == 0
+        got, data = await second.fetch(tokens, ns)
+        assert got == 3 * ps and torch.equal(data, original[:, :, : 3 * ps])
+    async with replica(FileStorage(tmp_path), ps, SGLangNaming("other/model")) as third:
+        assert (await third.fetch(tokens, ns))[0] == 0  # another model's names
