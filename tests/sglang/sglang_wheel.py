@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VERSION", "WheelUnavailable", "load", "publish_server_args"]
+__all__ = ["VERSION", "WheelUnavailable", "ensure_native_hash", "load", "publish_server_args"]
 
 VERSION = "0.5.23"
 _CACHE = Path(os.environ.get("URC_TEST_CACHE", Path.home() / ".cache" / "urc-tests"))
@@ -259,3 +259,27 @@ def publish_server_args(**fields: Any) -> Any:
     args._mamba_cache_chunk_size = max(64, fields.get("page_size", 1))
     get_context().set_server_args(args)
     return args
+
+
+_NATIVE_HASH = "sglang/srt/mem_cache/cpp_utils/hash_binding.cpp"
+
+
+def ensure_native_hash() -> None:
+    """Make SGLang's storage hash (``get_hash_str``: a C++ extension SGLang builds on first
+    use with torch's JIT loader) usable: unpack its source beside the loaded wheel and build
+    it once.  Raises :class:`WheelUnavailable` when it cannot be built (no compiler, no
+    OpenSSL headers)."""
+    load()
+    source = _ROOT / _NATIVE_HASH
+    if not source.exists():
+        wheels = sorted(_HOME.glob(f"sglang-{VERSION}-*.whl"))
+        if not wheels:
+            raise WheelUnavailable("the wheel is gone from the cache")
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extract(_NATIVE_HASH, _ROOT)
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    try:
+        get_hash_str([1, 2], None, page_size=1)
+    except RuntimeError as e:
+        raise WheelUnavailable(f"SGLang's native hash does not build here: {e}") from e

@@ -141,7 +141,9 @@ class UrcHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         if extra.get("interface_v1"):
-            raise ConfigError("urc's HiCache storage serves SGLang's generic page path only")
+            raise ConfigError(
+                "interface_v1: urc's HiCache storage serves SGLang's generic page path only"
+            )
         self._suffix = _naming(storage_config).suffix
         self._stalled = 0
         self._closed = False
