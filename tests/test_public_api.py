@@ -34,7 +34,13 @@ def test_the_scan_sees_the_public_modules() -> None:
 
 @pytest.mark.parametrize("name", MODULES)
 def test_public_module_lists_exactly_its_public_definitions(name: str) -> None:
-    module = importlib.import_module(name)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        # A class SGLang loads (urc.apps.sglang.hicache_storage) subclasses SGLang's own.
+        if (e.name or "").split(".")[0] != "sglang":
+            raise
+        pytest.skip(f"{name} needs SGLang: {e}")
     exported = getattr(module, "__all__", None)
     assert exported is not None, f"{name} has no __all__"
     assert len(set(exported)) == len(exported), f"{name}: duplicates in __all__"

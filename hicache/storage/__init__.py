@@ -4,6 +4,9 @@
 implements it with the core dependencies only.  The shared backends need optional packages
 and are imported from their own modules: ``hicache.storage.valkey.ValkeyStorage`` (the
 ``redis`` extra) and ``hicache.storage.mooncake.MooncakeStorage`` (the Mooncake wheel).
+
+Pages are keyed by urc's own scheme (``keys``) or, to share an L3 with SGLang HiCache
+replicas, by SGLang's (``sglang_keys``: ``KeyScheme.SGLANG``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hicache.storage.keys import (
     KEY_FORMAT_VERSION,
     ROOT_HASH,
     ExtraKey,
+    KeyScheme,
     PageKey,
     StorageComponent,
     extend_page_hashes,
@@ -30,6 +34,7 @@ from hicache.storage.keys import (
     page_keys,
     parse_page_key,
 )
+from hicache.storage.sglang_keys import SGLangNaming, sglang_page_keys
 from hicache.storage.stats import StorageErrorObserver, StorageOp, StorageStats
 
 __all__ = [
@@ -39,8 +44,10 @@ __all__ = [
     "FileStorage",
     "InvalidBufferError",
     "InvalidStorageKeyError",
+    "KeyScheme",
     "PageKey",
     "PageStatus",
+    "SGLangNaming",
     "StorageBackend",
     "StorageClosedError",
     "StorageComponent",
@@ -56,4 +63,5 @@ __all__ = [
     "format_page_key",
     "page_keys",
     "parse_page_key",
+    "sglang_page_keys",
 ]

@@ -127,7 +127,10 @@ def _unsupported_hicache(ctx: Any, memory: Any) -> list[str]:
             "per-layer K/V buffers (MHATokenToKVPool) only"
         )
     if memory.hicache_storage_backend is not None:
-        out.append("--hicache-storage-backend: urc's L3 stores are not wired to SGLang yet")
+        out.append(
+            "--hicache-storage-backend: urc's tree does not drive SGLang's storage controller "
+            "(SGLang's own tree can use urc's stores: urc.apps.sglang.hicache_storage)"
+        )
     if memory.hicache_host_memory_mode != "cache":
         out.append(f"--hicache-host-memory-mode {memory.hicache_host_memory_mode}")
     return out
