@@ -47,7 +47,7 @@ from hicache.storage.codec import (
     raw_page,
 )
 from hicache.storage.errors import InvalidStorageKeyError
-from hicache.storage.keys import KEY_FORMAT_VERSION, KeyScheme, PageKey, StorageComponent
+from hicache.storage.keys import KEY_FORMAT_VERSION, PageKey, SGLangPageKey, StorageComponent
 from hicache.storage.keys import parse_page_key as _parse_page_key
 
 __all__ = ["FileStorage"]
@@ -131,7 +131,7 @@ class FileStorage(StorageBackend):
 
     def path_of(self, key: PageKey) -> Path:
         """Return the file a page is stored in (whether or not it exists)."""
-        if key.scheme is KeyScheme.SGLANG:
+        if isinstance(key, SGLangPageKey):
             return self._root / f"{key.sglang_name}.bin"
         digest = key.digest.hex()
         return self._root / digest[:2] / f"{digest}.{key.component.value}.v{key.version}"
@@ -268,7 +268,7 @@ class FileStorage(StorageBackend):
                 self._counters.errors += 1
                 _log.warning("could not read %s: %s", key, exc)
                 break
-            if key.scheme is KeyScheme.SGLANG:
+            if isinstance(key, SGLangPageKey):
                 status = copy_raw_page_into(data, buffer)
             else:
                 status = await decode_page_into_async(data, buffer)
@@ -293,7 +293,7 @@ class FileStorage(StorageBackend):
         for key, buffer in zip(keys, buffers, strict=True):
             presence = self._presence(key)
             if presence is _Presence.ABSENT:
-                if key.scheme is KeyScheme.SGLANG:
+                if isinstance(key, SGLangPageKey):
                     data = raw_page(buffer)
                 else:
                     data = await encode_page_async(buffer)

@@ -27,6 +27,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import ClassVar
 
 from hicache.storage.errors import InvalidStorageKeyError
 
@@ -39,6 +40,7 @@ __all__ = [
     "ExtraKey",
     "KeyScheme",
     "PageKey",
+    "SGLangPageKey",
     "StorageComponent",
     "encode_namespace",
     "extend_page_hashes",
@@ -90,25 +92,31 @@ class KeyScheme(Enum):
 
 @dataclass(frozen=True)
 class PageKey:
-    """A parsed key string: its format version, component, 32-byte digest, and (SGLang
-    scheme only) the deployment suffix.  ``version`` is 0 for an SGLang-scheme key."""
+    """A parsed key string: its format version, component and 32-byte digest."""
 
     version: int
     component: StorageComponent
     digest: bytes
-    scheme: KeyScheme = KeyScheme.URC
-    suffix: str = ""
+    scheme: ClassVar[KeyScheme] = KeyScheme.URC
 
     def __str__(self) -> str:
-        if self.scheme is KeyScheme.SGLANG:
-            return f"sglang:{self.digest.hex()}{self.suffix}"
         return f"urc{self.version}:{self.component.value}:{self.digest.hex()}"
+
+
+@dataclass(frozen=True)
+class SGLangPageKey(PageKey):
+    """A parsed SGLang-scheme key string (``version`` 0, a Full page): SGLang's page hash
+    (``digest``) and the deployment ``suffix``.  Never equal to a urc ``PageKey``."""
+
+    suffix: str = ""
+    scheme: ClassVar[KeyScheme] = KeyScheme.SGLANG
+
+    def __str__(self) -> str:
+        return f"sglang:{self.digest.hex()}{self.suffix}"
 
     @property
     def sglang_name(self) -> str:
-        """SGLang's object name of an SGLang-scheme key: hash and suffix (``HiCacheFile``
-        stores it as ``<name>.bin``)."""
-        assert self.scheme is KeyScheme.SGLANG, f"{self} is not an SGLang-scheme key"
+        """SGLang's object name: hash and suffix (``HiCacheFile`` stores ``<name>.bin``)."""
         return f"{self.digest.hex()}{self.suffix}"
 
 
@@ -201,18 +209,14 @@ def parse_page_key(key: str) -> PageKey:
 
     Only keys of the current ``KEY_FORMAT_VERSION`` are accepted: a backend never serves
     pages hashed under another format.  SGLang-scheme keys (``sglang:...``) parse to a Full
-    ``PageKey`` of scheme ``KeyScheme.SGLANG``.
+    :class:`SGLangPageKey`.
     """
-    if isinstance(key, str) and key.startswith("sglang:"):
-        sgl = SGLANG_KEY_PATTERN.fullmatch(key)
-        if sgl is None:
-            raise InvalidStorageKeyError(f"not an SGLang page key: {key!r}")
-        return PageKey(
-            0, StorageComponent.FULL, bytes.fromhex(sgl.group(1)), KeyScheme.SGLANG, sgl.group(2)
-        )
     match = KEY_PATTERN.fullmatch(key) if isinstance(key, str) else None
-    if match is None:
-        raise InvalidStorageKeyError(f"not a page key: {key!r}")
+    if match is None:  # urc's keys first: they cost nothing extra
+        sgl = SGLANG_KEY_PATTERN.fullmatch(key) if isinstance(key, str) else None
+        if sgl is None:
+            raise InvalidStorageKeyError(f"not a page key: {key!r}")
+        return SGLangPageKey(0, StorageComponent.FULL, bytes.fromhex(sgl.group(1)), sgl.group(2))
     version = int(match.group(1))
     if version != KEY_FORMAT_VERSION:
         raise InvalidStorageKeyError(f"unsupported key format version {version} in {key!r}")

@@ -19,7 +19,14 @@ from hicache.config import HiCacheConfig, StorageConfig
 from hicache.host_pool import HostPool
 from hicache.storage.errors import InvalidStorageKeyError
 from hicache.storage.file import FileStorage
-from hicache.storage.keys import KeyScheme, StorageComponent, page_keys, parse_page_key
+from hicache.storage.keys import (
+    KeyScheme,
+    PageKey,
+    SGLangPageKey,
+    StorageComponent,
+    page_keys,
+    parse_page_key,
+)
 from hicache.storage.sglang_keys import (
     SGLangNaming,
     sglang_namespace,
@@ -55,7 +62,9 @@ def test_naming_refuses_unsafe_names_and_bad_ranks(model: str, rank: int, size: 
 def test_sglang_key_strings_parse_to_full_sglang_keys() -> None:
     key = f"sglang:{'ab' * 32}{SUFFIX}"
     parsed = parse_page_key(key)
-    assert parsed.scheme is KeyScheme.SGLANG and parsed.component is StorageComponent.FULL
+    assert isinstance(parsed, SGLangPageKey) and parsed.scheme is KeyScheme.SGLANG
+    assert parsed.component is StorageComponent.FULL
+    assert PageKey(0, StorageComponent.FULL, parsed.digest) != parsed
     assert str(parsed) == key and parsed.sglang_name == f"{'ab' * 32}{SUFFIX}"
     urc = parse_page_key(page_keys([1], 1, StorageComponent.FULL)[0])
     assert urc.scheme is KeyScheme.URC and parsed != urc
