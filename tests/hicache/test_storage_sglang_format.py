@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sglang_l3_harness import SHAPE, replica, sglang_payloads, tokens_of
 
 import hicache
@@ -36,7 +38,7 @@ from hicache.storage.sglang_keys import (
 )
 from hicache.storage_worker import HostPageLayout
 from hicache.storage_worker.sglang_pages import SGLangPagePayload
-from urc import CacheConfig, ComponentType, ConfigError, build_cache
+from urc import CacheConfig, ComponentType, ConfigError, KVShape, build_cache
 from urc.pools.kv_pool import KVPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -236,6 +238,34 @@ def test_payload_is_sglangs_page_first_layout(ps: int) -> None:
     for row, page in zip(converted, expected, strict=True):
         assert torch.equal(row, page.view(torch.uint8))
     assert torch.equal(payload.from_sglang(converted), rows)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4, 16]),
+    layers=st.integers(1, 4),
+    heads=st.integers(1, 3),
+    dim=st.sampled_from([1, 2, 8]),
+    pages=st.integers(1, 3),
+)
+def test_payload_conversion_is_a_byte_permutation_both_ways(
+    ps: int, layers: int, heads: int, dim: int, pages: int
+) -> None:
+    """Any KV geometry: urc rows -> SGLang payload is SGLang's page_first layout of the same
+    bytes, and back is the identity."""
+    shape = KVShape(layers, heads, dim, torch.float16)
+    pool = KVPool(pages * ps, shape)
+    pool.kv.copy_(torch.randn(pool.kv.shape).to(shape.dtype))
+    host = HostPool(pool.slot_buffers(), pages * ps, ps)
+    slots = torch.arange(pages * ps)
+    host.backup(slots, slots)
+    layout = HostPageLayout(host)
+    payload = SGLangPagePayload(layout)
+    rows = layout.gather(slots)
+    out = payload.to_sglang(rows)
+    assert torch.equal(payload.from_sglang(out), rows)
+    for row, page in zip(out, sglang_payloads(pool.kv, ps), strict=True):
+        assert torch.equal(row, page.view(torch.uint8))
 
 
 def test_sglang_scheme_refuses_components_other_than_full(tmp_path: Path) -> None:

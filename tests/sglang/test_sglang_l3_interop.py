@@ -273,6 +273,14 @@ def test_bad_settings_raise_typed_errors(tmp_path: Path) -> None:
         dynamic(store="file", path=str(tmp_path), colour="red")
     with pytest.raises(ConfigError, match="interface_v1"):
         dynamic(store="file", path=str(tmp_path), interface_v1=1)
+    with pytest.raises(ConfigError, match="unknown MooncakeConfig settings"):
+        dynamic(store="mooncake", master_address="127.0.0.1:1", colour="red")
+    with pytest.raises(ConfigError, match="MLA"):
+        from urc.apps.sglang.hicache_storage import UrcHiCacheStorage
+
+        config = storage_config(store="file", path=str(tmp_path))
+        config.is_mla_model = True
+        UrcHiCacheStorage(config)
 
 
 @pytest.mark.usefixtures("native_hash")
