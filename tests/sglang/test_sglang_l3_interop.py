@@ -275,6 +275,13 @@ def test_bad_settings_raise_typed_errors(tmp_path: Path) -> None:
         dynamic(store="file", path=str(tmp_path), interface_v1=1)
     with pytest.raises(ConfigError, match="unknown MooncakeConfig settings"):
         dynamic(store="mooncake", master_address="127.0.0.1:1", colour="red")
+    backend = dynamic(store="file", path=str(tmp_path))
+    try:
+        backend.register_mem_host_pool_v2(object(), "kv")
+        with pytest.raises(ConfigError, match="mamba"):
+            backend.register_mem_host_pool_v2(object(), "mamba")
+    finally:
+        backend.close()
     with pytest.raises(ConfigError, match="MLA"):
         from urc.apps.sglang.hicache_storage import UrcHiCacheStorage
 

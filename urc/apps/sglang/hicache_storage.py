@@ -24,7 +24,8 @@ Pages are named as urc's SGLang key scheme names them (``hicache.storage.sglang_
 SGLang's page hash and ``_<model>_<tp rank>_<tp size>``) and hold SGLang's own page payload,
 so a urc replica with ``StorageConfig(key_scheme=KeyScheme.SGLANG)`` on the same store shares
 them.  SGLang's generic page path is served (``batch_exists``/``batch_get``/``batch_set``,
-one flat page per key); the zero-copy ``interface_v1`` is not.
+one flat page per key), for full-attention models; the zero-copy ``interface_v1`` and the
+v2 pool transfers of hybrid models' sidecar pools are not (refused when SGLang attaches).
 
 urc's fault handling holds inside SGLang: an unreachable, failing or slow store reads as
 misses (``batch_exists`` 0, ``batch_get`` ``None``\\ s, ``batch_set`` ``False``), never as an
@@ -232,6 +233,17 @@ class UrcHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_sizes: Any = None,
     ) -> bool:
         return self.batch_set([key], [value])
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Take the KV host pool; refuse a sidecar pool (SWA, Mamba, indexer, ...) with a
+        :class:`~urc.errors.ConfigError`, which fails SGLang's storage attach: their pages
+        move through SGLang's v2 pool transfers, which this backend does not serve."""
+        if str(host_pool_name) != "kv":
+            raise ConfigError(
+                f"urc's HiCache storage stores full-attention KV pages only, not the "
+                f"{host_pool_name} pool's (a hybrid model needs SGLang's v2 pool transfers)"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def clear(self) -> bool:
         """Remove nothing: urc's stores are shared between replicas (returns ``False``)."""
