@@ -7,6 +7,7 @@ of :mod:`urc.service`.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from time import perf_counter
@@ -65,8 +66,8 @@ def _as_key(key: RadixKey | Sequence[int], extra_key: ExtraKey | str | None) -> 
         if extra_key is not None:
             raise InvalidInputError("pass extra_key inside the RadixKey, not both")
         return key
-    if isinstance(key, (list, tuple)):
-        return RadixKey(list(key), extra_key)
+    if isinstance(key, list | tuple | array):
+        return RadixKey(key, extra_key)  # packed here, outside the actor
     raise InvalidInputError(f"key must be a RadixKey or a list of token ids, got {type(key)}")
 
 
