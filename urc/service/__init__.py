@@ -139,13 +139,17 @@ for them at most every so often.
 
 Background work (HiCache): :meth:`start_background` (or ``workers=``) runs coroutines in the
 service's task group; they reach the tree only through commands (``await svc.call(fn)`` runs
-``fn(cache)`` inside the actor).  Close cancels them first (their cancellation handlers may
+``fn(cache)`` inside the actor).  An :class:`AttachableWorker` (the L3 storage worker) can
+also join and leave a running service: ``attach_worker`` (the ``AttachWorker`` command, then
+its ``run``) and ``detach_worker`` (its ``drain``, its ``run`` cancelled, then the
+``DetachWorker`` command).  Close cancels them first (their cancellation handlers may
 still make shielded calls), then closes the stream to new calls, lets the actor drain it,
 then releases every lease still held (pins included) and reports how many.
 """
 
 from __future__ import annotations
 
+from urc.service._attachable import AttachableWorker
 from urc.service._base import BackgroundWorker, LoadBackPolicy, ServiceState, TraceHook
 from urc.service._commands import Call, Command, CommandKind, InsertOutcome, MatchOutcome
 from urc.service._facade import AsyncUnifiedRadixCache
@@ -161,6 +165,7 @@ from urc.service._observer import (
 
 __all__ = [
     "AsyncUnifiedRadixCache",
+    "AttachableWorker",
     "BackgroundWorker",
     "Call",
     "Command",
