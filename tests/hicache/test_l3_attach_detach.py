@@ -11,6 +11,7 @@ hit rates resume after a new attach over the same store.  Every test ends with
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import anyio
 import pytest
 import torch
 from cache_harness import pins
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_service_ownership import CancelTaskOnApply
 
 import hicache
@@ -402,3 +405,66 @@ def test_the_synchronous_api_attaches_and_detaches_without_a_service(tmp_path: P
         StorageWorker(other, hc.tier, FileStorage(tmp_path / "other"), attached=False).attach(cache)
     assert pins(cache) == 0
     cache.sanity_check()
+
+
+_step = st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 5)),
+    st.tuples(st.just("fetch"), st.integers(0, 5)),
+    st.tuples(st.just("fetch_during_detach"), st.integers(0, 5)),
+    st.tuples(st.just("detach"), st.just(0)),
+    st.tuples(st.just("attach"), st.just(0)),
+    st.tuples(st.just("evict"), st.just(0)),
+)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ps=st.sampled_from([1, 4]), steps=st.lists(_step, min_size=4, max_size=16))
+def test_random_attach_detach_sequences_keep_invariants(
+    ps: int, steps: list[tuple[str, int]]
+) -> None:
+    """Inserts, fetches (some racing a detach), detaches, attaches and evictions in any
+    order: after every step the tree's invariants hold and no pin is left; in the end,
+    attached, every prefix backed up comes back from the store."""
+
+    def key(i: int) -> list[int]:  # six prefixes sharing their first 8 tokens
+        return tokens_of(8) + tokens_of(8, 1000 * (i + 1))
+
+    async def body(root: Path) -> None:
+        s = Stack(ps)
+        store = FileStorage(root)
+        async with store, s.svc:
+            with anyio.fail_after(30):
+                await s.attach(store)
+                for op, i in steps:
+                    worker = s.hc.storage
+                    if op == "put":
+                        await s.put(key(i))
+                    elif op == "fetch" and worker is not None:
+                        assert 0 <= await worker.fetch(s.svc, RadixKey(key(i))) <= 16
+                    elif op == "fetch_during_detach" and worker is not None:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(worker.fetch, s.svc, RadixKey(key(i)))
+                            await s.detach(timeout_s=0.05)
+                    elif op == "detach" and worker is not None:
+                        await s.detach(timeout_s=1.0)
+                    elif op == "attach" and worker is None:
+                        await s.attach(store)
+                    elif op == "evict":
+                        await s.drop_device_and_host()
+                    await s.settle()
+                    await s.check()
+                if s.hc.storage is None:
+                    await s.attach(store)
+                # Host copies made while detached are written when backed up again.
+                await s.drop_device_and_host()
+                for i in range(6):
+                    await s.put(key(i))
+                await s.settle()
+                await s.drop_device_and_host()
+                for i in range(6):
+                    assert await s.worker.prefetch(s.svc, RadixKey(key(i))) > 0
+                await s.check()
+        s.check_closed()
+
+    with tempfile.TemporaryDirectory(prefix="urc-l3-attach-") as tmp:
+        anyio.run(body, Path(tmp))
