@@ -90,14 +90,15 @@ happens then (:data:`~urc.service._call.ON_CANCEL` classifies the commands)::
     slide_req_window,    |                                | the tree took the value; free:
     cache_finished_req,  |                                | freed; a Req holds its outcome;
     cache_unfinished_req,|                                | an insert's unaligned tail and an
-    call                 |                                | unadopted Mamba value stay the
-                         |                                | caller's, as in every other case).
-                         |                                | Got: given back by the service --
+    call,                |                                | unadopted Mamba value stay the
+    attach_worker,       |                                | caller's, as in every other case).
+    detach_worker        |                                | Got: given back by the service --
                          |                                | alloc / alloc_mamba slots freed,
                          |                                | a load-back the match started
                          |                                | dropped (the Req keeps its match),
                          |                                | a call's result handed to its
-                         |                                | ``undo`` (else dropped).  If the
+                         |                                | ``undo`` (else dropped), an
+                         |                                | attached worker detached.  If the
                          |                                | command failed (typed error),
                          |                                | nothing changed: what it passed in
                          |                                | is still its own
