@@ -8,9 +8,10 @@
   without a namespace;
 - SGLang's ``StorageBackendFactory`` builds urc's ``UrcHiCacheStorage`` through ``dynamic``
   and pages round-trip through SGLang's ``batch_set`` / ``batch_exists`` / ``batch_get`` on a
-  real Valkey (and on a directory ``HiCacheFile`` shares), an outage reading as misses.
+  real Valkey, a real ``mooncake_master`` and a directory ``HiCacheFile`` shares, a Valkey
+  outage reading as misses.
 
-Skips cleanly where the wheel, its native hash or a Valkey binary cannot be had.
+Skips cleanly where the wheel, its native hash, a Valkey binary or Mooncake cannot be had.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from mooncake_master import MooncakeMaster, find_master_binary
 from sglang_l3_harness import replica, sglang_payloads, tokens_of
 from valkey_server import ValkeyNode, find_server_binary, running_node
 
@@ -164,6 +166,24 @@ def node() -> Iterator[ValkeyNode]:
         yield server
 
 
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    pytest.importorskip(
+        "mooncake.store",
+        reason="optional mooncake-transfer-engine-non-cuda (with libibverbs) is not importable",
+        exc_type=ImportError,
+    )
+    binary = find_master_binary()
+    if binary is None:
+        pytest.skip("the mooncake package ships no mooncake_master binary")
+    master = MooncakeMaster(binary, tmp_path_factory.mktemp("mooncake") / "master.log")
+    try:
+        master.start()
+        yield master
+    finally:
+        master.kill()
+
+
 def dynamic(**settings: Any) -> Any:
     """SGLang's factory building urc's backend through ``dynamic``."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -190,7 +210,7 @@ def page_hashes(n: int, seed: int) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("store", ["valkey", "file"])
+@pytest.mark.parametrize("store", ["valkey", "file", "mooncake"])
 def test_factory_builds_urcs_backend_and_pages_round_trip(
     store: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -203,6 +223,15 @@ def test_factory_builds_urcs_backend_and_pages_round_trip(
         settings: dict[str, Any] = {
             "store": "valkey",
             "addresses": [f"127.0.0.1:{server.port}"],
+            "key_prefix": f"t{secrets.token_hex(4)}:",
+        }
+    elif store == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        settings = {
+            "store": "mooncake",
+            "master_address": master.address,
+            "global_segment_size": 64 << 20,
+            "local_buffer_size": 16 << 20,
             "key_prefix": f"t{secrets.token_hex(4)}:",
         }
     else:
