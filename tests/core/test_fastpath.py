@@ -156,8 +156,8 @@ def test_native_walk_returns_what_the_python_walk_returns(
 def test_native_walk_agrees_past_sixteen_children_and_under_namespaces(
     ps: int, stored: list[list[int]], queries: list[tuple[list[int], int]]
 ) -> None:
-    """Up to 16 children the compiled walk scans the edges' first pages instead of building
-    the page's tuple; past that, and at the root (namespaced children), it looks the tuple
+    """Up to 16 children the compiled walk scans the child keys' ints instead of building
+    the page's key (skipping namespaced root keys); past that it builds the key and looks it
     up: both ways find what the twin finds."""
     native = select_walk(WalkImpl.NATIVE)
     cache = _python_walk_cache(ps, 512 * ps)

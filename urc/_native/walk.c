@@ -150,20 +150,32 @@ child_key(const int64_t *t, Py_ssize_t ps)
     return k;
 }
 
-/* Up to this many children, a page-keyed lookup compares each child's first page instead of
- * building and hashing the tuple of the page: most first pages differ at their first token,
- * so a scan of a few children costs less than the tuple. */
+/* Up to this many children, a lookup scans the child keys instead of building the page's key
+ * object (an int, or a tuple of ps ints) and hashing it: most keys differ at their first
+ * token, so a scan of a few costs less than the allocations. */
 enum { SCAN_CHILDREN = 16 };
 
-/* The child of ``children`` whose key starts with the page ``t[0:ps]`` (ps > 1), found
- * without building the page's tuple: every child is held under the tuple of its key's first
- * page (``Tree.child_key_of``, checked by ``sanity_check``), so the child whose first page
- * equals the page is the one ``children[tuple(page)]`` gives.  1: decided (``*out`` the
- * child, borrowed, or NULL for none); 0: not decidable here (too many children, or an edge
- * that is not a packed key of at least a page): build the tuple.  Runs no Python code, so
- * the dict cannot change under the iteration. */
+/* 1: ``k`` is the exact int ``v``; 0: it is not; -1: not decidable here (an int subclass).
+ * Runs no Python code. */
+static inline int
+int_is(PyObject *k, int64_t v)
+{
+    if (!PyLong_CheckExact(k))
+        return PyLong_Check(k) ? -1 : 0;
+    int overflow;
+    const long long x = PyLong_AsLongLongAndOverflow(k, &overflow);
+    return !overflow && x == v; /* no error is possible on an exact int */
+}
+
+/* The child of ``children`` held under the page key of ``t[0:ps]`` -- what
+ * ``children.get(Tree.page_key(...))`` gives -- found by comparing the keys' ints with the
+ * page's, without building the key.  1: decided (``*out`` the child, borrowed, or NULL for
+ * none); 0: not decidable here (too many children, or a key holding an int subclass): build
+ * the key and look it up.  A key of another shape (a namespaced root key, whose first item is
+ * the sentinel object) never equals the page key and is skipped.  Runs no Python code, so the
+ * dict cannot change under the iteration. */
 static int
-scan_children(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **out)
+scan_keys(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **out)
 {
     *out = NULL;
     if (PyDict_GET_SIZE(children) > SCAN_CHILDREN)
@@ -171,17 +183,18 @@ scan_children(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **ou
     Py_ssize_t it = 0;
     PyObject *k, *v;
     while (PyDict_Next(children, &it, &k, &v)) {
-        PyObject *edge = peek_slot(v, &sc_key);
-        Py_buffer eb;
-        if (edge == NULL || PyObject_GetBuffer(edge, &eb, PyBUF_FORMAT | PyBUF_ND) < 0) {
-            PyErr_Clear();
-            return 0;
+        int same;
+        if (ps == 1) {
+            same = int_is(k, t[0]);
         }
-        const int ok = eb.ndim == 1 && eb.itemsize == 8 && eb.format != NULL &&
-                       strcmp(eb.format, "q") == 0 && eb.shape[0] >= ps;
-        const int same = ok && memcmp(eb.buf, t, (size_t)ps * sizeof(int64_t)) == 0;
-        PyBuffer_Release(&eb);
-        if (!ok)
+        else {
+            if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != ps)
+                continue;
+            same = 1;
+            for (Py_ssize_t j = 0; j < ps && same == 1; j++)
+                same = int_is(PyTuple_GET_ITEM(k, j), t[j]);
+        }
+        if (same < 0)
             return 0;
         if (same) {
             *out = v;
@@ -232,10 +245,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto fail;
         }
         PyObject *child = NULL; /* borrowed */
-        /* Pages below the start node: the edges' first pages decide (never at the start,
-         * which may be the root: its namespaced children are not keyed by their first page). */
-        if (ck == NULL && (ps == 1 || node == args[0] ||
-                           n - pos < ps || scan_children(children, t + pos, ps, &child) == 0)) {
+        if (ck == NULL && (n - pos < ps || scan_keys(children, t + pos, ps, &child) == 0)) {
             ck = child_key(t + pos, n - pos < ps ? n - pos : ps);
             if (ck == NULL) {
                 Py_DECREF(children);
