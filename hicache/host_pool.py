@@ -288,7 +288,7 @@ def _host_buffer(shape: list[int], dtype: torch.dtype, pinned: bool) -> torch.Te
     up to a power of two), unregistered when the tensor is collected."""
     host = torch.empty(shape, dtype=dtype)
     if pinned and host.numel():
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         ptr = host.data_ptr()
         err = cudart.cudaHostRegister(ptr, host.numel() * host.element_size(), 0)
         if int(err) != 0:

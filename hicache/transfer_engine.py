@@ -75,7 +75,7 @@ class _CudaCompletion(Completion):
         self._keep = keep
 
     def done(self) -> bool:
-        if self._event.query():
+        if self._event.query():  # type: ignore[no-untyped-call]
             self._keep = ()
             return True
         return False
@@ -125,15 +125,15 @@ class CudaTransferEngine(TransferEngine):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.write_stream = torch.cuda.Stream(device)
-        self.load_stream = torch.cuda.Stream(device)
+        self.write_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.load_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def submit(self, lane: Lane, work: Callable[[], Any]) -> Completion:
         stream = self.write_stream if lane is Lane.WRITE else self.load_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             keep = work()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return _CudaCompletion(event, (keep,))
 
