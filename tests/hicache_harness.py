@@ -12,6 +12,7 @@ from cache_harness import assert_path_validators_agree
 
 from hicache.config import HiCacheConfig
 from hicache.host_tier import attach_hicache
+from hicache.transfer_engine import TransferEngine
 from urc import (
     CacheConfig,
     ComponentType,
@@ -45,9 +46,11 @@ def make(
     host_pages: int = 128,
     mamba_size: int = 16,
     window_pages: int = WINDOW_PAGES,
+    engine: TransferEngine | None = None,
     **config: Any,
 ) -> UnifiedRadixCache:
-    """A cache of ``comps`` with a host tier (``config``: more ``CacheConfig`` fields)."""
+    """A cache of ``comps`` with a host tier (``config``: more ``CacheConfig`` fields;
+    ``engine``: where the host tier's copies run, default the one for ``config.device``)."""
     cache = build_cache(
         CacheConfig(
             **config,
@@ -60,7 +63,9 @@ def make(
             kv_shape=KVShape(2, 2, 4, torch.float32),
         )
     )
-    attach_hicache(cache, HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps))
+    attach_hicache(
+        cache, HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps), engine
+    )
     return cache
 
 
