@@ -63,9 +63,11 @@ def make(
             kv_shape=KVShape(2, 2, 4, torch.float32),
         )
     )
-    attach_hicache(
-        cache, HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps), engine
-    )
+    hc = HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps)
+    if engine is None:
+        attach_hicache(cache, hc)
+    else:
+        attach_hicache(cache, hc, engine)
     return cache
 
 
