@@ -182,9 +182,12 @@ class HostPool:
         return idx if ps == 1 else torch.div(idx[::ps], ps, rounding_mode="floor")
 
     def _gather_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Backup, pools on the CPU: gather straight into each run of host pages."""
+        """Backup, pools on the CPU: one strided copy per span that is a run on both sides,
+        else gather straight into each run of host pages."""
         du = self._device_units(device_indices)
         n = hu.shape[0]
+        if self._copy_joint_runs(du, hu, backup=True):
+            return
         runs = _runs(hu)
         for m in self._mirrors:
             for s in range(m.split):
@@ -198,9 +201,12 @@ class HostPool:
                     dst.index_copy_(0, torch.from_numpy(hu), src.index_select(0, du).view(n, -1))
 
     def _scatter_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Load, pools on the CPU: scatter each run of host pages straight into the pool."""
+        """Load, pools on the CPU: one strided copy per span that is a run on both sides,
+        else scatter each run of host pages straight into the pool."""
         du = self._device_units(device_indices)
         n = hu.shape[0]
+        if self._copy_joint_runs(du, hu, backup=False):
+            return
         runs = _runs(hu)
         for m in self._mirrors:
             for s in range(m.split):
@@ -213,6 +219,30 @@ class HostPool:
                 else:
                     rows = src.index_select(0, torch.from_numpy(hu)).view(n, *m.page_shape)
                     dst.index_copy_(0, du, rows)
+
+    def _copy_joint_runs(self, du: torch.Tensor, hu: np.ndarray, backup: bool) -> bool:
+        """Copy span by span where the device and the host pages both run consecutively
+        (one strided ``copy_`` per span and split: a node's pages are usually allocated
+        together); False, copying nothing, when there are too many such spans."""
+        n = hu.shape[0]
+        dn = du.numpy()
+        breaks = (np.diff(hu) != 1) | (np.diff(dn) != 1)
+        cuts = np.flatnonzero(breaks)
+        if (cuts.shape[0] + 1) * 4 > n:
+            return False
+        starts = [0, *(int(c) + 1 for c in cuts)]
+        ends = [*(int(c) + 1 for c in cuts), n]
+        for m in self._mirrors:
+            for a, b in zip(starts, ends, strict=True):
+                d0, h0, length = int(dn[a]), int(hu[a]), b - a
+                for s in range(m.split):
+                    dev = m.device[s, d0 : d0 + length]
+                    host = m.host[s, h0 : h0 + length].view(length, *m.page_shape)
+                    if backup:
+                        host.copy_(dev)
+                    else:
+                        dev.copy_(host)
+        return True
 
     def _chunks(self, hu: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """The runs of ``hu`` grouped in chunks that fit the staging buffer:
