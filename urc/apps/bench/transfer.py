@@ -65,7 +65,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Completion | None]], 
             done.wait_stream()
         end.record()
         torch.cuda.synchronize(device)
-        return float(start.elapsed_time(end)) / 1e3  # type: ignore[no-untyped-call]
+        return float(start.elapsed_time(end)) / 1e3
 
     return events
 
