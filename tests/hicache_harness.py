@@ -128,17 +128,18 @@ def insert(
         if value is None:
             return False
     kv = cache.pools.kv_pool.kv  # type: ignore[union-attr]
+    dev = kv.device  # the pools' data may live on a device; indices stay on the host
     if fill is None:
-        kv[:, :, value] = torch.randn(kv[:, :, value].shape)
+        kv[:, :, value] = torch.randn(kv[:, :, value].shape).to(dev)
     else:
-        kv[:, :, value] = torch.tensor(fill[:n]).view(1, 1, n, 1, 1)
+        kv[:, :, value] = torch.tensor(fill[:n]).view(1, 1, n, 1, 1).to(dev)
     if cache.supports_swa():
         sv = alloc.translate(value)  # type: ignore[attr-defined]
         skv = swa_kv(cache)
         if fill is None:
-            skv[:, :, sv] = torch.randn(skv[:, :, sv].shape)
+            skv[:, :, sv] = torch.randn(skv[:, :, sv].shape).to(dev)
         else:
-            skv[:, :, sv] = (torch.tensor(fill[:n]) + 0.5).view(1, 1, n, 1, 1)
+            skv[:, :, sv] = (torch.tensor(fill[:n]) + 0.5).view(1, 1, n, 1, 1).to(dev)
     mv = None
     slot = None
     if cache.supports_mamba() and state:
@@ -149,8 +150,8 @@ def insert(
             slot = pool.alloc_slot()
         if slot is not None:
             if fill is None:
-                pool.conv[slot] = torch.randn(pool.conv[slot].shape)
-                pool.temporal[slot] = torch.randn(pool.temporal[slot].shape)
+                pool.conv[slot] = torch.randn(pool.conv[slot].shape).to(dev)
+                pool.temporal[slot] = torch.randn(pool.temporal[slot].shape).to(dev)
             else:
                 pool.conv[slot] = fill[n - 1] + 0.25
                 pool.temporal[slot] = fill[n - 1] + 0.75
