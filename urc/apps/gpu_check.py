@@ -125,7 +125,7 @@ def sync_free_round_trip(ps: int) -> dict[str, Any]:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     seconds = time.perf_counter() - t0
-    exact = bool(torch.equal(kv[:, :, after.cuda()], before))
+    exact = after is not None and bool(torch.equal(kv[:, :, after.cuda()], before))
     cache.sanity_check()
     return {
         "page_size": ps,
