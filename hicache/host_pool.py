@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hicache._row_copy import RowMirror, backup_rows, load_rows
 from hicache.transfer_engine import DONE, Completion, Lane, TransferEngine, engine_for
 from urc.errors import ConfigError, InvalidIndicesError
 from urc.pools.allocator import TokenSlotAllocator
@@ -48,7 +49,7 @@ STAGING_BYTES = 256 << 20
 class _Mirror:
     """One device buffer and its host copy as ``[split, units, ...]`` page views."""
 
-    __slots__ = ("device", "host", "page_shape", "split", "unit_bytes")
+    __slots__ = ("device", "host", "page_shape", "rows", "split", "unit_bytes")
 
     def __init__(self, dev: torch.Tensor, dim: int, host: torch.Tensor, page_size: int) -> None:
         shape = dev.shape
@@ -62,6 +63,7 @@ class _Mirror:
         self.device = dev.view(split, mid, units, page_size, inner).permute(0, 2, 3, 1, 4)
         self.host = host.view(split, host.shape[1 if dim > 0 else 0] // page_size, -1)
         self.unit_bytes = split * page_size * mid * inner * dev.element_size()
+        self.rows = RowMirror(dev, host, split, mid, inner)  # for pools on the CPU
 
 
 class HostPool:
@@ -181,68 +183,30 @@ class HostPool:
         ps = self.page_size
         return idx if ps == 1 else torch.div(idx[::ps], ps, rounding_mode="floor")
 
+    def _slots(self, device_indices: torch.Tensor, hu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Device and host slots (numpy) of whole pages, for pools on the CPU."""
+        dn = device_indices.numpy()
+        ps = self.page_size
+        if ps == 1:
+            return dn, hu
+        offsets = np.arange(ps, dtype=np.int64)
+        du = dn[::ps] // ps
+        return (
+            (du[:, None] * ps + offsets).reshape(-1),
+            (hu[:, None] * ps + offsets).reshape(-1),
+        )
+
     def _gather_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Backup, pools on the CPU: one strided copy per span that is a run on both sides,
-        else gather straight into each run of host pages."""
-        du = self._device_units(device_indices)
-        n = hu.shape[0]
-        if self._copy_joint_runs(du, hu, backup=True):
-            return
-        runs = _runs(hu)
+        """Backup, pools on the CPU: row copies (:mod:`hicache._row_copy`)."""
+        ds, hs = self._slots(device_indices, hu)
         for m in self._mirrors:
-            for s in range(m.split):
-                src = m.device[s]
-                dst = m.host[s]
-                if len(runs) * 4 <= n:
-                    for pos, length, start in runs:
-                        out = dst[start : start + length].view(length, *m.page_shape)
-                        torch.index_select(src, 0, du[pos : pos + length], out=out)
-                else:
-                    dst.index_copy_(0, torch.from_numpy(hu), src.index_select(0, du).view(n, -1))
+            backup_rows(m.rows, ds, hs, 4 * self.page_size)
 
     def _scatter_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Load, pools on the CPU: one strided copy per span that is a run on both sides,
-        else scatter each run of host pages straight into the pool."""
-        du = self._device_units(device_indices)
-        n = hu.shape[0]
-        if self._copy_joint_runs(du, hu, backup=False):
-            return
-        runs = _runs(hu)
+        """Load, pools on the CPU: row copies (:mod:`hicache._row_copy`)."""
+        ds, hs = self._slots(device_indices, hu)
         for m in self._mirrors:
-            for s in range(m.split):
-                src = m.host[s]
-                dst = m.device[s]
-                if len(runs) * 4 <= n:
-                    for pos, length, start in runs:
-                        part = src[start : start + length].view(length, *m.page_shape)
-                        dst.index_copy_(0, du[pos : pos + length], part)
-                else:
-                    rows = src.index_select(0, torch.from_numpy(hu)).view(n, *m.page_shape)
-                    dst.index_copy_(0, du, rows)
-
-    def _copy_joint_runs(self, du: torch.Tensor, hu: np.ndarray, backup: bool) -> bool:
-        """Copy span by span where the device and the host pages both run consecutively
-        (one strided ``copy_`` per span and split: a node's pages are usually allocated
-        together); False, copying nothing, when there are too many such spans."""
-        n = hu.shape[0]
-        dn = du.numpy()
-        breaks = (np.diff(hu) != 1) | (np.diff(dn) != 1)
-        cuts = np.flatnonzero(breaks)
-        if (cuts.shape[0] + 1) * 4 > n:
-            return False
-        starts = [0, *(int(c) + 1 for c in cuts)]
-        ends = [*(int(c) + 1 for c in cuts), n]
-        for m in self._mirrors:
-            for a, b in zip(starts, ends, strict=True):
-                d0, h0, length = int(dn[a]), int(hu[a]), b - a
-                for s in range(m.split):
-                    dev = m.device[s, d0 : d0 + length]
-                    host = m.host[s, h0 : h0 + length].view(length, *m.page_shape)
-                    if backup:
-                        host.copy_(dev)
-                    else:
-                        dev.copy_(host)
-        return True
+            load_rows(m.rows, hs, ds, 4 * self.page_size)
 
     def _chunks(self, hu: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """The runs of ``hu`` grouped in chunks that fit the staging buffer:
