@@ -8,17 +8,21 @@ device slot holds stale bytes: these tests then fail on the bytes.
 
 from __future__ import annotations
 
+import anyio
 import pytest
 import torch
 from deferred_engine import DeferredEngine
 from hicache_harness import FULL, SET_IDS, SETS, check, insert, make, match, seq
 from transfer_harness import round_trip
 
+import hicache
+from hicache import HiCacheConfig
 from hicache.host_pool import HostPool
 from hicache.transfer_engine import DONE, HostTransferEngine, Lane, engine_for
-from urc import ComponentType
+from urc import CacheConfig, ComponentType, RadixKey, build_cache
 from urc.host import transfers as host_transfers
 from urc.pools.kv_pool import KVPool, KVShape
+from urc.service import AsyncUnifiedRadixCache
 
 ALL_SETS = [(FULL,), *SETS]
 ALL_IDS = ["full", *SET_IDS]
@@ -94,3 +98,34 @@ def test_the_host_engine_copies_at_submission() -> None:
     assert moved == [1] and done is DONE and done.done()
     done.wait()
     done.wait_stream()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("copy_in_thread", [True, False])
+async def test_the_service_waits_for_deferred_copies(copy_in_thread: bool) -> None:
+    engine = DeferredEngine()
+    cache = build_cache(
+        CacheConfig(page_size=4, kv_size=64, kv_shape=KVShape(2, 2, 4, torch.float32))
+    )
+    hc = hicache.attach(
+        cache, HiCacheConfig(host_tokens=256), engine=engine, copy_in_thread=copy_in_thread
+    )
+    key = RadixKey(list(range(32)))
+    async with AsyncUnifiedRadixCache(cache, workers=hc.workers) as svc:
+        with anyio.fail_after(20):
+            value = await svc.alloc(32)
+            kv = cache.pools.kv_pool
+            assert kv is not None
+            kv.kv[:, :, value] = torch.randn(kv.kv[:, :, value].shape)
+            original = kv.kv[:, :, value].clone()
+            await svc.insert(key, value)
+            while hc.controller.backed_up_tokens < 32:  # the background backup commits
+                await anyio.wait_all_tasks_blocked()
+                await anyio.sleep(0)
+            await svc.evict(64)
+            kv.kv.zero_()
+            assert await hc.controller.load_back(svc, key) == 32
+            m = await svc.match(key)
+            assert torch.equal(kv.kv[:, :, m.device_indices], original)
+            await svc.sanity_check()
+    assert engine.submitted and engine.pending() == 0
