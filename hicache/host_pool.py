@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache._row_copy import RowMirror, backup_rows, load_rows
+from hicache._cpu_copy import RowMirror, backup_rows, load_rows
 from hicache.transfer_engine import DONE, Completion, Lane, TransferEngine, engine_for
 from urc.errors import ConfigError, InvalidIndicesError
 from urc.pools.allocator import TokenSlotAllocator
@@ -63,7 +63,8 @@ class _Mirror:
         self.device = dev.view(split, mid, units, page_size, inner).permute(0, 2, 3, 1, 4)
         self.host = host.view(split, host.shape[1 if dim > 0 else 0] // page_size, -1)
         self.unit_bytes = split * page_size * mid * inner * dev.element_size()
-        self.rows = RowMirror(dev, host, split, mid, inner)  # for pools on the CPU
+        # Row views for pools on the CPU (:mod:`hicache._cpu_copy`).
+        self.rows = RowMirror(dev, host, split, mid, inner) if dev.device.type == "cpu" else None
 
 
 class HostPool:
@@ -197,15 +198,17 @@ class HostPool:
         )
 
     def _gather_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Backup, pools on the CPU: row copies (:mod:`hicache._row_copy`)."""
+        """Backup, pools on the CPU: row copies (:mod:`hicache._cpu_copy`)."""
         ds, hs = self._slots(device_indices, hu)
         for m in self._mirrors:
+            assert m.rows is not None, "row views exist for pools on the CPU"
             backup_rows(m.rows, ds, hs, 4 * self.page_size)
 
     def _scatter_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Load, pools on the CPU: row copies (:mod:`hicache._row_copy`)."""
+        """Load, pools on the CPU: row copies (:mod:`hicache._cpu_copy`)."""
         ds, hs = self._slots(device_indices, hu)
         for m in self._mirrors:
+            assert m.rows is not None, "row views exist for pools on the CPU"
             load_rows(m.rows, hs, ds, 4 * self.page_size)
 
     def _chunks(self, hu: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
