@@ -46,7 +46,7 @@ from urc import (
 )
 from urc.apps.bench.transfer import LLAMA3_8B, measure
 
-__all__ = ["main"]
+__all__ = ["bandwidth", "facts", "main", "run_tests", "sync_free_round_trip"]
 
 _QUERY = "name,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max"
 
@@ -140,6 +140,7 @@ def sync_free_round_trip(ps: int) -> dict[str, Any]:
 
 
 def bandwidth(tokens: int, page_sizes: list[int]) -> list[dict[str, Any]]:
+    """``urc.apps.bench.transfer.measure`` on the GPU at each page size (Llama-3-8B rows)."""
     return [measure(tokens, ps, LLAMA3_8B, "cuda") for ps in page_sizes]
 
 
