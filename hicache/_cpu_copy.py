@@ -12,8 +12,8 @@ move is a memcpy of ``inner`` elements, whatever the page size.
 
 Where the transfer's device and host slots run together in long spans (a node's pages are
 usually allocated together on both sides), each span is instead one strided ``copy_`` of
-``[split, mid, length, inner]`` into ``[split, length, mid, inner]`` (what torch copies
-fastest: the rows' bandwidth on this layout is about half of it).
+``[split, mid, length, inner]`` into ``[split, length, mid, inner]`` (torch's fastest copy
+of this transposition: row gathers of rows this small reach about half its bandwidth).
 """
 
 from __future__ import annotations

@@ -43,3 +43,38 @@ def test_mamba_host_states_keep_their_shape() -> None:
     pool.backup(torch.tensor([6, 1]), torch.tensor([3, 0])).wait()
     assert torch.equal(pool.host_buffers[0][0][[3, 0]], mamba.conv[[6, 1]])
     assert torch.equal(pool.host_buffers[1][0][[3, 0]], mamba.temporal[[6, 1]])
+
+
+def _slots(pages: list[int], ps: int) -> torch.Tensor:
+    return torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages])
+
+
+PATTERNS = {  # (device pages, host pages) of 8-page transfers
+    "both-runs": (list(range(3, 11)), list(range(1, 9))),
+    "device-scattered": ([14, 2, 9, 5, 0, 11, 7, 3], list(range(2, 10))),
+    "host-scattered": (list(range(4, 12)), [9, 0, 4, 2, 11, 6, 1, 8]),
+    "both-scattered": ([14, 2, 9, 5, 0, 11, 7, 3], [9, 0, 4, 2, 11, 6, 1, 8]),
+    "runs-of-two": ([0, 1, 6, 7, 12, 13, 3, 4], [10, 11, 2, 3, 6, 7, 0, 1]),
+}
+
+
+@pytest.mark.parametrize("ps", [1, 4, 32])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_cpu_copies_move_exactly_the_named_pages(pattern: str, ps: int) -> None:
+    dev_pages, host_pages = PATTERNS[pattern]
+    kv = KVPool(16 * ps, KVShape(3, 2, 4, torch.float16))
+    kv.kv.normal_()
+    pool = HostPool(kv.slot_buffers(), 12 * ps, ps)
+    host = pool.host_buffers[0][0]
+    host.zero_()
+    dev_idx, host_idx = _slots(dev_pages, ps), _slots(host_pages, ps)
+    pool.backup(dev_idx, host_idx).wait()
+    expected = torch.zeros_like(host)
+    expected[:, host_idx] = kv.kv[:, :, dev_idx].transpose(1, 2)
+    assert torch.equal(host, expected)  # every named page, and nothing else
+    before = kv.kv.clone()
+    back = _slots(list(reversed(dev_pages)), ps)
+    pool.load(host_idx, back).wait()
+    want = before.clone()
+    want[:, :, back] = before[:, :, dev_idx]
+    assert torch.equal(kv.kv, want)
