@@ -30,9 +30,10 @@ class StoreCalls:
     never mistaken for a miss); a failed call is counted in ``stats.errors``, reported to an
     observer that takes storage errors, backs the worker off and reads as ``None``.
 
-    With ``sglang`` (the SGLang key scheme: its naming and page payload) keys are SGLang's
-    and Full page rows are converted to SGLang's payload on the way out and back on the way
-    in; without it keys are urc's and rows are stored as they are."""
+    With ``sglang`` (the SGLang key scheme: its naming, and the payload converter when urc's
+    rows are not SGLang's payload already) keys are SGLang's and Full page rows are
+    converted to SGLang's payload on the way out and back on the way in; without it keys
+    are urc's and rows are stored as they are."""
 
     __slots__ = ("backoff", "naming", "page_size", "payload", "sink", "stats", "storage")
 
@@ -43,7 +44,7 @@ class StoreCalls:
         retry: RetryPolicy,
         page_size: int,
         observer: ServiceObserver | None,
-        sglang: tuple[SGLangNaming, SGLangPagePayload] | None = None,
+        sglang: tuple[SGLangNaming, SGLangPagePayload | None] | None = None,
     ) -> None:
         self.storage = storage
         self.naming: SGLangNaming | None = None

@@ -3,11 +3,18 @@
 SGLang's ``page_first`` host pool (``MHATokenToKVPoolHost``, 0.5.23) stores one L3 page as
 ``kv_buffer[:, index : index + page_size].flatten()``: ``[2 (K, V), page_size, layers, heads,
 head_dim]``.  urc's :class:`~hicache.storage_worker.layout.HostPageLayout` gathers a page as
-its host buffers' blocks one after the other, which for a KV pool (``kv[2, layers, slots,
-heads, dim]``, or SGLang's per-layer K and V buffers under the plug-in) is ``[2, layers,
-page_size, heads * head_dim]``.  The two differ by swapping the page and layer axes; this
-module is the one place that knows it (when urc's host pool moves to a page-first layout,
-only :meth:`SGLangPagePayload.to_sglang` and :meth:`~SGLangPagePayload.from_sglang` change).
+its host buffers' blocks one after the other:
+
+- a KV pool held ``page_first`` (urc's ``KVPool``, one ``[2, slots, layers, heads, dim]``
+  host buffer): two blocks, K then V, each ``[page_size, layers, heads, dim]`` -- already
+  SGLang's payload, so nothing is converted;
+- per-layer K and V buffers with slot dim 0 (SGLang's own device pools under the plug-in,
+  mirrored as they are): ``2 x layers`` blocks of ``[page_size, heads, dim]``, i.e.
+  ``[2, layers, page_size, ...]``, which differs from SGLang's by swapping the page and
+  layer axes.
+
+This module is the one place that knows it: :meth:`SGLangPagePayload.to_sglang` and
+:meth:`~SGLangPagePayload.from_sglang` (``identity`` tells the caller no copy is needed).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ class SGLangPagePayload:
     """Converts ``[pages, page_bytes]`` uint8 rows between urc's host page layout and
     SGLang's ``page_first`` payload (both directions copy; the input is not mutated).
 
+    ``layers`` counts the K blocks of a row: 1 when each block holds every layer of a slot
+    (a ``page_first`` host buffer), the model's layers when each block is one layer's.
     Raises :class:`~urc.errors.ConfigError` unless ``layout``'s buffers are K and V blocks
-    of one size per slot (an even number of them: the K layers, then the V layers).
+    of one size per slot (an even number of them: the K blocks, then the V blocks).
     """
 
     __slots__ = ("layers", "page_bytes", "page_size", "slot_bytes")
@@ -53,6 +62,11 @@ class SGLangPagePayload:
             ps,
             self.slot_bytes,
         )
+
+    @property
+    def identity(self) -> bool:
+        """Whether urc's rows already are SGLang's payload (one K and one V block)."""
+        return self.layers == 1 or self.page_size == 1
 
     def to_sglang(self, rows: torch.Tensor) -> torch.Tensor:
         """urc rows (``[2, layers, page_size, bytes]`` each) as SGLang payloads

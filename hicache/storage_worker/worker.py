@@ -86,7 +86,8 @@ class StorageWorker:
             if self.layouts.aux:
                 names = ", ".join(ct.name for ct in self.layouts.aux)
                 raise ConfigError(f"SGLang's key scheme stores Full pages only, not {names}")
-            sglang = (self.config.sglang_naming, SGLangPagePayload(self.layouts.full))
+            payload = SGLangPagePayload(self.layouts.full)
+            sglang = (self.config.sglang_naming, None if payload.identity else payload)
         calls = StoreCalls(storage, self.stats, self.retry, cache.page_size, observer, sglang)
         ctx = WorkerContext(
             tier, self.layouts, calls, self.config, self.retry, self.stats, observer

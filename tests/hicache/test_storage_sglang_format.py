@@ -232,12 +232,34 @@ def test_payload_is_sglangs_page_first_layout(ps: int) -> None:
     host.backup(slots, slots)
     layout = HostPageLayout(host)
     payload = SGLangPagePayload(layout)
+    assert payload.identity  # urc's page_first host pool holds SGLang's payload as it is
     rows = layout.gather(slots)
     converted = payload.to_sglang(rows)
     expected = sglang_payloads(pool.kv[:, :, slots], ps)
     for row, page in zip(converted, expected, strict=True):
         assert torch.equal(row, page.view(torch.uint8))
     assert torch.equal(payload.from_sglang(converted), rows)
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_per_layer_buffers_are_transposed_into_sglangs_layout(ps: int) -> None:
+    """Host pools mirroring per-layer K and V buffers (SGLang's own device pools, under the
+    plug-in) hold a page layer by layer: the converter swaps it into SGLang's order."""
+    layers, slots = 3, 4 * ps
+    k = [torch.randn(slots, 2, 4).to(torch.float16) for _ in range(layers)]
+    v = [torch.randn(slots, 2, 4).to(torch.float16) for _ in range(layers)]
+    host = HostPool([(t, 0) for t in [*k, *v]], slots, ps)
+    picked = torch.arange(ps, 3 * ps)
+    host.backup(picked, picked)
+    layout = HostPageLayout(host)
+    payload = SGLangPagePayload(layout)
+    assert payload.identity == (ps == 1)
+    rows = layout.gather(picked)
+    kv = torch.stack([torch.stack(k), torch.stack(v)])  # [2, layers, slots, heads, dim]
+    expected = sglang_payloads(kv[:, :, picked], ps)
+    for row, page in zip(payload.to_sglang(rows), expected, strict=True):
+        assert torch.equal(row, page.view(torch.uint8))
+    assert torch.equal(payload.from_sglang(payload.to_sglang(rows)), rows)
 
 
 @settings(max_examples=40, deadline=None)
