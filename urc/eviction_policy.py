@@ -24,9 +24,11 @@ The interface is small:
 Which strategy the cache uses is ``CacheConfig.eviction_policy``; LRU is the default and is
 exactly SGLang's order, and so are LFU, FIFO, MRU, FILO, PRIORITY, SLRU and TLRU (SGLang
 0.5.23's ``evict_policy.py``; ties, which SGLang breaks by access time, cannot occur for
-them); BELADY needs ``CacheConfig.next_use``.  Host-only leaves are evicted
-in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU lists: they evict
-when their own pools run out, and the Full order decides which prefixes stay.
+them); BELADY needs ``CacheConfig.next_use``; SESSION_AWARE (``urc.session_eviction``) uses
+the serving layer's hints (``urc.reuse_hint``) and is LRU without them.  Host-only leaves
+are evicted in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU
+lists: they evict when their own pools run out, and the Full order decides which prefixes
+stay.
 
 Cost: O(1) per key and per fork (Belady: O(depth) per key for its oracle, measurement only).
 """
@@ -41,6 +43,7 @@ from typing import Any, Protocol
 
 from urc.errors import ConfigError
 from urc.node import TreeNode
+from urc.reuse_hint import ReuseHint
 
 __all__ = [
     "EvictionPolicy",
@@ -72,6 +75,9 @@ class EvictionPolicy(Enum):
     SLRU = "slru"  # segmented LRU: fewer than ``slru_protected_threshold`` hits first
     TLRU = "tlru"  # tail-optimized LRU: ``tlru_threshold``, ``tlru_next_prompt_estimate``
     FORK_AWARE = "fork-aware"  # LRU, but a branch the traffic just forked away from goes first
+    # Serving hints (``urc.reuse_hint``): sessions that went cold first, a stable set of the
+    # hot ones kept whole; LRU without hints (``urc.session_eviction``).
+    SESSION_AWARE = "session-aware"
     BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
 
 
@@ -99,6 +105,8 @@ class EvictionStrategy(ABC):
     rekey_before_evict: bool = False
     # Whether the strategy keeps ``node.eviction_state`` (then :meth:`note_split` is called).
     keeps_node_state: bool = False
+    # Whether :meth:`note_hint` is worth calling (off: a hint costs one attribute test).
+    uses_hints: bool = False
 
     @abstractmethod
     def key_function(self) -> HeapKey:
@@ -114,6 +122,10 @@ class EvictionStrategy(ABC):
 
     def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
         """``lower`` was just split: ``upper`` is its new parent (their keys are final)."""
+
+    def note_hint(self, node: TreeNode, hint: ReuseHint) -> None:
+        """A finished request was cached with ``hint`` (:mod:`urc.reuse_hint`); ``node``
+        ends its path.  Called only when :attr:`uses_hints`."""
 
 
 class OrderByStrategy(EvictionStrategy):
@@ -322,9 +334,12 @@ def make_strategy(
     slru_protected_threshold: int = 2,
     tlru_threshold: int = 0,
     tlru_next_prompt_estimate: int = 0,
+    session_window_s: float = 600.0,
+    session_hot_gap_s: float = 60.0,
 ) -> EvictionStrategy:
-    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's and TLRU's, see
-    :class:`SlruStrategy` and :class:`TlruStrategy`; other policies ignore them).
+    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's, TLRU's and
+    SESSION_AWARE's, see :class:`SlruStrategy`, :class:`TlruStrategy` and
+    :class:`urc.session_eviction.SessionAwareStrategy`; other policies ignore them).
 
     Raises:
         ConfigError: BELADY without an ``oracle``, or an ``oracle`` with another policy.
@@ -339,4 +354,8 @@ def make_strategy(
         return SlruStrategy(slru_protected_threshold)
     if policy is EvictionPolicy.TLRU:
         return TlruStrategy(tlru_threshold, tlru_next_prompt_estimate)
+    if policy is EvictionPolicy.SESSION_AWARE:
+        from urc.session_eviction import SessionAwareStrategy  # it subclasses ours
+
+        return SessionAwareStrategy(session_window_s, session_hot_gap_s)
     return _SIMPLE[policy]()

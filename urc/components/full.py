@@ -92,6 +92,8 @@ class FullComponent(TreeComponent):
             slru_protected_threshold=config.slru_protected_threshold,
             tlru_threshold=config.tlru_threshold,
             tlru_next_prompt_estimate=config.tlru_next_prompt_estimate,
+            session_window_s=config.session_window_s,
+            session_hot_gap_s=config.session_hot_gap_s,
         )
         self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release
