@@ -61,6 +61,7 @@ class CacheConfig:
     # ``urc.session_eviction.SessionAwareStrategy``.
     session_window_s: float = 600.0
     session_hot_gap_s: float = 60.0
+    session_quantum_s: float = 20.0
     is_eagle: bool = False
     # Reasoning models: a finished request that produced thinking tokens caches its prompt
     # only (SGLang's ``strip_thinking_cache``); its output KV is freed.

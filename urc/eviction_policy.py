@@ -36,7 +36,7 @@ Cost: O(1) per key and per fork (Belady: O(depth) per key for its oracle, measur
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from operator import attrgetter
 from typing import Any, Protocol
@@ -123,9 +123,9 @@ class EvictionStrategy(ABC):
     def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
         """``lower`` was just split: ``upper`` is its new parent (their keys are final)."""
 
-    def note_hint(self, node: TreeNode, hint: ReuseHint) -> None:
-        """A finished request was cached with ``hint`` (:mod:`urc.reuse_hint`); ``node``
-        ends its path.  Called only when :attr:`uses_hints`."""
+    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> None:
+        """A finished request was cached with ``hint`` (:mod:`urc.reuse_hint`); ``path``
+        is its inserted path, root excluded.  Called only when :attr:`uses_hints`."""
 
 
 class OrderByStrategy(EvictionStrategy):
@@ -336,6 +336,7 @@ def make_strategy(
     tlru_next_prompt_estimate: int = 0,
     session_window_s: float = 600.0,
     session_hot_gap_s: float = 60.0,
+    session_quantum_s: float = 20.0,
 ) -> EvictionStrategy:
     """A fresh strategy for ``policy`` (the keyword arguments are SLRU's, TLRU's and
     SESSION_AWARE's, see :class:`SlruStrategy`, :class:`TlruStrategy` and
@@ -357,5 +358,5 @@ def make_strategy(
     if policy is EvictionPolicy.SESSION_AWARE:
         from urc.session_eviction import SessionAwareStrategy  # it subclasses ours
 
-        return SessionAwareStrategy(session_window_s, session_hot_gap_s)
+        return SessionAwareStrategy(session_window_s, session_hot_gap_s, session_quantum_s)
     return _SIMPLE[policy]()

@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import math
 import time
-from itertools import count
-from weakref import WeakValueDictionary
+from collections import OrderedDict
+from collections.abc import Sequence
 
 from urc.errors import ConfigError
 from urc.eviction_policy import EvictionStrategy, HeapKey
 from urc.node import TreeNode
 from urc.reuse_hint import ReuseHint, StopReason
 
-__all__ = ["DEFAULT_GAPS_S", "SessionAwareStrategy", "SessionState"]
+__all__ = ["DEFAULT_GAPS_S", "SessionAwareStrategy"]
 
 DEFAULT_GAPS_S: dict[StopReason | None, float] = {
     StopReason.TOOL_USE: 9.0,  # median gap after a tool call in the agentic traces
@@ -56,19 +56,9 @@ DEFAULT_GAPS_S: dict[StopReason | None, float] = {
 
 _CLOCK_BITS = 48  # last_access_time (a logical clock: one tick per node touched)
 _RANK_BITS = 40  # youngness: sessions first seen, counted
+_MAX_SESSIONS = 1 << 16  # sessions remembered (their first-seen order)
 _WINDOW_BIAS = 1 << 40  # windows may be negative (a clock that starts below zero)
 _HINTED = 1 << 200  # above every window: a hinted leaf goes after every unhinted one
-
-
-class SessionState:
-    """One session, as the strategy sees it: shared by the nodes of its requests
-    (``node.eviction_state``); ``base`` is the part of their key the hints set."""
-
-    __slots__ = ("__weakref__", "base", "rank")
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.base = _HINTED
 
 
 class SessionAwareStrategy(EvictionStrategy):
@@ -82,59 +72,65 @@ class SessionAwareStrategy(EvictionStrategy):
         ConfigError: a non-positive or non-finite ``window_s``, or a negative ``hot_gap_s``.
     """
 
-    __slots__ = ("_hot_gap", "_ranks", "_sessions", "_window")
+    __slots__ = ("_hot_gap", "_next_rank", "_quantum", "_ranks", "_window")
 
     rekey_on_release = True
     keeps_node_state = True
     uses_hints = True
 
-    def __init__(self, window_s: float = 600.0, hot_gap_s: float = 60.0) -> None:
-        if not (math.isfinite(window_s) and window_s > 0):
-            raise ConfigError(f"session window_s must be positive, got {window_s}")
+    def __init__(
+        self, window_s: float = 600.0, hot_gap_s: float = 60.0, quantum_s: float = 20.0
+    ) -> None:
+        if not (math.isfinite(window_s) and window_s >= 0):
+            raise ConfigError(f"session window_s must not be negative, got {window_s}")
         if not (math.isfinite(hot_gap_s) and hot_gap_s >= 0):
             raise ConfigError(f"session hot_gap_s must not be negative, got {hot_gap_s}")
+        if not (math.isfinite(quantum_s) and quantum_s > 0):
+            raise ConfigError(f"session quantum_s must be positive, got {quantum_s}")
         self._window = float(window_s)
         self._hot_gap = float(hot_gap_s)
-        self._sessions: WeakValueDictionary[str, SessionState] = WeakValueDictionary()
-        self._ranks = count()
+        self._quantum = float(quantum_s)
+        # Session id -> the order the cache first saw it in (oldest forgotten past the cap).
+        self._ranks: OrderedDict[str, int] = OrderedDict()
+        self._next_rank = 0
 
     def key_function(self) -> HeapKey:
         def key(node: TreeNode) -> int:
-            st = node.eviction_state
+            base = node.eviction_state
             t: int = node.last_access_time
-            return t if st is None else st.base + t
+            return t if base is None else base + t
 
         return key
 
-    def session(self, session_id: str | None) -> SessionState:
-        """The state of ``session_id`` (a new, youngest one if unknown; ``None``: a fresh
-        state of its own)."""
-        st = None if session_id is None else self._sessions.get(session_id)
-        if st is None:
-            st = SessionState(next(self._ranks))
-            if session_id is not None:
-                self._sessions[session_id] = st
-        return st
-
-    def note_hint(self, node: TreeNode, hint: ReuseHint) -> None:
-        """``node`` ends a finished request's inserted path; ``hint`` is the server's view
-        of its session.  Updates the session's key base and hands the session to the nodes
-        of the path that have none (mutates their ``eviction_state``)."""
-        st = self.session(hint.session_id)
+    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> None:
+        """``path`` is a finished request's inserted path (root excluded), ``hint`` the
+        server's view of its next use: each node's key base becomes the request's (mutates
+        their ``eviction_state``)."""
         at = time.monotonic() if hint.finished_at_s is None else hint.finished_at_s
         gap = hint.expected_gap_s
         if gap is None:
             gap = DEFAULT_GAPS_S[hint.stop]
         window = self._window
         keep_until = at + window if gap <= self._hot_gap else at
-        bucket = math.floor(keep_until / window) + _WINDOW_BIAS
-        rank = min(st.rank, (1 << _RANK_BITS) - 1)
-        youngness = (1 << _RANK_BITS) - 1 - rank
-        st.base = _HINTED + (((bucket << _RANK_BITS) + youngness) << _CLOCK_BITS)
-        cur: TreeNode | None = node
-        while cur is not None and cur.parent is not None and cur.eviction_state is None:
-            cur.eviction_state = st
-            cur = cur.parent
+        bucket = math.floor(keep_until / self._quantum) + _WINDOW_BIAS
+        youngness = (1 << _RANK_BITS) - 1 - self._rank(hint.session_id)
+        base = _HINTED + (((bucket << _RANK_BITS) + youngness) << _CLOCK_BITS)
+        for node in path:
+            node.eviction_state = base
+
+    def _rank(self, session_id: str | None) -> int:
+        """How many sessions the cache saw before ``session_id`` (a request without one
+        counts as the youngest session)."""
+        ranks = self._ranks
+        if session_id is None:
+            return self._next_rank
+        r = ranks.get(session_id)
+        if r is None:
+            r = ranks[session_id] = self._next_rank
+            self._next_rank = min(r + 1, (1 << _RANK_BITS) - 1)
+            if len(ranks) > _MAX_SESSIONS:
+                ranks.popitem(last=False)
+        return r
 
     def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
         upper.eviction_state = lower.eviction_state

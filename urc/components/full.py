@@ -94,6 +94,7 @@ class FullComponent(TreeComponent):
             tlru_next_prompt_estimate=config.tlru_next_prompt_estimate,
             session_window_s=config.session_window_s,
             session_hot_gap_s=config.session_hot_gap_s,
+            session_quantum_s=config.session_quantum_s,
         )
         self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release
