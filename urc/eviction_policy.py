@@ -35,15 +35,15 @@ Cost: O(1) per key and per fork (Belady: O(depth) per key for its oracle, measur
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from enum import Enum
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Protocol
 
 from urc.errors import ConfigError
+from urc.eviction_strategy import EvictionStrategy, HeapKey
 from urc.node import TreeNode
-from urc.reuse_hint import ReuseHint
+from urc.session_eviction import SessionAwareStrategy
 
 __all__ = [
     "EvictionPolicy",
@@ -55,6 +55,7 @@ __all__ = [
     "NewestFirstStrategy",
     "NextUseOracle",
     "OrderByStrategy",
+    "SessionAwareStrategy",
     "SlruStrategy",
     "TlruStrategy",
     "make_strategy",
@@ -81,51 +82,11 @@ class EvictionPolicy(Enum):
     BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
 
 
-HeapKey = Callable[[TreeNode], Any]
-
-
 class NextUseOracle(Protocol):
     """Knows the future (for :class:`BeladyStrategy`): the position in the workload of the
     next request that will use ``node``'s first page, or a number past the end if none."""
 
     def next_use(self, node: TreeNode) -> int: ...
-
-
-class EvictionStrategy(ABC):
-    """What the Full eviction heaps order by (see the module docstring for the rules)."""
-
-    __slots__ = ()
-
-    # Whether a leaf needs a fresh heap entry whenever it is used (its key may have dropped).
-    # False for every policy whose keys only grow.
-    rekey_on_release: bool = False
-    # Whether :meth:`superseded` is worth asking at each fork (off: no call on the insert path).
-    marks_forks: bool = False
-    # Whether keys drop on every use, so the heap is re-keyed before each eviction.
-    rekey_before_evict: bool = False
-    # Whether the strategy keeps ``node.eviction_state`` (then :meth:`note_split` is called).
-    keeps_node_state: bool = False
-    # Whether :meth:`note_hint` is worth calling (off: a hint costs one attribute test).
-    uses_hints: bool = False
-
-    @abstractmethod
-    def key_function(self) -> HeapKey:
-        """The heap key of a node; smaller keys are evicted first."""
-
-    def superseded(self, parent: TreeNode) -> TreeNode | None:
-        """``parent`` just got its second child: a sibling to evict first, if any."""
-        return None
-
-    def still_superseded(self, node: TreeNode) -> bool:
-        """Whether a node :meth:`superseded` named is still to be evicted first."""
-        return False
-
-    def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
-        """``lower`` was just split: ``upper`` is its new parent (their keys are final)."""
-
-    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> None:
-        """A finished request was cached with ``hint`` (:mod:`urc.reuse_hint`); ``path``
-        is its inserted path, root excluded.  Called only when :attr:`uses_hints`."""
 
 
 class OrderByStrategy(EvictionStrategy):
@@ -356,7 +317,5 @@ def make_strategy(
     if policy is EvictionPolicy.TLRU:
         return TlruStrategy(tlru_threshold, tlru_next_prompt_estimate)
     if policy is EvictionPolicy.SESSION_AWARE:
-        from urc.session_eviction import SessionAwareStrategy  # it subclasses ours
-
         return SessionAwareStrategy(session_window_s, session_hot_gap_s, session_quantum_s)
     return _SIMPLE[policy]()

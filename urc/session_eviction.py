@@ -1,34 +1,34 @@
 """Session-aware eviction: the order of ``EvictionPolicy.SESSION_AWARE``.
 
 What it uses: the :class:`~urc.reuse_hint.ReuseHint` a server gives when it caches a
-finished request (the session, why the model stopped, when).  What it does with it:
+finished request (the session, why the model stopped, when it finished).  What it does:
 
-* A session whose last request ended in a tool call (or whose expected gap is at most
-  ``hot_gap_s``) comes back within seconds: it is *hot* for ``window_s`` after that request
-  finished.  One that handed the turn to a person is not hot at all (half of those come back
-  after five minutes, many never).
-* Leaves are ordered by the window in which their session stops being hot,
-  ``floor(keep_until / window_s)`` with ``keep_until = finished + window_s`` for a hot
-  session and ``finished`` otherwise: sessions that went cold long ago go first, the ones
-  hot now last.  This is LRU with a tool-call session aged ``window_s`` younger, but
-  quantized to whole windows.
-* Within a window, sessions are ordered by when the cache first saw them, youngest first,
-  and within a session least recently used first (its tail before its head).  That order
-  does not change as sessions take turns, so when the hot sessions do not all fit, a stable
-  set of them stays whole instead of each one losing its context just before it comes back
-  (LRU's failure on loops: the least recently used session is the one due next).
+* Each node of a finished request's path is stamped with that request's *keep-until*
+  time: the finish, plus ``window_s`` when the session is expected back soon (its expected
+  gap, the hint's own or :data:`DEFAULT_GAPS_S` for its stop reason, is at most
+  ``hot_gap_s``: a tool call, whose result comes back in seconds).  An answer that waits for
+  a person gets no credit (half of those sessions return after five minutes, many never).
+  Leaves whose keep-until is earliest go first: LRU by finish time, with sessions in a tool
+  loop aged ``window_s`` younger.
+* Keep-until times are quantized to ``quantum_s``; within one quantum the session the cache
+  saw last goes first (then least recently used first: a session's tail before its head).
+  When more sessions are in tool loops than the cache holds, LRU evicts exactly the one due
+  back next; this order keeps the older ones whole instead, as the offline optimum does.
 * A leaf no hint reached (every leaf, on a workload without hints) is keyed by
   ``last_access_time`` alone and goes before every hinted one: without hints the order is
   exactly LRU's.
 
-The key is one int, ``base(session) + last_access_time``: ``base`` packs (hinted, window,
-youngness) above the 48 bits of the access clock, and is recomputed in O(1) at each hint.
-A hint gives the request's path its session: the nodes from the inserted leaf up to the
-first node that already has one (a split hands it to the upper part), so a turn costs the
-nodes it added.  Keys grow with use and with later hints, except that a hint can lower
-them (a tool-call session that now waits for a person): the released leaf then gets a fresh
-heap entry (:attr:`~urc.eviction_policy.EvictionStrategy.rekey_on_release`); O(log n) per
-operation.  Sessions are held weakly: one whose nodes are all gone is forgotten.
+The key is one int, ``base + last_access_time``: ``base`` (``node.eviction_state``) packs
+(hinted, quantum, youngness) above the 48 bits of the access clock.  A hint costs O(1) per
+node of the path the insert already walked; keys grow with use, except that a hint can lower
+them (a finish earlier than the previous one's, or a tool loop that now waits for a person):
+a released leaf gets a fresh heap entry (``EvictionStrategy.
+rekey_on_release``), so every operation stays O(log n).  Host leaves are evicted in the same
+order (the host heap uses the same key); the SWA and Mamba LRUs are untouched.  The
+session table (first-seen order) keeps the latest 65,536 sessions.
+
+The defaults (``window_s`` 600, ``hot_gap_s`` 60, ``quantum_s`` 20) were chosen on one half of
+the agentic sessions and checked on the other (README, "Agentic workloads").
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from urc.errors import ConfigError
-from urc.eviction_policy import EvictionStrategy, HeapKey
+from urc.eviction_strategy import EvictionStrategy, HeapKey
 from urc.node import TreeNode
 from urc.reuse_hint import ReuseHint, StopReason
 
@@ -62,14 +62,16 @@ _HINTED = 1 << 200  # above every window: a hinted leaf goes after every unhinte
 
 
 class SessionAwareStrategy(EvictionStrategy):
-    """Hinted sessions by the window they stop being hot, youngest first within one; LRU
-    without hints (see the module docstring).
+    """Hinted leaves by keep-until time (quantized, the youngest session first within a
+    quantum); LRU without hints (see the module docstring).
 
-    ``window_s``: how long a hot session is kept ahead of cold ones (and the width of the
-    windows); ``hot_gap_s``: a session whose expected gap is at most this is hot.
+    ``window_s``: how much later a session expected back soon is kept (seconds);
+    ``hot_gap_s``: an expected gap at most this earns it; ``quantum_s``: the resolution of
+    keep-until times.
 
     Raises:
-        ConfigError: a non-positive or non-finite ``window_s``, or a negative ``hot_gap_s``.
+        ConfigError: a negative ``window_s`` or ``hot_gap_s``, a non-positive ``quantum_s``
+            (or any of them not finite).
     """
 
     __slots__ = ("_hot_gap", "_next_rank", "_quantum", "_ranks", "_window")

@@ -28,7 +28,15 @@ from urc.apps.replay.options import Capacity
 from urc.apps.replay.source import agentic_workload, summarize
 from urc.eviction_policy import EvictionPolicy
 
-__all__ = ["SweepRow", "main", "parse_tokens", "sweep"]
+__all__ = [
+    "TLRU_NEXT_PROMPT_TOKENS",
+    "TLRU_THRESHOLD_TOKENS",
+    "SweepRow",
+    "main",
+    "parse_tokens",
+    "sweep",
+    "table",
+]
 
 # TLRU's parameters for the table, in tokens (SGLang's defaults, 0 and 0, make it LRU): a
 # conversation keeps its history minus 4096 tokens plus a 1024-token next prompt.
@@ -119,6 +127,10 @@ def sweep(
     return rows
 
 
+def _size(tokens: int) -> str:
+    return f"{tokens / (1 << 20):g}M" if tokens >= 1 << 20 else f"{tokens / 1024:g}k"
+
+
 def table(rows: list[SweepRow]) -> str:
     """The Markdown table of ``rows`` (a gap column where LRU and Belady both ran)."""
     by = {(r.policy, r.capacity_tokens): r for r in rows}
@@ -136,7 +148,7 @@ def table(rows: list[SweepRow]) -> str:
             share = f"{(r.hit_rate - lru.hit_rate) / gap:+.0%}" if gap > 0 else "n/a"
         ok = "" if r.check_ok else " (check FAILED)"
         out.append(
-            f"| {r.capacity_tokens / (1 << 20):g}M | {r.policy}{ok} | {r.hit_rate:.4f} "
+            f"| {_size(r.capacity_tokens)} | {r.policy}{ok} | {r.hit_rate:.4f} "
             f"| {r.recomputed_p50:,} | {r.recomputed_p99:,} | {r.wall_s:.1f} | {share} |"
         )
     return "\n".join(out)
