@@ -342,7 +342,7 @@ def _percentile(values: array[int], q: float) -> int:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def agentic_notes(config: ReplayConfig) -> list[str]:
+def _agentic_notes(config: ReplayConfig) -> list[str]:
     """What an agentic replay assumed (``urc.apps.workloads.agentic``), for its report."""
     wl = agentic_workload(config)
     return [
@@ -523,7 +523,7 @@ async def run_replay(
             "store were hits"
         )
     if config.agentic:
-        notes.extend(agentic_notes(config))
+        notes.extend(_agentic_notes(config))
     if config.model is not ModelProfile.FULL:
         notes.append(
             f"the ideal is the full-attention one; a {config.model.value} model hits only "
