@@ -49,6 +49,9 @@ class EvictionStrategy(ABC):
     def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
         """``lower`` was just split: ``upper`` is its new parent (their keys are final)."""
 
-    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> None:
+    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> Sequence[TreeNode]:
         """A finished request was cached with ``hint`` (:mod:`urc.reuse_hint`); ``path``
-        is its inserted path, root excluded.  Called only when :attr:`uses_hints`."""
+        is its inserted path, root excluded.  Returns the nodes whose key dropped (the Full
+        component gives those in its heap a fresh entry).  Called only when
+        :attr:`uses_hints`."""
+        return ()

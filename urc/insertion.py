@@ -260,7 +260,7 @@ def insert(
     if hint is not None and state.full.strategy.uses_hints:
         if hint.session_id is None and params.session_id is not None:
             hint = replace(hint, session_id=params.session_id)
-        state.full.strategy.note_hint(path, hint)
+        state.full.note_hint(path, hint)
     if is_new_leaf and count_hits:  # counted after the commit hooks split it (SGLang)
         leaf = path[-1]
         leaf.hit_count += 1

@@ -22,10 +22,10 @@ The key is one int, ``base + last_access_time``: ``base`` (``node.eviction_state
 (hinted, quantum, youngness) above the 48 bits of the access clock.  A hint costs O(1) per
 node of the path the insert already walked; keys grow with use, except that a hint can lower
 them (a finish earlier than the previous one's, or a tool loop that now waits for a person):
-a released leaf gets a fresh heap entry (``EvictionStrategy.
-rekey_on_release``), so every operation stays O(log n).  Host leaves are evicted in the same
-order (the host heap uses the same key); the SWA and Mamba LRUs are untouched.  The
-session table (first-seen order) keeps the latest 65,536 sessions.
+the nodes whose key dropped get a fresh heap entry then (``FullComponent.note_hint``), so
+releases cost what they cost under LRU and every operation stays O(log n).  Host leaves
+are evicted in the same order (the host heap uses the same key); the SWA and Mamba LRUs
+are untouched.  The session table (first-seen order) keeps the latest 65,536 sessions.
 
 The defaults (``window_s`` 600, ``hot_gap_s`` 60, ``quantum_s`` 20) were chosen on one half of
 the agentic sessions and checked on the other (README, "Agentic workloads").
@@ -76,7 +76,6 @@ class SessionAwareStrategy(EvictionStrategy):
 
     __slots__ = ("_hot_gap", "_next_rank", "_quantum", "_ranks", "_window")
 
-    rekey_on_release = True
     keeps_node_state = True
     uses_hints = True
 
@@ -104,10 +103,10 @@ class SessionAwareStrategy(EvictionStrategy):
 
         return key
 
-    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> None:
+    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> list[TreeNode]:
         """``path`` is a finished request's inserted path (root excluded), ``hint`` the
         server's view of its next use: each node's key base becomes the request's (mutates
-        their ``eviction_state``)."""
+        their ``eviction_state``).  Returns the nodes whose key dropped."""
         at = time.monotonic() if hint.finished_at_s is None else hint.finished_at_s
         gap = hint.expected_gap_s
         if gap is None:
@@ -117,8 +116,13 @@ class SessionAwareStrategy(EvictionStrategy):
         bucket = math.floor(keep_until / self._quantum) + _WINDOW_BIAS
         youngness = (1 << _RANK_BITS) - 1 - self._rank(hint.session_id)
         base = _HINTED + (((bucket << _RANK_BITS) + youngness) << _CLOCK_BITS)
+        dropped = []
         for node in path:
+            old = node.eviction_state
             node.eviction_state = base
+            if old is not None and base < old:
+                dropped.append(node)
+        return dropped
 
     def _rank(self, session_id: str | None) -> int:
         """How many sessions the cache saw before ``session_id`` (a request without one

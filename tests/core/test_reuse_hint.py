@@ -95,6 +95,24 @@ def test_within_one_quantum_the_older_session_is_kept() -> None:
     assert _survivors(cache, [1, 2]) == [1]
 
 
+def test_a_hint_that_lowers_a_cached_leafs_key_is_honoured() -> None:
+    # Session 1 called a tool (kept until t=700), then answered at t=101 (kept until 101):
+    # its leaf's key dropped while it sat in the heap.  Session 2 answered at t=200, so
+    # session 1 goes first.
+    # (An eviction of an unhinted session 3 first re-keys session 1's heap entry to its
+    # tool-call key, so that entry is larger than the key the answer leaves.)
+    cache = _cache()
+    _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=100.0))
+    _insert(cache, _session(3))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert _survivors(cache, [1, 3]) == [1]
+    _insert(cache, _session(2), ReuseHint("s2", StopReason.END_TURN, finished_at_s=200.0))
+    _insert(cache, _session(1), ReuseHint("s1", StopReason.END_TURN, finished_at_s=101.0))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    cache.sanity_check()
+    assert _survivors(cache, [1, 2]) == [2]
+
+
 def test_a_session_without_hints_goes_before_hinted_ones() -> None:
     cache = _cache()
     _insert(cache, _session(1), ReuseHint("s1", StopReason.END_TURN, finished_at_s=1.0))

@@ -7,6 +7,7 @@ Small session files are written by the tests themselves; the real sessions in
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import tarfile
 from pathlib import Path
@@ -40,7 +41,7 @@ def _session(sid: str, n_turns: int, head: int = 2, sub: bool = False) -> dict[s
     reqs: list[dict[str, Any]] = []
     ids = list(range(1, head + 1))
     for k in range(n_turns):
-        ids = ids + [100 + 2 * k, 101 + 2 * k]
+        ids = [*ids, 100 + 2 * k, 101 + 2 * k]
         reqs.append(_req(10.0 * k, ids, "end_turn" if k == n_turns - 1 else "tool_use"))
         if sub and k == 0:
             reqs.append({"t": 5.0, "type": "subagent", "agent_id": "agent_001",
@@ -64,7 +65,7 @@ def test_sessions_become_flows_with_a_shared_prefix_and_seeded_arrivals(tmp_path
     reqs = list(wl)
     assert (wl.sessions, wl.flows, wl.requests) == (2, 3, 7)
     assert [r.index for r in reqs] == list(range(7))
-    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in zip(reqs, reqs[1:], strict=False))
+    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in itertools.pairwise(reqs))
     assert {r.session_id for r in reqs} == {"trace_0001", "trace_0002", "trace_0001/agent_001"}
     mains = {sid: [r for r in reqs if r.session_id == sid] for sid in ("trace_0001", "trace_0002")}
     # Same agent (equal tool and system sizes): the two sessions share their two head blocks,
@@ -118,13 +119,13 @@ def test_a_tar_xz_reads_like_the_directory(tmp_path: Path) -> None:
         json.dumps([1]),
         json.dumps({"block_size": 0, "requests": []}),
         json.dumps({"block_size": 64, "requests": [{"t": 0}]}),
-    ],  # fmt: skip
+    ],
 )
 def test_malformed_session_files_are_named(tmp_path: Path, content: str) -> None:
     d = tmp_path / "s"
     d.mkdir()
     (d / "trace_bad.json").write_text(content)
-    with pytest.raises(AgenticFormatError, match="trace_bad.json"):
+    with pytest.raises(AgenticFormatError, match=r"trace_bad\.json"):
         load_agentic(AgenticConfig(d))
 
 
