@@ -16,5 +16,6 @@ setup(
         ),
         Extension("urc._native._pages", sources=["urc/_native/pages.c"], optional=True),
         Extension("urc._native._gckeys", sources=["urc/_native/gckeys.c"], optional=True),
+        Extension("urc._native._pack", sources=["urc/_native/pack.c"], optional=True),
     ]
 )

@@ -3,11 +3,21 @@
 :func:`attach` gives a cache its host tier and, optionally, an L3 store, and returns the
 background workers for the service (:class:`HiCache`).  ``hicache.storage`` holds the L3
 storage protocol and its backends; ``hicache.storage_worker`` the L3 worker.
+:func:`attach_storage` / :func:`detach_storage` add or remove the L3 store of a running
+service.
 """
 
 from __future__ import annotations
 
 from hicache.config import HiCacheConfig, StorageConfig
+from hicache.storage_attach import attach_storage, detach_storage
 from hicache.wiring import HiCache, attach
 
-__all__ = ["HiCache", "HiCacheConfig", "StorageConfig", "attach"]
+__all__ = [
+    "HiCache",
+    "HiCacheConfig",
+    "StorageConfig",
+    "attach",
+    "attach_storage",
+    "detach_storage",
+]

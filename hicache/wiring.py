@@ -63,8 +63,9 @@ def attach(
     ``storage_config`` and ``retry`` configure its worker.  ``observer`` (e.g. a
     ``metrics.CacheMetrics``) gets the transfers and storage errors; ``copy_in_thread``: see
     :class:`~hicache.controller.HiCacheController`.  Call it once per cache, before the
-    service starts.  Raises :class:`~urc.errors.ConfigError` when the cache already has a
-    host tier, or a pool cannot be mirrored or stored.
+    service starts (an L3 store can also come later, or go: :func:`hicache.attach_storage`,
+    :func:`hicache.detach_storage`).  Raises :class:`~urc.errors.ConfigError` when the cache
+    already has a host tier, or a pool cannot be mirrored or stored.
     """
     if cache.host_tier is not None:
         raise ConfigError("the cache already has a host tier")

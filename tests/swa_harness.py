@@ -142,7 +142,7 @@ class SWAHarness:
         tokens = list(tokens)
         while pos < len(tokens):
             for child in node.children.values():
-                if tokens[pos : pos + child.key_len] == child.key:
+                if tokens[pos : pos + child.key_len] == list(child.key):
                     node = child
                     pos += child.key_len
                     break

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from urc.errors import ConfigError
+from urc.key import TokenIds
 
 if TYPE_CHECKING:
     from urc.node import TreeNode
@@ -41,7 +42,7 @@ __all__ = [
 
 #: ``(nodes, pos, partial, m)``: see :func:`py_walk`.
 WalkResult = tuple["list[TreeNode]", int, "TreeNode | None", int]
-WalkFn = Callable[["TreeNode", Any, list[Any], int, int], WalkResult]
+WalkFn = Callable[["TreeNode", Any, TokenIds, int, int], WalkResult]
 #: ``(component type, window)`` pairs: where a match may end (see :func:`py_deepest_boundary`).
 MatchRules = tuple[tuple[int, int], ...]
 #: ``(k, hit, clock, values)``: see :func:`py_match_tail`.
@@ -62,7 +63,7 @@ class WalkImpl(Enum):
     PYTHON = "python"  # the pure-Python twin
 
 
-def py_walk(node: TreeNode, ck: Any, tokens: list[Any], pos: int, page_size: int) -> WalkResult:
+def py_walk(node: TreeNode, ck: Any, tokens: TokenIds, pos: int, page_size: int) -> WalkResult:
     """Follow ``tokens[pos:]`` down from ``node``; changes nothing.
 
     The first child is looked up under ``ck`` (the caller knows the root's namespaced key;
@@ -72,7 +73,9 @@ def py_walk(node: TreeNode, ck: Any, tokens: list[Any], pos: int, page_size: int
     position after them; the child where the match ends inside its edge (``None`` when the
     walk ended at a node boundary, at a missing child or at a mismatch in the edge's first
     page) and how many of its tokens match (whole pages, ``0 < m < len(partial.key)``).
-    Tokens compare with ``==``; ``len(tokens)`` is a multiple of ``page_size``.
+    Tokens compare with ``==``: ``tokens`` and the node keys are both packed (``array('q')``)
+    or both lists of EAGLE bigram pairs (``urc.key``); ``len(tokens)`` is a multiple of
+    ``page_size``.
     """
     nodes: list[TreeNode] = []
     n = len(tokens)
@@ -97,7 +100,7 @@ def py_walk(node: TreeNode, ck: Any, tokens: list[Any], pos: int, page_size: int
     return nodes, pos, None, 0
 
 
-def common_len(edge: list[Any], tokens: list[Any], pos: int) -> int:
+def common_len(edge: TokenIds, tokens: TokenIds, pos: int) -> int:
     """Length of the common prefix of ``edge`` and ``tokens[pos:]`` (any length)."""
     n = min(len(edge), len(tokens) - pos)
     i = 0
@@ -169,10 +172,11 @@ def native_available() -> bool:
     return _NATIVE is not None
 
 
-def select_walk(impl: WalkImpl) -> WalkFn:
-    """The walk ``impl`` names (:class:`~urc.errors.ConfigError` for ``NATIVE`` when the
-    extension is absent)."""
-    return choose_impl(impl, _NATIVE, py_walk, "urc._native._walk")
+def select_walk(impl: WalkImpl, packed: bool = True) -> WalkFn:
+    """The walk ``impl`` names (``ConfigError`` for ``NATIVE`` when it was not built).  The
+    compiled walk reads packed keys only; a tree of EAGLE bigram keys (lists of pairs,
+    ``packed`` False) walks with the Python twin whatever ``impl`` says."""
+    return choose_impl(impl, _NATIVE if packed else py_walk, py_walk, "urc._native._walk")
 
 
 def select_match_tail(impl: WalkImpl) -> MatchTailFn:

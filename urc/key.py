@@ -5,19 +5,25 @@ of every child of the root, so two namespaces are two disjoint subtrees.  A name
 typed tuple (``("lora", 3)``), never a concatenated string; a plain string is accepted for
 SGLang compatibility and becomes a 1-tuple.
 
-Token ids arrive as a list (kept as it is, not copied: the hot path), a tuple, an
-``array.array`` of integers (``array('q')``), a 1-D integer torch tensor or numpy array, or a
-``range``; all but the list are converted once to a list of Python ints, so a tensor key
-matches the same list key (a tensor's elements would be 0-d tensors, which hash by
-identity).  Anything else -- ``None``, a string, a float or 2-D tensor -- is an
-:class:`~urc.errors.InvalidInputError`.
+Token ids are held packed: one int64 per token in an ``array('q')``, as SGLang 0.5.23's own
+``RadixKey`` holds them.  A node's key is a slice of it, so a 16k-token leaf is one 128 KiB
+buffer (copied and freed with a memcpy and a free) instead of a list of 16k int objects, and
+the compiled walk compares edges with ``memcmp`` (``urc.fastpath``).  They arrive as an
+``array('q')`` (used as it is, not copied: the hot path; the tree never mutates it, and a
+caller must not mutate it while an operation runs), a list or tuple of ints (packed once,
+by a compiled packer when it was built), another integer ``array``, a ``range``, or a 1-D
+integer torch tensor or numpy array.  Anything else -- ``None``, a string, floats, a 2-D
+tensor, ids outside int64 -- is an :class:`~urc.errors.InvalidInputError`.
+
+EAGLE bigram keys (``is_bigram``) are the exception: a list of ``(t_i, t_i+1)`` pairs, built
+from packed ids by :meth:`RadixKey.bigram`.
 """
 
 from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,14 +31,32 @@ import torch
 
 from urc.errors import InvalidInputError
 
-__all__ = ["ExtraKey", "RadixKey", "Token", "check_key", "token_list"]
+__all__ = ["ExtraKey", "RadixKey", "Token", "TokenIds", "check_key", "pack_tokens"]
 
 Token = Hashable  # an int, or a (int, int) pair in EAGLE bigram mode
 ExtraKey = tuple[str | int, ...]
+#: A key's token ids: packed (``array('q')``), or a list of bigram pairs (EAGLE).
+TokenIds = Any
+
+
+def _python_pack(tokens: list[Any] | tuple[Any, ...]) -> array[int]:
+    """The packer without the C extension."""
+    return array("q", tokens)
+
+
+def _packer() -> Callable[[list[Any] | tuple[Any, ...]], array[int]]:
+    try:
+        from urc._native._pack import pack
+    except ImportError:
+        return _python_pack
+    return pack  # type: ignore[no-any-return]
+
+
+_pack: Callable[[list[Any] | tuple[Any, ...]], array[int]] = _packer()
 
 
 class RadixKey:
-    """Token ids (a list) with an optional ``extra_key`` namespace.
+    """Packed token ids (``array('q')``) with an optional ``extra_key`` namespace.
 
     ``is_bigram`` marks a key whose tokens are already EAGLE bigrams (pairs of consecutive
     token ids); :meth:`bigram` builds that view from plain ids.
@@ -46,8 +70,10 @@ class RadixKey:
         extra_key: ExtraKey | str | None = None,
         is_bigram: bool = False,
     ) -> None:
-        self.token_ids: list[Any] = (
-            token_ids if isinstance(token_ids, list) else token_list(token_ids)
+        self.token_ids: TokenIds = (
+            token_ids
+            if type(token_ids) is array and token_ids.typecode == "q"
+            else pack_tokens(token_ids, is_bigram)
         )
         self.extra_key: ExtraKey | None = (extra_key,) if isinstance(extra_key, str) else extra_key
         self.is_bigram = is_bigram
@@ -70,10 +96,10 @@ class RadixKey:
             )
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]  # mutable list inside
+    __hash__ = None  # type: ignore[assignment]  # mutable ids inside
 
     def __repr__(self) -> str:
-        head = self.token_ids[:8]
+        head = list(self.token_ids[:8])
         more = "..." if len(self.token_ids) > 8 else ""
         return f"RadixKey({head}{more}, len={len(self)}, extra_key={self.extra_key!r})"
 
@@ -94,21 +120,36 @@ class RadixKey:
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
 
 
-def token_list(token_ids: object) -> list[Any]:
-    """``token_ids`` as a list of tokens (see the module docstring for what is accepted);
-    raises :class:`~urc.errors.InvalidInputError` for anything else."""
-    if isinstance(token_ids, tuple | range):
-        return list(token_ids)
-    if isinstance(token_ids, array):
-        if token_ids.typecode in _INT_TYPECODES:
-            return token_ids.tolist()
-    elif isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() == 1 and not (
-            token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype is torch.bool
-        ):
-            return token_ids.tolist()
-    elif isinstance(token_ids, np.ndarray) and token_ids.ndim == 1 and token_ids.dtype.kind in "iu":
-        return token_ids.tolist()  # type: ignore[no-any-return]
+def pack_tokens(token_ids: object, is_bigram: bool = False) -> TokenIds:
+    """``token_ids`` packed into an ``array('q')`` (see the module docstring for what is
+    accepted); a bigram key's list of pairs is kept as it is.  Raises
+    :class:`~urc.errors.InvalidInputError` for anything else, or for ids outside int64."""
+    try:
+        if isinstance(token_ids, list | tuple):
+            if is_bigram:
+                return list(token_ids)
+            return _pack(token_ids)
+        if isinstance(token_ids, range):
+            return array("q", token_ids)
+        if isinstance(token_ids, array):
+            if token_ids.typecode in _INT_TYPECODES:
+                return array("q", token_ids)
+        elif isinstance(token_ids, torch.Tensor):
+            if token_ids.dim() == 1 and not (
+                token_ids.is_floating_point()
+                or token_ids.is_complex()
+                or token_ids.dtype is torch.bool
+            ):
+                ids = token_ids.detach().to("cpu", torch.int64).contiguous()
+                return array("q", ids.numpy().tobytes())
+        elif isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
+            if token_ids.dtype.kind not in "iu":
+                raise TypeError(f"a {token_ids.dtype} array")
+            if token_ids.dtype == np.uint64 and token_ids.size and token_ids.max() >= 1 << 63:
+                raise OverflowError("a token id is outside int64")
+            return array("q", token_ids.astype(np.int64).tobytes())
+    except (TypeError, OverflowError) as e:
+        raise InvalidInputError(f"RadixKey token ids must be int64 token ids: {e}") from None
     raise InvalidInputError(
         "RadixKey token ids must be a list, tuple, integer array('q'), range or 1-D integer "
         f"tensor, got {_describe(token_ids)}"

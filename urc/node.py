@@ -115,7 +115,7 @@ class TreeNode:
 
     def __init__(
         self,
-        key: list[Any],
+        key: Any,
         parent: TreeNode | None,
         data: tuple[ComponentData | None, ...],
         namespace: tuple[str | int, ...] | None,

@@ -17,13 +17,14 @@ caller took a range first with ``pop_committed_kv_cache`` / ``pop_overallocated_
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from urc.errors import InvalidInputError
-from urc.key import ExtraKey
+from urc.key import ExtraKey, pack_tokens
 
 if TYPE_CHECKING:
     from urc.node import TreeNode
@@ -66,8 +67,8 @@ class Req:
     kv_committed_freed: bool = False
     kv_overallocated_freed: bool = False
     _fill_ids: list[int] | None = field(default=None, init=False, repr=False)
-    # ``fill_prefix``'s list and the ``fill_ids`` list it was copied from.
-    _prefix: list[int] = field(default_factory=list, init=False, repr=False)
+    # ``fill_prefix``'s packed buffer and the ``fill_ids`` list it was packed from.
+    _prefix: array[int] = field(default_factory=lambda: array("q"), init=False, repr=False)
     _prefix_of: list[int] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -90,24 +91,25 @@ class Req:
         self.kv_committed_len = len(tokens)
         self.kv_allocated_len = max(self.kv_allocated_len, len(tokens))
 
-    def fill_prefix(self, n: int) -> list[int]:
-        """The first ``n`` tokens of :attr:`fill_ids` (all of them when ``n`` is larger).
+    def fill_prefix(self, n: int) -> array[int]:
+        """The first ``n`` tokens of :attr:`fill_ids` (all of them when ``n`` is larger),
+        packed (``array('q')``, what a :class:`~urc.key.RadixKey` holds without a copy).
 
-        Request caching keys each chunk's insert by the prompt so far; a fresh slice per
-        chunk would cost the prompt's length squared, so the request keeps one list and
-        extends it (O(new tokens) per call while ``fill_ids`` is the same list and grows).
-        The list is the request's: it changes on the next call, so callers must not keep
-        it.  Without a cut it is :attr:`fill_ids` itself."""
+        Request caching keys each chunk's insert by the prompt so far; packing the whole
+        prompt per chunk would cost its length squared, so the request keeps one packed
+        buffer and extends it (O(new tokens) per call while ``fill_ids`` is the same list and
+        grows).  The buffer is the request's: it changes on the next call, so callers must
+        not keep it.  Raises :class:`~urc.errors.InvalidInputError` for ids that are not
+        int64."""
         fill = self.fill_ids
-        if n >= len(fill):
-            return fill
+        n = min(n, len(fill))
         buf = self._prefix
         have = len(buf)
-        if self._prefix_of is not fill or (have and buf[-1] != fill[have - 1]):
-            buf = self._prefix = fill[:n]
+        if self._prefix_of is not fill or have > len(fill) or (have and buf[-1] != fill[have - 1]):
+            buf = self._prefix = pack_tokens(fill[:n])
             self._prefix_of = fill
         elif have < n:
-            buf += fill[have:n]
+            buf.extend(pack_tokens(fill[have:n]))
         elif have > n:
             del buf[n:]
         return buf

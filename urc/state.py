@@ -106,7 +106,7 @@ class CacheState:
             config.page_size,
             config.is_eagle,
             self.device,
-            select_walk(config.walk_impl),
+            select_walk(config.walk_impl, packed=not config.is_eagle),
             select_match_tail(config.walk_impl),
         )
         self.evictor = eviction_steps(self)

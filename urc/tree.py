@@ -10,6 +10,7 @@ namespaces are disjoint subtrees.  Node classes live in :mod:`urc.node` (re-expo
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from urc.fastpath import MatchTailFn, WalkFn, common_len, py_match_tail, py_walk
 from urc.gc_keys import untrack_key
-from urc.key import RadixKey
+from urc.key import RadixKey, TokenIds
 from urc.node import ComponentData, ComponentType, TreeNode
 
 __all__ = ["SplitHook", "Tree"]
@@ -105,7 +106,7 @@ class Tree:
         self.clock = clock
 
     # ------------------------------------------------------------------ keys
-    def tokens_of(self, key: RadixKey) -> list[Any]:
+    def tokens_of(self, key: RadixKey) -> TokenIds:
         """The tree view of ``key``: bigrams in EAGLE mode, truncated to whole pages."""
         if self.is_eagle and not key.is_bigram:
             key = key.bigram()
@@ -113,19 +114,19 @@ class Tree:
         n = len(tokens)
         return tokens if n % self.page_size == 0 else tokens[: n - n % self.page_size]
 
-    def page_key(self, tokens: list[Any], pos: int) -> Any:
+    def page_key(self, tokens: TokenIds, pos: int) -> Any:
         """The child key of a node whose key starts at ``tokens[pos]`` (below the root's
         namespaced level)."""
         ps = self.page_size
         return tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
 
-    def root_child_key(self, tokens: list[Any], namespace: Any) -> Any:
+    def root_child_key(self, tokens: TokenIds, namespace: Any) -> Any:
         """The key under which the root holds the child starting ``tokens`` in
         ``namespace``."""
         k = self.page_key(tokens, 0)
         return k if namespace is None else (_NAMESPACE, namespace, k)
 
-    def child_key(self, parent: TreeNode, tokens: list[Any], pos: int, namespace: Any) -> Any:
+    def child_key(self, parent: TreeNode, tokens: TokenIds, pos: int, namespace: Any) -> Any:
         """The key under which ``parent`` holds a child starting ``tokens[pos]``."""
         if parent.parent is None:
             return self.root_child_key(tokens[pos:] if pos else tokens, namespace)
@@ -139,7 +140,7 @@ class Tree:
             return (_NAMESPACE, node.namespace, k)
         return k
 
-    def match_len(self, edge: list[Any], tokens: list[Any], pos: int) -> int:
+    def match_len(self, edge: TokenIds, tokens: TokenIds, pos: int) -> int:
         """Page-aligned length of the common prefix of ``edge`` and ``tokens[pos:]``."""
         m = common_len(edge, tokens, pos)
         return m - m % self.page_size
@@ -168,7 +169,7 @@ class Tree:
     def new_root(self) -> TreeNode:
         """A fresh root (locked by every component, an empty Full value); the caller
         installs it as :attr:`root` (``reset``)."""
-        root = TreeNode([], None, self.new_data(), None, 0)
+        root = TreeNode(array("q"), None, self.new_data(), None, 0)
         for cd in root.data:
             if cd is not None:
                 cd.lock_ref = 1
@@ -177,7 +178,7 @@ class Tree:
         full.value = torch.empty(0, dtype=torch.int64, device=self.device)
         return root
 
-    def new_node(self, parent: TreeNode, key: list[Any], namespace: Any) -> TreeNode:
+    def new_node(self, parent: TreeNode, key: TokenIds, namespace: Any) -> TreeNode:
         """A stamped node below ``parent`` with empty data, not linked yet (see
         :meth:`link`)."""
         self.clock += 1

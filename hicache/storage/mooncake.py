@@ -11,6 +11,16 @@ finishes in its thread.  Values are ``encode_page(buffer)`` bytes moved with
 so a batch is split into chunks that fit half of it.  Mooncake leaves eviction to the store's
 master (``eviction_high_watermark_ratio``): a full store makes ``put_batch`` fail, which reads
 here as "stored fewer".
+
+The client reports trouble in return codes, not exceptions (``mooncake-store/include/types.h``
+``ErrorCode``): ``batch_is_exist`` gives a negative flag per key it could not ask about,
+``put_batch`` a negative code, and ``get_batch`` an empty value for a missing key and for a
+failed read alike.  While the master is down (killed, restarting) those codes are
+``RPC_FAIL``; they raise ``StorageUnavailableError`` here, so an outage is counted and read
+as a miss by the caller, not mistaken for an empty store.  An empty ``get_batch`` value is
+told apart by asking ``batch_is_exist`` about that key.  After the master restarts, the
+client re-registers its memory segment on its next heartbeat (about a second): pages stored
+before the restart are gone (the master's metadata is in memory), new ones store again.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -42,6 +53,29 @@ __all__ = ["MooncakeConfig", "MooncakeProtocol", "MooncakeStorage"]
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _MiB = 1 << 20
+
+# Mooncake's ErrorCode values that are not an outage: a put of these stored fewer (the store
+# is full, or has no segment with room yet; an item larger than the staging buffer).
+_NO_AVAILABLE_HANDLE = -200
+_INVALID_PARAMS = -600
+_OBJECT_ALREADY_EXISTS = -705  # keys name content: the page is stored
+_STORED_FEWER = frozenset({_NO_AVAILABLE_HANDLE, _INVALID_PARAMS})
+_CODE_NAMES = {
+    -1: "INTERNAL_ERROR",
+    _NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
+    _INVALID_PARAMS: "INVALID_PARAMS",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    _OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
+}
+
+
+def _unavailable(call: str, code: int) -> StorageUnavailableError:
+    name = _CODE_NAMES.get(code, "error")
+    return StorageUnavailableError(f"Mooncake {call} failed with {name} ({code})")
 
 
 class MooncakeProtocol(Enum):
@@ -104,7 +138,11 @@ class MooncakeStorage(StorageBackend):
         super().__init__(op_timeout_s=config.op_timeout_s)
         self._store = store
         self._config = config
-        # The client serialises on its staging buffer anyway; one thread keeps order simple.
+        # One client call at a time, held by the thread that makes it: a call abandoned at
+        # its deadline keeps running, and anyio's limiter would let the next call (or the
+        # close) into the client beside it; the client crashes on such overlaps while it
+        # reconnects to a restarted master.
+        self._client_lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(1)
 
     @classmethod
@@ -142,12 +180,19 @@ class MooncakeStorage(StorageBackend):
     def _name(self, key: PageKey) -> str:
         return f"{self._config.key_prefix}{key}"
 
-    async def _call(self, function: Callable[..., _T], *args: Any) -> _T:
-        """Run a blocking client call in a worker thread; map its failures."""
+    def _locked(self, function: Callable[..., _T], *args: Any) -> _T:
+        with self._client_lock:
+            return function(*args)
+
+    async def _call(
+        self, function: Callable[..., _T], *args: Any, abandon_on_cancel: bool = True
+    ) -> _T:
+        """Run a blocking client call in a worker thread, after every call before it ended
+        (abandoned ones too); map its failures."""
         try:
             return await anyio.to_thread.run_sync(
-                functools.partial(function, *args),
-                abandon_on_cancel=True,
+                functools.partial(self._locked, function, *args),
+                abandon_on_cancel=abandon_on_cancel,
                 limiter=self._limiter,
             )
         except (RuntimeError, OSError, ValueError) as exc:
@@ -159,12 +204,22 @@ class MooncakeStorage(StorageBackend):
         )
         count = 0
         for flag in found:
-            if flag < 0:  # the store could not tell
-                self._counters.errors += 1
+            if flag < 0:  # the store could not tell: an outage, not a miss
+                raise _unavailable("batch_is_exist", flag)
             if flag != 1:
                 break
             count += 1
         return count
+
+    async def _check_missing(self, name: str) -> None:
+        """``get_batch`` gave nothing for ``name``: return if the store does not hold it (a
+        miss); raise ``StorageUnavailableError`` if it could not tell, or holds the page but
+        could not read it."""
+        flags: list[int] = await self._call(self._store.batch_is_exist, [name])
+        if flags[0] < 0:
+            raise _unavailable("get_batch", flags[0])
+        if flags[0] == 1:
+            raise StorageUnavailableError(f"Mooncake get_batch could not read {name!r}")
 
     async def _get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         budget = self._config.local_buffer_size // 2
@@ -174,7 +229,8 @@ class MooncakeStorage(StorageBackend):
             names = [self._name(k) for k in keys[start:stop]]
             values: list[bytes] = await self._call(self._store.get_batch, names)
             for name, value, buffer in zip(names, values, buffers[start:stop], strict=False):
-                if not value:  # Mooncake returns b"" for a missing key
+                if not value:  # b"": a missing key, or a read that failed
+                    await self._check_missing(name)
                     return read
                 status = await decode_page_into_async(value, buffer)
                 if status is PageStatus.CORRUPT:
@@ -197,10 +253,12 @@ class MooncakeStorage(StorageBackend):
             values = [await encode_page_async(buffer) for buffer in buffers[start:stop]]
             names = [self._name(k) for k in keys[start:stop]]
             code: int = await self._call(self._store.put_batch, names, values)
-            if code != 0:  # all or nothing per chunk (e.g. no space left in the store)
+            if code in _STORED_FEWER:  # all or nothing per chunk (e.g. no space left)
                 self._counters.errors += 1
-                _log.warning("Mooncake put_batch failed with code %d", code)
+                _log.warning("Mooncake put_batch stored nothing: code %d", code)
                 break
+            if code not in (0, _OBJECT_ALREADY_EXISTS):
+                raise _unavailable("put_batch", code)
             for buffer in buffers[start:stop]:
                 self._counters.record_write(buffer.nbytes)
             stored = stop
@@ -211,4 +269,5 @@ class MooncakeStorage(StorageBackend):
         await self._call(self._store.batch_remove, [self._name(k) for k in keys], True)
 
     async def _close(self) -> None:
-        await self._call(self._store.close)
+        # Waits for a call abandoned at its deadline: closing under it would crash the client.
+        await self._call(self._store.close, abandon_on_cancel=False)

@@ -64,6 +64,7 @@ class BackupWriter(TierEvents):
         self._idle: anyio.Event | None = None
         self._flushing = 0  # flushes waiting: a store known to be down drops the queue
         self._closed = False
+        self.pinning = 0  # write-through jobs holding host locks right now
 
     # ------------------------------------------------------------------ tier events (actor)
     def _signal(self) -> None:
@@ -213,6 +214,18 @@ class BackupWriter(TierEvents):
         finally:
             self._closed = True
 
+    def drop_queued(self) -> int:
+        """Drop (and count) every queued write and take no more; returns how many were
+        dropped.  Synchronous: a detach without a service."""
+        dropped = len(self._due) + len(self._staged)
+        self.stats.dropped_writes += dropped
+        self._due.clear()
+        self._staged.clear()
+        self._staged_bytes = 0
+        self._attempts.clear()
+        self._closed = True
+        return dropped
+
     async def _write_through(self, svc: AsyncUnifiedRadixCache) -> None:
         picked: list[TreeNode] = []
 
@@ -249,11 +262,13 @@ class BackupWriter(TierEvents):
             if picked:
                 self._attempts.pop(picked[0].id, None)
             return
+        self.pinning += 1
         try:
             ok = await self._put(job)
         finally:
             with anyio.CancelScope(shield=True):
                 await svc.call(lambda cache: _unpin(cache, job.pins))
+            self.pinning -= 1
         if ok:
             self._attempts.pop(picked[0].id, None)
         else:

@@ -18,7 +18,9 @@ class StorageWorkerStats:
     prefetches stopped by their deadline; ``errors`` storage calls that failed (an error or
     a timeout of the store, or a storage error raised for the call); ``retried_writes``
     backups queued again after a failed write; ``dropped_writes`` backups skipped because a
-    bound was reached or their writes kept failing.
+    bound was reached or their writes kept failing (or a detach gave them up);
+    ``cancelled_prefetches`` prefetches a detach gave back (cancelled past its drain
+    deadline: their host slots freed, their pins released, a miss for their caller).
     """
 
     pages_written: int = 0
@@ -30,3 +32,4 @@ class StorageWorkerStats:
     errors: int = 0
     retried_writes: int = 0
     dropped_writes: int = 0
+    cancelled_prefetches: int = 0

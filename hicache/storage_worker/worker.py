@@ -2,6 +2,16 @@
 
 It puts the pieces of this package together: the store calls (:class:`StoreCalls`), the
 writes (:class:`BackupWriter`, its background loop) and the reads (:class:`Prefetcher`).
+
+Attach and detach on a live service (an :class:`~urc.service.AttachableWorker`): build the
+worker with ``attached=False`` and ``await svc.attach_worker(worker)`` (the actor subscribes
+it to the cache's events, then its write loop starts); ``await svc.detach_worker(worker)``
+drains it (:meth:`StorageWorker.drain`: no new prefetch or backup is taken, queued backups
+are flushed, prefetches in flight finish -- or, past the deadline, are cancelled, which
+frees their host slots and releases their pins), stops its write loop and unsubscribes it.
+``hicache.attach_storage`` / ``hicache.detach_storage`` do this for a :class:`~hicache.HiCache`.
+Without a service, :meth:`StorageWorker.attach` / :meth:`StorageWorker.detach` are the
+synchronous API.  A detached worker is not attached again: build a new one over the store.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from hicache.storage_worker.prefetch import Prefetcher
 from hicache.storage_worker.retry import RetryPolicy
 from hicache.storage_worker.stats import StorageWorkerStats
 from urc.cache import UnifiedRadixCache
-from urc.errors import ConfigError
+from urc.errors import ConfigError, InvalidInputError
 from urc.key import RadixKey
 from urc.service import ServiceObserver
 
@@ -37,8 +47,10 @@ class StorageWorker:
 
     Build it after :func:`~hicache.host_tier.attach_hicache` (or let :func:`hicache.attach` build
     it); ``controller`` (optional) is used by :meth:`fetch` to load prefetched pages on to
-    device.  Raises :class:`~urc.errors.ConfigError` for EAGLE bigram keys and for a
-    component the storage tier cannot store.
+    device.  ``attached=False``: not subscribed to the cache's events yet (a live attach:
+    ``svc.attach_worker`` does it inside the actor).  Raises
+    :class:`~urc.errors.ConfigError` for EAGLE bigram keys and for a component the storage
+    tier cannot store.
     """
 
     def __init__(
@@ -51,6 +63,7 @@ class StorageWorker:
         controller: HiCacheController | None = None,
         observer: ServiceObserver | None = None,
         retry: RetryPolicy | None = None,
+        attached: bool = True,
     ) -> None:
         if cache.is_eagle:
             raise ConfigError("the storage tier does not support EAGLE bigram keys")
@@ -70,8 +83,79 @@ class StorageWorker:
         )
         self.writer = BackupWriter(ctx)
         self.prefetcher = Prefetcher(ctx)
+        self._subscribed = False
+        self._detached = False
+        self._draining = False
+        # Prefetches in flight (each in a scope a detach can cancel); set when none is.
+        # (Created in the event loop: this constructor may run outside one.)
+        self._prefetches: set[anyio.CancelScope] = set()
+        self._no_prefetch: anyio.Event | None = None
+        if attached:
+            self.attach(cache)
+
+    # ------------------------------------------------------------------ attach / detach
+    @property
+    def attached(self) -> bool:
+        """Whether the worker hears the cache's events and takes work."""
+        return self._subscribed and not self._draining
+
+    def attach(self, cache: UnifiedRadixCache) -> None:
+        """Subscribe the writer to ``cache``'s tier events (inside the actor, or on a cache
+        no service owns); a no-op when attached.  Raises :class:`~urc.errors.ConfigError`
+        for another cache than the worker's, or a worker that was detached."""
+        if cache is not self.cache:
+            raise ConfigError("a storage worker attaches to the cache it was built for")
+        if self._detached:
+            raise ConfigError("a detached storage worker is not attached again: build a new one")
+        if self._subscribed:
+            return
         if self.config.backup_policy is not StorageBackupPolicy.OFF:
             cache.subscribe(self.writer)  # its tier events queue the backups
+        self._subscribed = True
+
+    def detach(self, cache: UnifiedRadixCache) -> None:
+        """Unsubscribe from ``cache``, drop (and count) the queued backups and take no more
+        work; later prefetches are misses.  Raises :class:`~urc.errors.InvalidInputError`,
+        changing nothing, while a prefetch or a backup is in flight (they hold pins: drain
+        first, as ``svc.detach_worker`` does), and :class:`~urc.errors.ConfigError` for
+        another cache."""
+        if cache is not self.cache:
+            raise ConfigError("a storage worker detaches from the cache it was built for")
+        if self._prefetches or self.writer.pinning:
+            raise InvalidInputError(
+                f"the storage worker is busy ({len(self._prefetches)} prefetches, "
+                f"{self.writer.pinning} backups in flight): drain it first"
+            )
+        cache.unsubscribe(self.writer)
+        self.writer.drop_queued()
+        self._subscribed = False
+        self._draining = True
+        self._detached = True
+
+    async def drain(self, svc: AsyncUnifiedRadixCache, timeout_s: float | None = None) -> None:
+        """Stop taking work (a new prefetch is a miss, a new backup is dropped and counted),
+        flush the queued backups and wait for the prefetches in flight, all within
+        ``timeout_s`` (default ``StorageConfig.flush_timeout_s``).  Backups still queued at
+        the deadline are dropped (counted in ``dropped_writes``); prefetches still running
+        are cancelled (counted in ``cancelled_prefetches``): each frees the host slots it
+        reserved and releases its pin on the way out, and returns what it inserted (0 if
+        nothing).  Returns when every prefetch has ended."""
+        self._draining = True
+        timeout = self.config.flush_timeout_s if timeout_s is None else timeout_s
+        deadline = anyio.current_time() + timeout
+        await self.writer.close(timeout)
+        with anyio.move_on_at(deadline):
+            await self._prefetches_ended()
+        for scope in list(self._prefetches):
+            scope.cancel()
+            self.stats.cancelled_prefetches += 1
+        with anyio.CancelScope(shield=True):
+            await self._prefetches_ended()
+
+    async def _prefetches_ended(self) -> None:
+        if self._prefetches:
+            assert self._no_prefetch is not None
+            await self._no_prefetch.wait()
 
     async def run(self, svc: AsyncUnifiedRadixCache) -> None:
         """Write queued backups until cancelled (by the service's close)."""
@@ -105,5 +189,22 @@ class StorageWorker:
     ) -> int:
         """Bring the pages of ``key`` that are in storage but not on host into host memory,
         as host-only nodes; returns the tokens inserted (0: a miss).  See
-        :meth:`~hicache.storage_worker.prefetch.Prefetcher.prefetch`."""
-        return await self.prefetcher.prefetch(svc, key, stop)
+        :meth:`~hicache.storage_worker.prefetch.Prefetcher.prefetch`.  A detached or draining
+        worker reads every prefetch as a miss; a drain may cancel this one (a miss, its
+        host slots and pin given back)."""
+        if not self.attached:
+            self.stats.prefetches += 1
+            self.stats.prefetch_misses += 1
+            return 0
+        scope = anyio.CancelScope()
+        if not self._prefetches:
+            self._no_prefetch = anyio.Event()
+        self._prefetches.add(scope)
+        try:
+            with scope:
+                return await self.prefetcher.prefetch(svc, key, stop)
+            return 0  # cancelled by a drain: what it reserved was given back
+        finally:
+            self._prefetches.discard(scope)
+            if not self._prefetches and self._no_prefetch is not None:
+                self._no_prefetch.set()

@@ -189,18 +189,18 @@ def test_tlru_history_survives_the_eviction_of_the_tail(ps: int) -> None:
         ref.insert(conv[: n * ps], 0)
     cache = ref.h.cache
     # History 8 pages, budget 8 + 2 - 5 = 5: the last turn (its parent ends at 6) is safe.
-    assert ref.victim() is not None and ref.victim().key == conv[6 * ps :]  # type: ignore[union-attr]
+    assert ref.victim() is not None and list(ref.victim().key) == conv[6 * ps :]  # type: ignore[union-attr]
     assert cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 2 * ps
     # Still history 8 (not 6, which would make the budget 3 and the turn ending at 6 safe):
     # nothing is safe, so plain LRU takes ``other``.
-    assert ref.victim() is not None and ref.victim().key == other  # type: ignore[union-attr]
+    assert ref.victim() is not None and list(ref.victim().key) == other  # type: ignore[union-attr]
     assert cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 4 * ps
     ref.h.check()
     assert ref.h.match_len(conv) == 6 * ps and ref.h.match_len(other) == 0
 
 
 def _leaf(ref: Reference, key: list[int]) -> TreeNode:
-    return next(n for n in ref.h.cache.iter_nodes() if n.key == key)
+    return next(n for n in ref.h.cache.iter_nodes() if list(n.key) == key)
 
 
 def _evict_one(ref: Reference) -> list[int]:

@@ -1,14 +1,16 @@
 """The compiled tree walk and its pure-Python twin (``urc.fastpath``) behave identically.
 
-Two levels: the walk functions themselves on random trees and awkward tokens (big ints,
-bigram tuples, objects with their own ``__eq__``); and whole caches, one per implementation,
-driven through the same random operation sequences (inserts, matches, locks, evictions,
-request caching) for every component set and page sizes 1 and 4, compared after every step:
+Two levels: the walk functions themselves on random trees of packed keys (``array('q')``:
+big, negative and small ids, namespaces, wide nodes) and what they reject; and whole caches,
+one per implementation, driven through the same random operation sequences (inserts,
+matches, locks, evictions, request caching) for every component set and page sizes 1 and 4,
+compared after every step:
 results, every size counter and the whole tree (keys, values, locks, stamps, hit counts).
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import pytest
@@ -43,6 +45,8 @@ needs_native = pytest.mark.skipif(not native_available(), reason="urc._native._w
 
 def test_python_choice_is_the_twin_and_auto_prefers_the_compiled_walk() -> None:
     assert select_walk(WalkImpl.PYTHON) is py_walk
+    # EAGLE bigram keys are lists of pairs: the compiled walk reads packed keys only.
+    assert select_walk(WalkImpl.AUTO, packed=False) is py_walk
     assert select_match_tail(WalkImpl.PYTHON) is py_match_tail
     auto = select_walk(WalkImpl.AUTO)
     assert (auto is not py_walk) == native_available()
@@ -65,44 +69,16 @@ def test_native_choice_without_the_extension_is_a_config_error(
 
 
 # ---------------------------------------------------------------- the walk functions
-class Tok:
-    """A token type of its own: equal by value, never identical, hashable."""
-
-    __slots__ = ("v",)
-
-    def __init__(self, v: int) -> None:
-        self.v = v
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Tok) and other.v == self.v
-
-    def __hash__(self) -> int:
-        return hash(self.v)
-
-
-def _token(kind: str, v: int) -> Any:
+def _token(kind: str, v: int) -> int:
     if kind == "big":
-        return (1 << 70) + v  # beyond int64: compared as Python ints
+        return (1 << 62) + (v << 20)  # high bits differ, low bytes alike
     if kind == "neg":
         return -v - 1
-    if kind == "pair":
-        return (v, v + 1)
-    if kind == "obj":
-        return Tok(v)
-    return v + 1000  # fresh objects: compared by value, not identity
+    return v + 1000
 
 
-def _fresh(tokens: list[Any]) -> list[Any]:
-    """The same tokens as new objects where the type allows it (no identity shortcut)."""
-    out: list[Any] = []
-    for t in tokens:
-        if isinstance(t, int):
-            out.append(int(str(t)))
-        elif isinstance(t, tuple):
-            out.append(tuple(int(str(x)) for x in t))
-        else:
-            out.append(Tok(t.v))
-    return out
+def _packed(tokens: list[int]) -> array[int]:
+    return array("q", tokens)
 
 
 _blocks = st.lists(st.integers(0, 3), min_size=1, max_size=6)
@@ -130,7 +106,7 @@ def _assert_walks_agree(
 
 @needs_native
 @pytest.mark.parametrize("ps", [1, 4])
-@pytest.mark.parametrize("kind", ["int", "big", "neg", "pair", "obj"])
+@pytest.mark.parametrize("kind", ["int", "big", "neg"])
 @settings(max_examples=25, deadline=None)
 @given(
     stored=st.lists(_blocks, min_size=1, max_size=6),
@@ -142,12 +118,12 @@ def test_native_walk_returns_what_the_python_walk_returns(
     native = select_walk(WalkImpl.NATIVE)
     cache = _python_walk_cache(ps, 64 * ps)
 
-    def key(blocks: list[int], cut: int = 0) -> list[Any]:
+    def key(blocks: list[int], cut: int = 0) -> array[int]:
         toks = [_token(kind, b * 16 + i) for b in blocks for i in range(ps)]
         # ``cut``: the last page diverges inside it (a partial match of that page).
         if cut and toks:
             toks[-1 - (cut - 1) % ps] = _token(kind, 999)
-        return toks
+        return _packed(toks)
 
     for i, blocks in enumerate(stored):
         toks = key(blocks)
@@ -159,7 +135,7 @@ def test_native_walk_returns_what_the_python_walk_returns(
         extra = ("tenant", 1) if i % 2 else None
         cache.insert(InsertParams(key=RadixKey(toks, extra), value=value))
     for blocks, cut in queries:
-        toks = _fresh(key(blocks, cut))
+        toks = key(blocks, cut)
         ck = cache.tree.root_child_key(toks, None)
         for pos in range(0, len(toks), ps):
             # ``None``: the walk takes the page key at ``pos`` itself.
@@ -177,30 +153,31 @@ def test_native_walk_returns_what_the_python_walk_returns(
     stored=st.lists(_blocks, min_size=1, max_size=24),
     queries=st.lists(st.tuples(_blocks, st.integers(0, 3)), min_size=1, max_size=6),
 )
-def test_native_walk_agrees_when_queries_share_token_objects_with_the_tree(
+def test_native_walk_agrees_past_sixteen_children_and_under_namespaces(
     ps: int, stored: list[list[int]], queries: list[tuple[list[int], int]]
 ) -> None:
-    """The compiled walk finds a child by the identity of its key (page 1: the token; pages:
-    the key tuple's items) before hashing: queries built from the very token objects the
-    tree holds (also under namespaces, and past 16 children of one node) walk alike."""
+    """Up to 16 children the compiled walk scans the child keys' ints instead of building
+    the page's key (skipping namespaced root keys); past that it builds the key and looks it
+    up: both ways find what the twin finds."""
     native = select_walk(WalkImpl.NATIVE)
     cache = _python_walk_cache(ps, 512 * ps)
-    pages = {b: [1000 + b * 16 + i for i in range(ps)] for b in range(40)}  # shared objects
 
-    def key(blocks: list[int]) -> list[Any]:
-        return [t for b in blocks for t in pages[b]]
+    def key(blocks: list[int]) -> list[int]:
+        return [1000 + b * 16 + i for b in blocks for i in range(ps)]
 
-    for i, blocks in enumerate([*stored, *([b] for b in range(20))]):  # > 16 root children
+    wide = [[0, b] for b in range(20)]  # > 16 children below one node
+    for i, blocks in enumerate([*stored, *([b] for b in range(20)), *wide]):
         toks = key(blocks)
         value = cache.token_to_kv_pool_allocator.alloc(len(toks))
         if value is None:
             break
         extra = ("tenant", 1) if i % 3 == 1 else None
         cache.insert(InsertParams(key=RadixKey(toks, extra), value=value))
-    for blocks, cut in queries:
-        toks = key(blocks)
-        if cut and toks:
-            toks[-1 - (cut - 1) % ps] = 5_000_000  # diverge inside the last page
+    for blocks, cut in [*queries, ([0, 19], 0), ([0, 7, 1], 2)]:
+        ids = key(blocks)
+        if cut and ids:
+            ids[-1 - (cut - 1) % ps] = 5_000_000  # diverge inside the last page
+        toks = _packed(ids)
         for first in (None, cache.tree.root_child_key(toks, None)):
             _assert_walks_agree(native, cache.root, first, toks, 0, ps)
         for node in cache.iter_nodes():
@@ -208,24 +185,28 @@ def test_native_walk_agrees_when_queries_share_token_objects_with_the_tree(
 
 
 @needs_native
-def test_native_walk_propagates_an_exception_from_a_token_comparison() -> None:
-    class Bad(Tok):
-        __hash__ = Tok.__hash__
-
-        def __eq__(self, other: object) -> bool:
-            raise RuntimeError("no comparison")
-
-    cache = build_cache(
-        CacheConfig(kv_size=64, max_num_reqs=1, max_context_len=8, walk_impl=WalkImpl.PYTHON)
+@pytest.mark.parametrize(
+    "tokens", [[1, 2], (1, 2), array("i", [1, 2]), array("d", [1.0, 2.0])], ids=repr
+)
+def test_native_walk_rejects_unpacked_tokens_with_a_type_error(tokens: Any) -> None:
+    """Only an ``array('q')`` is a packed key: anything else is a TypeError, not a
+    misread buffer."""
+    cache = build_cache(CacheConfig(kv_size=64, max_num_reqs=1, max_context_len=8))
+    cache.insert(
+        InsertParams(key=RadixKey([1, 2]), value=cache.token_to_kv_pool_allocator.alloc(2))
     )
-    toks = [Bad(1), Bad(2)]
-    cache.insert(InsertParams(key=RadixKey(toks), value=cache.token_to_kv_pool_allocator.alloc(2)))
     native = select_walk(WalkImpl.NATIVE)
-    query = [toks[0], Bad(2)]  # the first is identical (no __eq__), the second is not
-    with pytest.raises(RuntimeError, match="no comparison"):
-        native(cache.root, toks[0], query, 0, 1)
-    with pytest.raises(RuntimeError, match="no comparison"):
-        py_walk(cache.root, toks[0], query, 0, 1)
+    with pytest.raises(TypeError, match="array"):
+        native(cache.root, 1, tokens, 0, 1)
+
+
+@needs_native
+def test_native_walk_rejects_a_node_key_that_is_not_packed() -> None:
+    native = select_walk(WalkImpl.NATIVE)
+    root = TreeNode(_packed([]), None, (None,), None, 0)
+    root.children[1] = TreeNode([1, 2], root, (None,), None, 0)
+    with pytest.raises(TypeError, match=r"node\.key must be an array"):
+        native(root, 1, _packed([1, 2]), 0, 1)
 
 
 @needs_native
@@ -236,7 +217,7 @@ def test_native_walk_reads_other_node_types_through_their_attributes() -> None:
 
     class Plain:
         def __init__(self, key: list[int]) -> None:
-            self.key = key
+            self.key = _packed(key)
             self.children: dict[int, Any] = {}
 
     class Sub(TreeNode):
@@ -249,11 +230,11 @@ def test_native_walk_reads_other_node_types_through_their_attributes() -> None:
     proot, pa = Plain([]), Plain([1, 2])
     proot.children[1] = pa
     pa.children[3] = Plain([3, 4])
-    sroot = Sub([], None, [None], None, 0)
-    sroot.children[1] = Sub([1, 2, 3], sroot, [None], None, 0)
+    sroot = Sub(_packed([]), None, (None,), None, 0)
+    sroot.children[1] = Sub(_packed([1, 2, 3]), sroot, (None,), None, 0)
     for _ in range(2):
         for root in (cache.root, proot, sroot, cache.root):
-            for q in ([1, 2, 3, 4], [1, 2, 9], [1, 2]):
+            for q in map(_packed, ([1, 2, 3, 4], [1, 2, 9], [1, 2])):
                 a = py_walk(root, 1, q, 0, 1)  # type: ignore[arg-type]
                 b = native(root, 1, q, 0, 1)  # type: ignore[arg-type]
                 assert a[0] == b[0] and a[1:] == b[1:], (a, b)

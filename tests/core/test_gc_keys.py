@@ -1,8 +1,10 @@
-"""urc.gc_keys: the tree's key lists stay off the cyclic GC (when the C helper is built)."""
+"""urc.gc_keys: the tree's keys (packed arrays, bigram lists) stay off the cyclic GC (when
+the C helper is built)."""
 
 from __future__ import annotations
 
 import gc
+from array import array
 
 import pytest
 import torch
@@ -21,11 +23,11 @@ needs_native = pytest.mark.skipif(not BUILT, reason="urc._native._gckeys not bui
 
 
 @needs_native
-def test_untrack_key_takes_lists_off_the_gc_and_leaves_other_objects_alone() -> None:
-    key = [1, 2, 3]
-    assert gc.is_tracked(key)
-    untrack_key(key)
-    assert not gc.is_tracked(key)
+def test_untrack_key_takes_lists_and_arrays_off_the_gc_and_leaves_other_objects_alone() -> None:
+    for key in ([1, 2, 3], array("q", [1, 2, 3])):
+        assert gc.is_tracked(key)
+        untrack_key(key)
+        assert not gc.is_tracked(key)
     pair = ([],)
     untrack_key(pair)  # not a list: left as it is
     assert gc.is_tracked(pair)

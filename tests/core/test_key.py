@@ -36,6 +36,7 @@ def test_string_namespace_becomes_a_tuple_and_namespaces_compare() -> None:
 def test_bigram_view_pairs_consecutive_tokens() -> None:
     k = RadixKey([1, 2, 3, 4], ("x",)).bigram()
     assert k.token_ids == [(1, 2), (2, 3), (3, 4)] and k.is_bigram and k.extra_key == ("x",)
+    assert all(type(a) is int and type(b) is int for a, b in k.token_ids)
     assert k.bigram() is k
     assert RadixKey([1]).bigram().token_ids == []
 
@@ -57,13 +58,14 @@ def _cache() -> UnifiedRadixCache:
     ],
     ids=["list", "tuple", "array_q", "tensor_int64", "tensor_int32", "numpy"],
 )
-def test_a_key_of_any_accepted_type_matches_the_same_list_key(make_key: Any) -> None:
-    """Tensors and arrays become Python ints once: the tree matches them like a list
-    (a tensor's elements would be 0-d tensors, which hash by identity: never a hit)."""
+def test_a_key_of_any_accepted_type_is_packed_and_matches_the_same_list_key(make_key: Any) -> None:
+    """Every accepted type is packed into one ``array('q')`` (a tensor's elements would be
+    0-d tensors, which hash by identity: never a hit): the tree matches them alike."""
     cache = _cache()
     ids = list(range(16))
     key = RadixKey(make_key(ids))
-    assert key.token_ids == ids and all(type(t) is int for t in key.token_ids)
+    assert type(key.token_ids) is array and key.token_ids.typecode == "q"
+    assert key.token_ids.tolist() == ids
     slots = cache.token_to_kv_pool_allocator.alloc(16)
     cache.insert(InsertParams(key=key, value=slots))
     for probe in (RadixKey(ids), RadixKey(make_key(ids)), RadixKey(torch.arange(16))):
@@ -71,9 +73,26 @@ def test_a_key_of_any_accepted_type_matches_the_same_list_key(make_key: Any) -> 
     cache.sanity_check()
 
 
-def test_a_list_is_kept_without_a_copy() -> None:
-    ids = [1, 2, 3]
+def test_a_packed_array_is_kept_without_a_copy() -> None:
+    ids = array("q", [1, 2, 3])
     assert RadixKey(ids).token_ids is ids
+
+
+@pytest.mark.parametrize(
+    "ids", [[1, 2.5], ["a"], [None], [1 << 63], [-(1 << 63) - 1], array("Q", [1 << 63])], ids=repr
+)
+def test_ids_that_are_not_int64_are_a_typed_error(ids: Any) -> None:
+    with pytest.raises(InvalidInputError, match="int64"):
+        RadixKey(ids)
+
+
+def test_the_compiled_packer_packs_what_the_python_one_packs() -> None:
+    """Ints and int subclasses (bools, numpy ints through ``__index__``), both int64 ends."""
+    from urc.key import _packer, _python_pack
+
+    pack = _packer()
+    for ids in ([], [0, -1, (1 << 63) - 1, -(1 << 63)], [True, np.int64(7), 3], (5, 6)):
+        assert pack(ids) == _python_pack(ids), ids
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ def pages(ps: int, *xs: int) -> list[int]:
 
 def _node(nodes: object, key: list[int]) -> TreeNode:
     """The node whose edge is ``key`` (found without a match: no stamps)."""
-    return next(n for n in nodes if n.key == key)  # type: ignore[attr-defined]
+    return next(n for n in nodes if list(n.key) == key)  # type: ignore[attr-defined]
 
 
 def _stamps(h: Harness) -> list[int]:

@@ -157,7 +157,7 @@ def test_legacy_swa_scenario() -> None:
     assert h.match([1, 2, 3, 4, 5])[0] == 5
     n, last = h.match([1, 2, 3, 4, 5, 60, 70])
     assert n == 5
-    assert last.key == [4, 5]
+    assert list(last.key) == [4, 5]
 
 
 def test_legacy_swa_scenario_eagle() -> None:

@@ -98,7 +98,7 @@ class Model:
         aligned = len(tokens) - len(tokens) % self.ps
         while pos < aligned:
             for child in node.children.values():
-                if tokens[pos : pos + child.key_len] == child.key:
+                if tokens[pos : pos + child.key_len] == list(child.key):
                     node, pos = child, pos + child.key_len
                     break
             else:

@@ -115,7 +115,7 @@ def test_write_through_backs_up_on_first_hit() -> None:
     cache = make(1)
     insert(cache, [1, 2, 3, 4])
     due = host_transfers.take_pending_backups(cache, 10)
-    assert len(due) == 1 and due[0].key == [1, 2, 3, 4]
+    assert len(due) == 1 and list(due[0].key) == [1, 2, 3, 4]
 
 
 def test_write_through_selective_backs_up_on_second_hit() -> None:
@@ -126,7 +126,7 @@ def test_write_through_selective_backs_up_on_second_hit() -> None:
     match(cache, [1, 2, 3, 4])
     assert host_transfers.take_pending_backups(cache, 10) == []  # a match is not a hit
     insert(cache, [1, 2, 3, 4])
-    assert [n.key for n in host_transfers.take_pending_backups(cache, 10)] == [[1, 2, 3, 4]]
+    assert [list(n.key) for n in host_transfers.take_pending_backups(cache, 10)] == [[1, 2, 3, 4]]
 
 
 def test_write_back_backs_up_only_on_eviction_and_demotes() -> None:
@@ -153,7 +153,7 @@ def test_write_back_keeps_the_node_on_device_when_the_backup_fails() -> None:
     check(cache)
     assert r.num_tokens_evicted == 0
     node = match(cache, [9, 8, 7, 6]).last_device_node
-    assert node.key == [9, 8, 7, 6] and not node.evicted and not node.backuped
+    assert list(node.key) == [9, 8, 7, 6] and not node.evicted and not node.backuped
     cache.dec_host_lock_ref(pinned)
     with pytest.raises(InvalidLockError):
         cache.dec_host_lock_ref(pinned)

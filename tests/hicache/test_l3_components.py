@@ -72,7 +72,7 @@ def deepest(cache: UnifiedRadixCache, tokens: Sequence[int]) -> TreeNode:
     pos = 0
     while pos < len(tokens):
         for child in walk.children.values():
-            if child.key == list(tokens[pos : pos + child.key_len]):
+            if list(child.key) == list(tokens[pos : pos + child.key_len]):
                 walk = child
                 pos += child.key_len
                 break

@@ -11,6 +11,7 @@ EXPORTS: dict[str, set[str]] = {
     # change freely.
     "urc.service": {
         "AsyncUnifiedRadixCache",
+        "AttachableWorker",
         "BackgroundWorker",
         "Call",
         "Command",

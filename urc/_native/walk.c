@@ -11,9 +11,9 @@
  *
  * walk is read-only: it follows ``tokens[pos:]`` down the radix tree from ``node`` (first
  * child key ``ck``, then ``tokens[pos]`` or the tuple of the next page) and changes nothing.
- * Tokens are compared with Python ``==`` semantics: identity first, exact ints by value,
- * anything else through PyObject_RichCompareBool -- exactly what comparing two list slices
- * does, without building the slices.  match_tail stamps the nodes of the hit it finds.
+ * Tokens and node keys are packed ``array('q')`` keys (urc.key): edges compare with memcmp,
+ * exactly what comparing two array slices does, without building the slices.  match_tail
+ * stamps the nodes of the hit it finds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -93,213 +93,115 @@ set_slot(PyObject *obj, slot_cache *c, PyObject *v)
     return r;
 }
 
-/* Exact ints of at most two 30-bit digits (CPython 3.11's layout: the sign in ob_size):
- * 1 equal, 0 different, -1 not decidable here.  Runs no Python code. */
-static inline int
-small_int_eq(PyObject *a, PyObject *b)
+/* Packed keys: node keys and walked tokens are ``array('q')`` (int64), read through the buffer
+ * protocol.  The items of ``o`` (a 1-D buffer of format "q"), with ``b`` to release; NULL
+ * with a TypeError otherwise.  An exported array cannot be resized, so the pointer stays
+ * valid until the release whatever runs meanwhile. */
+static const int64_t *
+view_i64(PyObject *o, Py_buffer *b, const char *what)
 {
-#if PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API)
-    if (Py_IS_TYPE(a, &PyLong_Type) && Py_IS_TYPE(b, &PyLong_Type)) {
-        Py_ssize_t sa = Py_SIZE(a);
-        if (sa != Py_SIZE(b))
-            return 0;
-        const digit *da = ((PyLongObject *)a)->ob_digit;
-        const digit *db = ((PyLongObject *)b)->ob_digit;
-        if (sa == 0)
-            return 1; /* both zero (no digit to read) */
-        if (sa >= -1 && sa <= 1)
-            return da[0] == db[0];
-        if (sa >= -2 && sa <= 2)
-            return da[0] == db[0] && da[1] == db[1];
+    if (PyObject_GetBuffer(o, b, PyBUF_FORMAT | PyBUF_ND) == 0) {
+        if (b->ndim == 1 && b->itemsize == 8 && b->format != NULL && strcmp(b->format, "q") == 0)
+            return (const int64_t *)b->buf;
+        PyBuffer_Release(b);
     }
-#endif
-    return -1;
+    else {
+        PyErr_Clear();
+    }
+    PyErr_Format(PyExc_TypeError, "walk: %s must be an array('q'), got %.100s", what,
+                 Py_TYPE(o)->tp_name);
+    return NULL;
 }
 
-/* 1 equal, 0 different, -1 error: Python ``==`` (identity, then ints by value, then
- * ``__eq__``, which may run arbitrary code). */
-static int
-token_eq(PyObject *a, PyObject *b)
-{
-    if (a == b)
-        return 1;
-    int r = small_int_eq(a, b);
-    if (r >= 0)
-        return r;
-    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
-        int oa, ob;
-        long long va = PyLong_AsLongLongAndOverflow(a, &oa);
-        long long vb = PyLong_AsLongLongAndOverflow(b, &ob);
-        if (!oa && !ob)
-            return va == vb;
-        if (PyErr_Occurred())
-            return -1;
-    }
-    Py_INCREF(a);
-    Py_INCREF(b);
-    r = PyObject_RichCompareBool(a, b, Py_EQ);
-    Py_DECREF(a);
-    Py_DECREF(b);
-    return r;
-}
-
-/* Identical leading pointers of two item arrays, at most n: one memcmp per block (tokens a
- * request shares with the tree are usually the very same objects). */
+/* Common prefix length of two runs of n tokens.  One memcmp decides the usual case (the
+ * whole edge matches); a mismatch is then located block by block. */
 static Py_ssize_t
-same_prefix(PyObject *const *a, PyObject *const *b, Py_ssize_t n)
+common_i64(const int64_t *a, const int64_t *b, Py_ssize_t n)
 {
-    enum { BLOCK = 32 };
+    if (memcmp(a, b, (size_t)n * sizeof(int64_t)) == 0)
+        return n;
+    enum { BLOCK = 64 };
     Py_ssize_t i = 0;
-    while (i + BLOCK <= n && memcmp(a + i, b + i, BLOCK * sizeof(PyObject *)) == 0)
+    while (i + BLOCK <= n && memcmp(a + i, b + i, BLOCK * sizeof(int64_t)) == 0)
         i += BLOCK;
-    while (i < n && a[i] == b[i])
+    while (a[i] == b[i]) /* a mismatch lies before n */
         i++;
     return i;
 }
 
-/* Common prefix length of edge[0:] and tokens[pos:], at most n; -1 on error. */
-static Py_ssize_t
-common_len(PyObject *edge, PyObject *tokens, Py_ssize_t pos, Py_ssize_t n)
-{
-    Py_ssize_t i = 0;
-    for (;;) {
-        /* (Re)read the lists: a custom __eq__ may have resized either. */
-        Py_ssize_t lim = n;
-        if (lim > PyList_GET_SIZE(edge))
-            lim = PyList_GET_SIZE(edge);
-        if (lim > PyList_GET_SIZE(tokens) - pos)
-            lim = PyList_GET_SIZE(tokens) - pos;
-        PyObject *const *e = ((PyListObject *)edge)->ob_item;
-        PyObject *const *t = ((PyListObject *)tokens)->ob_item + pos;
-        /* No Python code runs in this loop: the item arrays stay valid. */
-        while (i < lim) {
-            if (e[i] == t[i]) {
-                i += same_prefix(e + i, t + i, lim - i);
-                continue;
-            }
-            int r = small_int_eq(e[i], t[i]);
-            if (r < 0)
-                break;
-            if (!r)
-                return i;
-            i++;
-        }
-        if (i >= lim)
-            return i;
-        int r = token_eq(e[i], t[i]); /* may run Python code */
-        if (r < 0)
-            return -1;
-        if (!r)
-            return i;
-        i++;
-    }
-}
-
-/* The child key of the page at ``pos``: the token itself (page 1) or a tuple of the page. */
+/* The child key of the page at ``t``: the token as an int (page 1) or a tuple of the page's
+ * ints (``Tree.page_key``). */
 static PyObject *
-child_key(PyObject *tokens, Py_ssize_t pos, Py_ssize_t page_size)
+child_key(const int64_t *t, Py_ssize_t ps)
 {
-    if (page_size == 1) {
-        PyObject *k = PyList_GET_ITEM(tokens, pos);
-        Py_INCREF(k);
-        return k;
-    }
-    Py_ssize_t end = pos + page_size;
-    if (end > PyList_GET_SIZE(tokens))
-        end = PyList_GET_SIZE(tokens);
-    PyObject *t = PyTuple_New(end - pos);
-    if (t == NULL)
+    if (ps == 1)
+        return PyLong_FromLongLong(t[0]);
+    PyObject *k = PyTuple_New(ps);
+    if (k == NULL)
         return NULL;
-    for (Py_ssize_t i = pos; i < end; i++) {
-        PyObject *x = PyList_GET_ITEM(tokens, i);
-        Py_INCREF(x);
-        PyTuple_SET_ITEM(t, i - pos, x);
+    for (Py_ssize_t i = 0; i < ps; i++) {
+        PyObject *x = PyLong_FromLongLong(t[i]);
+        if (x == NULL) {
+            Py_DECREF(k);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(k, i, x);
     }
-    return t;
+    return k;
 }
 
-/* Up to this many children, a page-keyed lookup compares each child's first page instead of
- * building and hashing the tuple of the page: most first pages differ at their first token,
- * so a scan of a few children costs less than the tuple. */
+/* Up to this many children, a lookup scans the child keys instead of building the page's key
+ * object (an int, or a tuple of ps ints) and hashing it: most keys differ at their first
+ * token, so a scan of a few costs less than the allocations. */
 enum { SCAN_CHILDREN = 16 };
 
-/* The child of ``children`` whose key starts with the page ``tokens[pos:pos + ps]`` (ps > 1),
- * found without building the page's tuple: every child is held under the tuple of its key's
- * first page (``Tree.child_key_of``, checked by ``sanity_check``), so the child whose first
- * page equals the page is the one ``children[tuple(page)]`` gives.  1: decided (``*out`` the
- * child, borrowed, or NULL for none); 0: not decidable here (too many children, a short edge
- * or tokens that are neither identical objects nor small exact ints): build the tuple.  Runs
- * no Python code, so the dict cannot change under the iteration. */
+/* 1: ``k`` is the exact int ``v``; 0: it is not; -1: not decidable here (an int subclass).
+ * Runs no Python code. */
+static inline int
+int_is(PyObject *k, int64_t v)
+{
+    if (!PyLong_CheckExact(k))
+        return PyLong_Check(k) ? -1 : 0;
+    int overflow;
+    const long long x = PyLong_AsLongLongAndOverflow(k, &overflow);
+    return !overflow && x == v; /* no error is possible on an exact int */
+}
+
+/* The child of ``children`` held under the page key of ``t[0:ps]`` -- what
+ * ``children.get(Tree.page_key(...))`` gives -- found by comparing the keys' ints with the
+ * page's, without building the key.  1: decided (``*out`` the child, borrowed, or NULL for
+ * none); 0: not decidable here (too many children, or a key holding an int subclass): build
+ * the key and look it up.  A key of another shape (a namespaced root key, whose first item is
+ * the sentinel object) never equals the page key and is skipped.  Runs no Python code, so the
+ * dict cannot change under the iteration. */
 static int
-scan_children(PyObject *children, PyObject *tokens, Py_ssize_t pos, Py_ssize_t ps, PyObject **out)
+scan_keys(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **out)
 {
     *out = NULL;
-    if (PyDict_GET_SIZE(children) > SCAN_CHILDREN || PyList_GET_SIZE(tokens) - pos < ps)
+    if (PyDict_GET_SIZE(children) > SCAN_CHILDREN)
         return 0;
-    PyObject *const *t = ((PyListObject *)tokens)->ob_item + pos;
     Py_ssize_t it = 0;
     PyObject *k, *v;
     while (PyDict_Next(children, &it, &k, &v)) {
-        PyObject *edge = peek_slot(v, &sc_key);
-        if (edge == NULL || !PyList_CheckExact(edge) || PyList_GET_SIZE(edge) < ps)
-            return 0;
-        PyObject *const *e = ((PyListObject *)edge)->ob_item;
-        Py_ssize_t j = 0;
-        for (; j < ps; j++) {
-            if (e[j] == t[j])
-                continue;
-            int r = small_int_eq(e[j], t[j]);
-            if (r < 0)
-                return 0;
-            if (!r)
-                break;
+        int same;
+        if (ps == 1) {
+            same = int_is(k, t[0]);
         }
-        if (j == ps) {
+        else {
+            if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != ps)
+                continue;
+            same = 1;
+            for (Py_ssize_t j = 0; j < ps && same == 1; j++)
+                same = int_is(PyTuple_GET_ITEM(k, j), t[j]);
+        }
+        if (same < 0)
+            return 0;
+        if (same) {
             *out = v;
             return 1;
         }
     }
     return 1;
-}
-
-/* The child held under the very object ``key`` (borrowed), found among up to SCAN_CHILDREN
- * entries by pointer, or NULL (then the dict lookup decides).  Page 1: a token the request
- * shares with the tree is the same object as the child's key, and comparing pointers spares
- * reading the token to hash it (a cache miss per node on a long, cold path).  Runs no
- * Python code.  A key identical to the query is the entry the lookup would find: keys of a
- * dict are distinct. */
-static inline PyObject *
-same_key_child(PyObject *children, PyObject *key)
-{
-    if (PyDict_GET_SIZE(children) > SCAN_CHILDREN)
-        return NULL;
-    Py_ssize_t it = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(children, &it, &k, &v)) {
-        if (k == key)
-            return v;
-    }
-    return NULL;
-}
-
-/* The child held under the tuple of the very token objects of the page ``tokens[pos:pos +
- * ps]`` (borrowed), found among up to SCAN_CHILDREN keys by comparing pointers, or NULL (the
- * other lookups decide).  A key tuple is one object to read, where comparing a child's edge
- * reads the node, its key list and the list's items.  Runs no Python code. */
-static inline PyObject *
-same_page_child(PyObject *children, PyObject *tokens, Py_ssize_t pos, Py_ssize_t ps)
-{
-    if (PyDict_GET_SIZE(children) > SCAN_CHILDREN || PyList_GET_SIZE(tokens) - pos < ps)
-        return NULL;
-    PyObject *const *page = ((PyListObject *)tokens)->ob_item + pos;
-    Py_ssize_t it = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(children, &it, &k, &v)) {
-        if (PyTuple_CheckExact(k) && PyTuple_GET_SIZE(k) == ps &&
-            memcmp(((PyTupleObject *)k)->ob_item, page, (size_t)ps * sizeof(PyObject *)) == 0)
-            return v;
-    }
-    return NULL;
 }
 
 static PyObject *
@@ -310,31 +212,30 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *node = args[0];
-    PyObject *tokens = args[2];
-    if (!PyList_Check(tokens)) {
-        PyErr_SetString(PyExc_TypeError, "walk: tokens must be a list");
-        return NULL;
-    }
     Py_ssize_t pos = PyLong_AsSsize_t(args[3]);
     Py_ssize_t ps = PyLong_AsSsize_t(args[4]);
     if ((pos == -1 || ps == -1) && PyErr_Occurred())
         return NULL;
-    if (ps < 1) {
-        PyErr_SetString(PyExc_ValueError, "walk: page_size must be positive");
+    if (ps < 1 || pos < 0) {
+        PyErr_SetString(PyExc_ValueError, "walk: page_size must be positive, pos not negative");
         return NULL;
     }
-    PyObject *nodes = PyList_New(0);
-    if (nodes == NULL)
+    Py_buffer tb;
+    const int64_t *t = view_i64(args[2], &tb, "tokens");
+    if (t == NULL)
         return NULL;
+    const Py_ssize_t n = tb.shape[0];
+    PyObject *nodes = PyList_New(0);
+    if (nodes == NULL) {
+        PyBuffer_Release(&tb);
+        return NULL;
+    }
     PyObject *ck = args[1] == Py_None ? NULL : args[1]; /* NULL: the page key at pos */
     Py_XINCREF(ck);
     Py_INCREF(node);
     PyObject *partial = Py_None;
     Py_ssize_t pm = 0;
-    for (;;) {
-        Py_ssize_t n = PyList_GET_SIZE(tokens);
-        if (pos >= n)
-            break;
+    while (pos < n) {
         PyObject *children = get_slot(node, &sc_children);
         if (children == NULL)
             goto fail;
@@ -344,23 +245,18 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto fail;
         }
         PyObject *child = NULL; /* borrowed */
-        /* Pages: a key tuple holding the very token objects of the page first (keys only,
-         * so safe at the root too); else the edges' first pages -- but never at the root,
-         * which also holds namespaced children whose first page is not their key. */
-        if (ck == NULL && ps > 1)
-            child = same_page_child(children, tokens, pos, ps);
-        if (child == NULL && ck == NULL &&
-            (ps == 1 || node == args[0] || scan_children(children, tokens, pos, ps, &child) == 0)) {
-            ck = child_key(tokens, pos, ps);
+        if (ck == NULL && (n - pos < ps || scan_keys(children, t + pos, ps, &child) == 0)) {
+            ck = child_key(t + pos, n - pos < ps ? n - pos : ps);
             if (ck == NULL) {
                 Py_DECREF(children);
                 goto fail;
             }
         }
-        if (ck != NULL && (ps > 1 || (child = same_key_child(children, ck)) == NULL))
+        if (ck != NULL)
             child = PyDict_GetItemWithError(children, ck);
         Py_XINCREF(child);
         Py_DECREF(children);
+        Py_CLEAR(ck);
         if (child == NULL) {
             if (PyErr_Occurred())
                 goto fail;
@@ -371,21 +267,17 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(child);
             goto fail;
         }
-        if (!PyList_Check(edge)) {
-            Py_DECREF(edge);
-            Py_DECREF(child);
-            PyErr_SetString(PyExc_TypeError, "walk: node.key must be a list");
-            goto fail;
-        }
-        Py_ssize_t klen = PyList_GET_SIZE(edge);
-        Py_ssize_t avail = n - pos;
-        Py_ssize_t lim = klen < avail ? klen : avail;
-        Py_ssize_t c = common_len(edge, tokens, pos, lim);
-        Py_DECREF(edge);
-        if (c < 0) {
+        Py_buffer eb;
+        const int64_t *e = view_i64(edge, &eb, "node.key");
+        Py_DECREF(edge); /* the child holds it; the export pins its items */
+        if (e == NULL) {
             Py_DECREF(child);
             goto fail;
         }
+        const Py_ssize_t klen = eb.shape[0];
+        const Py_ssize_t lim = klen < n - pos ? klen : n - pos;
+        Py_ssize_t c = common_i64(e, t + pos, lim);
+        PyBuffer_Release(&eb);
         if (c == klen) {
             if (PyList_Append(nodes, child) < 0) {
                 Py_DECREF(child);
@@ -394,16 +286,6 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(node);
             node = child;
             pos += klen;
-            if (pos >= PyList_GET_SIZE(tokens))
-                break;
-            Py_CLEAR(ck);
-            /* Page 1: the token is the key.  Larger pages: the next lookup scans the
-             * children first (ck NULL), building the page's tuple only if it must. */
-            if (ps == 1) {
-                ck = child_key(tokens, pos, ps);
-                if (ck == NULL)
-                    goto fail;
-            }
             continue;
         }
         c -= c % ps;
@@ -416,13 +298,14 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         break;
     }
+    PyBuffer_Release(&tb);
     Py_XDECREF(ck);
     Py_DECREF(node);
     if (partial == Py_None)
         Py_INCREF(Py_None);
-    PyObject *res = Py_BuildValue("(NnNn)", nodes, pos, partial, pm);
-    return res;
+    return Py_BuildValue("(NnNn)", nodes, pos, partial, pm);
 fail:
+    PyBuffer_Release(&tb);
     Py_XDECREF(ck);
     Py_DECREF(node);
     Py_DECREF(nodes);

@@ -90,14 +90,15 @@ happens then (:data:`~urc.service._call.ON_CANCEL` classifies the commands)::
     slide_req_window,    |                                | the tree took the value; free:
     cache_finished_req,  |                                | freed; a Req holds its outcome;
     cache_unfinished_req,|                                | an insert's unaligned tail and an
-    call                 |                                | unadopted Mamba value stay the
-                         |                                | caller's, as in every other case).
-                         |                                | Got: given back by the service --
+    call,                |                                | unadopted Mamba value stay the
+    attach_worker,       |                                | caller's, as in every other case).
+    detach_worker        |                                | Got: given back by the service --
                          |                                | alloc / alloc_mamba slots freed,
                          |                                | a load-back the match started
                          |                                | dropped (the Req keeps its match),
                          |                                | a call's result handed to its
-                         |                                | ``undo`` (else dropped).  If the
+                         |                                | ``undo`` (else dropped), an
+                         |                                | attached worker detached.  If the
                          |                                | command failed (typed error),
                          |                                | nothing changed: what it passed in
                          |                                | is still its own
@@ -139,13 +140,17 @@ for them at most every so often.
 
 Background work (HiCache): :meth:`start_background` (or ``workers=``) runs coroutines in the
 service's task group; they reach the tree only through commands (``await svc.call(fn)`` runs
-``fn(cache)`` inside the actor).  Close cancels them first (their cancellation handlers may
+``fn(cache)`` inside the actor).  An :class:`AttachableWorker` (the L3 storage worker) can
+also join and leave a running service: ``attach_worker`` (the ``AttachWorker`` command, then
+its ``run``) and ``detach_worker`` (its ``drain``, its ``run`` cancelled, then the
+``DetachWorker`` command).  Close cancels them first (their cancellation handlers may
 still make shielded calls), then closes the stream to new calls, lets the actor drain it,
 then releases every lease still held (pins included) and reports how many.
 """
 
 from __future__ import annotations
 
+from urc.service._attachable import AttachableWorker
 from urc.service._base import BackgroundWorker, LoadBackPolicy, ServiceState, TraceHook
 from urc.service._commands import Call, Command, CommandKind, InsertOutcome, MatchOutcome
 from urc.service._facade import AsyncUnifiedRadixCache
@@ -161,6 +166,7 @@ from urc.service._observer import (
 
 __all__ = [
     "AsyncUnifiedRadixCache",
+    "AttachableWorker",
     "BackgroundWorker",
     "Call",
     "Command",

@@ -117,6 +117,9 @@ class ServiceBase:
         # the stream full or closing: applied at the start of the next batch, or at shutdown.
         self._orphans: list[Command] = []
         self._worker_scopes: set[CancelScope] = set()
+        # Workers that ``detach_worker`` can stop, by id: (worker, its scope, set when its
+        # ``run`` ended).
+        self._attached: dict[int, tuple[Any, CancelScope, anyio.Event]] = {}
         self._background_failures: list[BaseException] = []
         self._workers_done: anyio.Event | None = None
         self._tg: TaskGroup | None = None

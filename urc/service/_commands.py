@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
     from urc.node import ComponentType
     from urc.req import Req
+    from urc.service._attachable import AttachableWorker
     from urc.service._lease import Lease, NodeHandle
     from urc.service._request_ops import PendingLoad
 
@@ -36,11 +37,13 @@ __all__ = [
     "AllocMamba",
     "AllocReqMamba",
     "AllocReqRow",
+    "AttachWorker",
     "CacheFinishedReq",
     "CacheUnfinishedReq",
     "Call",
     "Command",
     "CommandKind",
+    "DetachWorker",
     "Evict",
     "FinishReqLoad",
     "Free",
@@ -84,6 +87,8 @@ class CommandKind(Enum):
     STATS = "stats"
     SANITY_CHECK = "sanity_check"
     CALL = "call"
+    ATTACH_WORKER = "attach_worker"
+    DETACH_WORKER = "detach_worker"
 
 
 class OnCancel(Enum):
@@ -326,6 +331,27 @@ class Call:
     undo: Callable[[UnifiedRadixCache, Any], None] | None = None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class AttachWorker:
+    """``worker.attach(cache)``: the actor's half of ``svc.attach_worker`` (the worker
+    subscribes to the cache's events).  A caller cancelled natively after it was applied
+    never learns of it: the service detaches the worker again (``give_back``)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.ATTACH_WORKER
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
+    worker: AttachableWorker
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DetachWorker:
+    """``worker.detach(cache)``: the actor's half of ``svc.detach_worker``, after the worker
+    drained and its background coroutine ended."""
+
+    kind: ClassVar[CommandKind] = CommandKind.DETACH_WORKER
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
+    worker: AttachableWorker
+
+
 Command: TypeAlias = (
     Match
     | MatchReq
@@ -348,6 +374,8 @@ Command: TypeAlias = (
     | Stats
     | SanityCheck
     | Call
+    | AttachWorker
+    | DetachWorker
 )
 
 #: Every command class (the members of :data:`Command`).

@@ -27,10 +27,12 @@ from urc.service._commands import (
     AllocMamba,
     AllocReqMamba,
     AllocReqRow,
+    AttachWorker,
     CacheFinishedReq,
     CacheUnfinishedReq,
     Call,
     Command,
+    DetachWorker,
     Evict,
     FinishReqLoad,
     Free,
@@ -285,6 +287,14 @@ class CommandExecutor:
     def _call(self, cmd: Call) -> Any:
         return cmd.fn(self.cache)
 
+    @handles(AttachWorker)
+    def _attach_worker(self, cmd: AttachWorker) -> None:
+        cmd.worker.attach(self.cache)
+
+    @handles(DetachWorker)
+    def _detach_worker(self, cmd: DetachWorker) -> None:
+        cmd.worker.detach(self.cache)
+
 
 def _req_outcome(
     res: MatchResult, load: request_ops.PendingLoad | None, host_loaded: int = 0
@@ -309,7 +319,8 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
     - slots from ``alloc`` / ``alloc_mamba``: their free;
     - a request match that started a load-back (``pending_load``): that load dropped
       (the request keeps its match and lock);
-    - a ``call`` with an ``undo``: that undo, run on the result.
+    - a ``call`` with an ``undo``: that undo, run on the result;
+    - an attached worker (``attach_worker``, whose caller never started it): its detach.
     """
     match cmd:
         case Match() | Lock():
@@ -327,5 +338,7 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
             return [] if load is None else [FinishReqLoad(cmd.req, load, False)]
         case Call(undo=undo) if undo is not None:
             return [Call(lambda cache: undo(cache, result))]
+        case AttachWorker(worker=worker):
+            return [DetachWorker(worker)]
         case _:
             return []

@@ -7,6 +7,7 @@ of :mod:`urc.service`.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from time import perf_counter
@@ -25,15 +26,18 @@ from urc.node import ComponentType
 from urc.params import EvictParams, EvictResult
 from urc.req import Req
 from urc.reuse_hint import ReuseHint
+from urc.service._attachable import AttachableWorker
 from urc.service._base import ServiceState
 from urc.service._commands import (
     Alloc,
     AllocMamba,
     AllocReqMamba,
     AllocReqRow,
+    AttachWorker,
     CacheFinishedReq,
     CacheUnfinishedReq,
     Call,
+    DetachWorker,
     Evict,
     FinishReqLoad,
     Free,
@@ -66,8 +70,8 @@ def _as_key(key: RadixKey | Sequence[int], extra_key: ExtraKey | str | None) -> 
         if extra_key is not None:
             raise InvalidInputError("pass extra_key inside the RadixKey, not both")
         return key
-    if isinstance(key, (list, tuple)):
-        return RadixKey(list(key), extra_key)
+    if isinstance(key, list | tuple | array):
+        return RadixKey(key, extra_key)  # packed here, outside the actor
     raise InvalidInputError(f"key must be a RadixKey or a list of token ids, got {type(key)}")
 
 
@@ -340,3 +344,42 @@ class AsyncUnifiedRadixCache(Lifecycle):
         natively and never got the result (see the cancellation rules)."""
         result: T = await self._submit(Call(fn, undo))
         return result
+
+    # ------------------------------------------------------------------ live workers
+    async def attach_worker(self, worker: AttachableWorker) -> None:
+        """Attach a background worker to the running service: inside the actor
+        ``worker.attach(cache)`` (it subscribes to the cache's events), then ``worker.run``
+        in the background, as for a worker passed in ``workers=``.
+
+        Raises :class:`~urc.errors.InvalidInputError` for an object without the hooks of an
+        :class:`AttachableWorker` or a worker attached already, whatever typed error
+        ``attach`` raises (nothing is attached then), and
+        :class:`~urc.errors.ServiceClosedError` unless running.  A caller cancelled after
+        the actor attached the worker leaves it detached again (the service gives it back).
+        """
+        if not isinstance(worker, AttachableWorker):
+            raise InvalidInputError(f"{type(worker).__name__} is not an AttachableWorker")
+        if self._is_attached(worker):
+            raise InvalidInputError(f"{worker!r} is attached already")
+        self._check_open()
+        await self._submit(AttachWorker(worker))
+        self._start_worker(worker)
+
+    async def detach_worker(self, worker: AttachableWorker, timeout_s: float | None = None) -> None:
+        """Detach a worker started by :meth:`attach_worker` or ``workers=``:
+        ``await worker.drain(self, timeout_s)`` (it takes no new work and finishes or gives
+        back what is in flight, within ``timeout_s``), then its background ``run`` is
+        cancelled and awaited, then ``worker.detach(cache)`` runs inside the actor (it
+        unsubscribes).  Once the drain is over the rest is shielded from cancellation.
+
+        Raises :class:`~urc.errors.InvalidInputError` if ``worker`` is not attached here,
+        or still holds something of the cache after its drain (a bug of the worker), and
+        :class:`~urc.errors.ServiceClosedError` unless running.
+        """
+        if not self._is_attached(worker):
+            raise InvalidInputError(f"{worker!r} is not attached to this service")
+        self._check_open()
+        await worker.drain(self, timeout_s)
+        with CancelScope(shield=True):
+            await self._stop_worker(worker)
+            await self._submit(DetachWorker(worker))

@@ -55,7 +55,7 @@ class Lifecycle(Actor, Transport, WorkerSupervisor):
         self._state = ServiceState.RUNNING
         tg.start_soon(self._actor, name="urc-actor")
         for worker in self._initial_workers:
-            self.start_background(worker.run)
+            self._start_worker(worker)
         return self
 
     async def __aexit__(

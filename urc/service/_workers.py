@@ -9,7 +9,7 @@ import anyio
 from anyio import CancelScope
 
 from urc.errors import ServiceError
-from urc.service._base import ServiceBase, ServiceState, WorkerFn
+from urc.service._base import BackgroundWorker, ServiceBase, ServiceState, WorkerFn
 
 __all__ = ["WorkerSupervisor"]
 
@@ -30,14 +30,39 @@ class WorkerSupervisor(ServiceBase):
         assert self._tg is not None
         scope = CancelScope()
         self._worker_scopes.add(scope)
-        self._tg.start_soon(self._run_worker, fn, scope, name=name)
+        self._tg.start_soon(self._run_worker, fn, scope, None, name=name)
+
+    def _start_worker(self, worker: BackgroundWorker) -> None:
+        """:meth:`start_background` of ``worker.run``, kept where :meth:`_stop_worker`
+        finds it (``workers=`` and ``attach_worker``)."""
+        self._check_open()
+        assert self._tg is not None
+        scope = CancelScope()
+        done = anyio.Event()
+        self._worker_scopes.add(scope)
+        self._attached[id(worker)] = (worker, scope, done)
+        self._tg.start_soon(self._run_worker, worker.run, scope, done, name=repr(worker))
+
+    def _is_attached(self, worker: object) -> bool:
+        entry = self._attached.get(id(worker))
+        return entry is not None and entry[0] is worker
+
+    async def _stop_worker(self, worker: object) -> None:
+        """Cancel ``worker``'s ``run`` (started by :meth:`_start_worker`) and wait until it
+        ended (its cancellation handlers' shielded calls included)."""
+        entry = self._attached.pop(id(worker), None)
+        if entry is None:
+            return
+        _, scope, done = entry
+        scope.cancel()
+        await done.wait()
 
     @property
     def background_failures(self) -> tuple[BaseException, ...]:
         """Exceptions that ended background workers (the service kept serving)."""
         return tuple(self._background_failures)
 
-    async def _run_worker(self, fn: WorkerFn, scope: CancelScope) -> None:
+    async def _run_worker(self, fn: WorkerFn, scope: CancelScope, done: anyio.Event | None) -> None:
         try:
             with scope:
                 await fn(self)  # ``self`` is the facade
@@ -48,6 +73,8 @@ class WorkerSupervisor(ServiceBase):
                 self._background_failures.append(exc)
         finally:
             self._worker_scopes.discard(scope)
+            if done is not None:
+                done.set()
             if not self._worker_scopes and self._workers_done is not None:
                 self._workers_done.set()
 

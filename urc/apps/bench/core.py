@@ -14,8 +14,9 @@ match every sequence (``match_prefix``; then again without building the indices,
 call per sequence's worth of tokens).  Lock and unlock throughput comes from back-to-back
 passes, their percentiles from a per-call timed one (see ``_lock_phases``); the other phases
 time each call (their calls cost tens of microseconds, the clock reads well under one).
-``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6 cached tokens, and per-token
-cost of match and insert at 1k- and 128k-token keys (``run_key_scaling``).
+``--scaling`` also reports per-op cost at 10^4, 10^5 and 10^6 cached tokens, per-token
+cost of match and insert at 1k- and 128k-token keys (``run_key_scaling``), and the memory a
+10^6-token tree holds (``urc.apps.bench.tree_memory``).
 ``--workload long-context`` runs the phases on :func:`generate_long_context` instead.
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from urc.apps.bench.tree_memory import tree_memory
 from urc.cache import UnifiedRadixCache, build_cache
 from urc.config import CacheConfig
 from urc.eviction_policy import EvictionPolicy
@@ -477,6 +479,20 @@ def run_key_scaling(
     return out
 
 
+def _tree_memory(
+    components: tuple[ComponentType, ...], page_size: int, chunk_len: int
+) -> dict[str, Any]:
+    """:func:`~urc.apps.bench.tree_memory.tree_memory` of a 10^6-token tree."""
+    cache = build_cache(make_config(components, page_size, 10**6 + 64 * chunk_len + 4096))
+    driver = _Driver(cache)
+
+    def insert(seq: list[int]) -> None:
+        params, after = driver.insert(seq)
+        after(cache.insert(params))
+
+    return tree_memory(cache, insert, chunk_len)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m urc.apps.bench.core", description=__doc__.split("\n")[0]
@@ -511,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--scaling",
         action="store_true",
-        help="also measure 1e4/1e5/1e6 trees and per-token cost at 1k vs 128k-token keys",
+        help="also measure 1e4/1e5/1e6 trees, per-token cost at 1k vs 128k-token keys, and "
+        "the memory of a 1e6-token tree",
     )
     args = ap.parse_args(argv)
     eviction = {
@@ -545,6 +562,7 @@ def main(argv: list[str] | None = None) -> None:
                     COMPONENT_SETS[name], ps, args.chunk_len, [10**4, 10**5, 10**6]
                 )
                 entry["key_scaling"] = run_key_scaling(COMPONENT_SETS[name], ps, [1024, 131072])
+                entry["tree_memory"] = _tree_memory(COMPONENT_SETS[name], ps, args.chunk_len)
             report["results"][f"{name}/page{ps}"] = entry
             print(json.dumps({f"{name}/page{ps}": entry}), flush=True)
     print(json.dumps(report, indent=2))

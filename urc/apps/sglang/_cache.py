@@ -200,7 +200,7 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         kv = req.kv
         token_ids = req.full_untruncated_fill_ids[:up_to]
         ps = self.page_size
-        key = RadixKey(list(token_ids), namespace(req.extra_key, req.cache_salt))
+        key = RadixKey(token_ids, namespace(req.extra_key, req.cache_salt))
         if self.is_eagle:
             key = key.bigram()
         aligned = len(key) - len(key) % ps

@@ -22,7 +22,8 @@ def namespace(extra_key: str | None, cache_salt: str | None) -> ExtraKey | None:
 
 def to_urc_key(key: Any, length: int | None = None) -> RadixKey:
     """urc's key of SGLang's ``key`` (its ``limit`` honoured), cut to ``length`` tokens
-    when given.  Copies the ids into a list (urc's keys are lists)."""
+    when given.  Both hold packed ``array('q')`` ids: a whole key is shared, not copied; a
+    cut one is an array slice (a memcpy)."""
     ids = key.token_ids
     n = len(ids)
     limit = key.limit
@@ -30,5 +31,4 @@ def to_urc_key(key: Any, length: int | None = None) -> RadixKey:
         n = limit
     if length is not None and length < n:
         n = length
-    tokens = list(ids) if n == len(ids) else list(ids[:n])
-    return RadixKey(tokens, namespace(key.extra_key, key.cache_salt))
+    return RadixKey(ids if n == len(ids) else ids[:n], namespace(key.extra_key, key.cache_salt))
