@@ -11,15 +11,16 @@ finished request (the session, why the model stopped, when it finished).  What i
   Leaves whose keep-until is earliest go first: LRU by finish time, with sessions in a tool
   loop aged ``window_s`` younger.
 * Keep-until times are quantized to ``quantum_s``; within one quantum the session the cache
-  saw last goes first (then least recently used first: a session's tail before its head).
+  saw first goes first (then least recently used first: a session's tail before its head).
   When more sessions are in tool loops than the cache holds, LRU evicts exactly the one due
-  back next; this order keeps the older ones whole instead, as the offline optimum does.
+  back next; this order keeps a stable set of them whole instead, as the offline optimum
+  does, and the set it keeps is the younger sessions: an old session is nearer its end.
 * A leaf no hint reached (every leaf, on a workload without hints) is keyed by
   ``last_access_time`` alone and goes before every hinted one: without hints the order is
   exactly LRU's.
 
 The key is one int, ``base + last_access_time``: ``base`` (``node.eviction_state``) packs
-(hinted, quantum, youngness) above the 48 bits of the access clock.  A hint costs O(1) per
+(hinted, quantum, first-seen rank) above the 48 bits of the access clock.  A hint costs O(1) per
 node of the path the insert already walked; keys grow with use, except that a hint can lower
 them (a finish earlier than the previous one's, or a tool loop that now waits for a person):
 the nodes whose key dropped get a fresh heap entry then (``FullComponent.note_hint``), so
@@ -55,14 +56,14 @@ DEFAULT_GAPS_S: dict[StopReason | None, float] = {
 """Expected seconds to a session's next request, per stop reason, when a hint gives none."""
 
 _CLOCK_BITS = 48  # last_access_time (a logical clock: one tick per node touched)
-_RANK_BITS = 40  # youngness: sessions first seen, counted
+_RANK_BITS = 40  # sessions first seen, counted
 _MAX_SESSIONS = 1 << 16  # sessions remembered (their first-seen order)
 _WINDOW_BIAS = 1 << 40  # windows may be negative (a clock that starts below zero)
 _HINTED = 1 << 200  # above every window: a hinted leaf goes after every unhinted one
 
 
 class SessionAwareStrategy(EvictionStrategy):
-    """Hinted leaves by keep-until time (quantized, the youngest session first within a
+    """Hinted leaves by keep-until time (quantized, the oldest session first within a
     quantum); LRU without hints (see the module docstring).
 
     ``window_s``: how much later a session expected back soon is kept (seconds);
@@ -114,8 +115,10 @@ class SessionAwareStrategy(EvictionStrategy):
         window = self._window
         keep_until = at + window if gap <= self._hot_gap else at
         bucket = math.floor(keep_until / self._quantum) + _WINDOW_BIAS
-        youngness = (1 << _RANK_BITS) - 1 - self._rank(hint.session_id)
-        base = _HINTED + (((bucket << _RANK_BITS) + youngness) << _CLOCK_BITS)
+        # Within a quantum the session seen first goes first: sessions end, and an old one
+        # is nearer its end than one that has just started.
+        rank = self._rank(hint.session_id)
+        base = _HINTED + (((bucket << _RANK_BITS) + rank) << _CLOCK_BITS)
         dropped = []
         for node in path:
             old = node.eviction_state
@@ -126,7 +129,7 @@ class SessionAwareStrategy(EvictionStrategy):
 
     def _rank(self, session_id: str | None) -> int:
         """How many sessions the cache saw before ``session_id`` (a request without one
-        counts as the youngest session)."""
+        counts as the youngest session, the last to go within a quantum)."""
         ranks = self._ranks
         if session_id is None:
             return self._next_rank

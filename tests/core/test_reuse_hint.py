@@ -83,16 +83,17 @@ def test_tool_call_session_outlives_an_answered_one_finished_later() -> None:
         assert _survivors(cache, [1, 2]) == kept, policy
 
 
-def test_within_one_quantum_the_older_session_is_kept() -> None:
+def test_within_one_quantum_the_older_session_goes_first() -> None:
     # Sessions 1 (seen first) and 2 both called a tool within the same 20 s quantum: the
-    # younger session goes first, whatever their recency (LRU would evict session 1).
+    # older session goes first, whatever their recency (LRU evicts session 2, the one used
+    # less recently).
     cache = _cache()
     _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=101.0))
     _insert(cache, _session(2), ReuseHint("s2", StopReason.TOOL_USE, finished_at_s=102.0))
-    _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=103.0))
-    _insert(cache, _session(2), ReuseHint("s2", StopReason.TOOL_USE, finished_at_s=104.0))
+    _insert(cache, _session(2), ReuseHint("s2", StopReason.TOOL_USE, finished_at_s=103.0))
+    _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=104.0))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2]) == [1]
+    assert _survivors(cache, [1, 2]) == [2]
 
 
 def test_a_hint_that_lowers_a_cached_leafs_key_is_honoured() -> None:

@@ -128,7 +128,7 @@ def sweep(
 
 
 def _size(tokens: int) -> str:
-    return f"{tokens / (1 << 20):g}M" if tokens >= 1 << 20 else f"{tokens / 1024:g}k"
+    return f"{tokens / (1 << 20):g}M" if tokens >= 1 << 19 else f"{tokens / 1024:g}k"
 
 
 def table(rows: list[SweepRow]) -> str:
