@@ -137,3 +137,25 @@ def test_eagle_bigram_keys_accept_tensors_too() -> None:
     hit = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids))))
     assert hit.device_prefix_len == 8
     cache.sanity_check()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_node_keys_are_packed_copies_the_caller_may_reuse(ps: int) -> None:
+    """The tree keeps packed slices of its own: a caller that refills its ``array('q')``
+    after an insert (a server reusing a request buffer) changes nothing in the tree."""
+    cache = build_cache(CacheConfig(kv_size=256, page_size=ps))
+    ids = array("q", range(100, 100 + 8 * ps))
+    cache.insert(
+        InsertParams(key=RadixKey(ids), value=cache.token_to_kv_pool_allocator.alloc(8 * ps))
+    )
+    split = array("q", [*range(100, 100 + 4 * ps), *range(900, 900 + 4 * ps)])
+    cache.insert(
+        InsertParams(key=RadixKey(split), value=cache.token_to_kv_pool_allocator.alloc(8 * ps))
+    )
+    for i in range(len(ids)):
+        ids[i] = split[i] = -1
+    nodes = list(cache.iter_nodes())
+    assert len(nodes) == 3 and all(type(n.key) is array and n.key.typecode == "q" for n in nodes)
+    hit = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(100, 100 + 8 * ps)))))
+    assert hit.device_prefix_len == 8 * ps
+    cache.sanity_check()

@@ -156,24 +156,53 @@ child_key(const int64_t *t, Py_ssize_t ps)
 enum { SCAN_CHILDREN = 16 };
 
 /* 1: ``k`` is the exact int ``v``; 0: it is not; -1: not decidable here (an int subclass).
- * Runs no Python code. */
+ * A compact int (every token id below 2**30 on 3.11) is read in place.  Runs no Python
+ * code. */
 static inline int
 int_is(PyObject *k, int64_t v)
 {
     if (!PyLong_CheckExact(k))
         return PyLong_Check(k) ? -1 : 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)k))
+        return (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)k) == v;
+#elif !defined(Py_LIMITED_API)
+    const Py_ssize_t size = Py_SIZE(k); /* 3.11: the sign and digit count */
+    if (size >= -1 && size <= 1)
+        return (size == 0 ? 0 : size * (int64_t)((PyLongObject *)k)->ob_digit[0]) == v;
+#endif
     int overflow;
     const long long x = PyLong_AsLongLongAndOverflow(k, &overflow);
     return !overflow && x == v; /* no error is possible on an exact int */
 }
 
+/* 1: the packed key ``edge`` starts with the page ``t[0:ps]``; 0: it does not or is not a
+ * packed key of a page or more.  Runs no Python code. */
+static int
+edge_starts_with(PyObject *edge, const int64_t *t, Py_ssize_t ps)
+{
+    Py_buffer eb;
+    if (edge == NULL || PyObject_GetBuffer(edge, &eb, PyBUF_FORMAT | PyBUF_ND) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const int same = eb.ndim == 1 && eb.itemsize == 8 && eb.format != NULL &&
+                     strcmp(eb.format, "q") == 0 && eb.shape[0] >= ps &&
+                     memcmp(eb.buf, t, (size_t)ps * sizeof(int64_t)) == 0;
+    PyBuffer_Release(&eb);
+    return same;
+}
+
 /* The child of ``children`` held under the page key of ``t[0:ps]`` -- what
- * ``children.get(Tree.page_key(...))`` gives -- found by comparing the keys' ints with the
- * page's, without building the key.  1: decided (``*out`` the child, borrowed, or NULL for
- * none); 0: not decidable here (too many children, or a key holding an int subclass): build
- * the key and look it up.  A key of another shape (a namespaced root key, whose first item is
- * the sentinel object) never equals the page key and is skipped.  Runs no Python code, so the
- * dict cannot change under the iteration. */
+ * ``children.get(Tree.page_key(...))`` gives -- found without building the key: a key's
+ * first int is compared with the page's first token (most differ there), and a page key
+ * whose first token matches is confirmed on the child's edge, whose first page it is
+ * (``Tree.child_key_of``, checked by ``sanity_check``): one contiguous read instead of a
+ * read of every int object of the key.  1: decided (``*out`` the child, borrowed, or NULL
+ * for none); 0: not decidable here (too many children, or a key holding an int subclass):
+ * build the key and look it up.  A key of another shape (a namespaced root key, whose first
+ * item is the sentinel object) never equals the page key and is skipped.  Runs no Python
+ * code, so the dict cannot change under the iteration. */
 static int
 scan_keys(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **out)
 {
@@ -183,20 +212,15 @@ scan_keys(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **out)
     Py_ssize_t it = 0;
     PyObject *k, *v;
     while (PyDict_Next(children, &it, &k, &v)) {
-        int same;
-        if (ps == 1) {
-            same = int_is(k, t[0]);
-        }
-        else {
+        if (ps > 1) {
             if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != ps)
                 continue;
-            same = 1;
-            for (Py_ssize_t j = 0; j < ps && same == 1; j++)
-                same = int_is(PyTuple_GET_ITEM(k, j), t[j]);
+            k = PyTuple_GET_ITEM(k, 0);
         }
+        const int same = int_is(k, t[0]);
         if (same < 0)
             return 0;
-        if (same) {
+        if (same && (ps == 1 || edge_starts_with(peek_slot(v, &sc_key), t, ps))) {
             *out = v;
             return 1;
         }
