@@ -1,39 +1,95 @@
-"""Host (L2) mirror of a device pool, with page-gathered copies in both directions.
+"""Host (L2) mirror of a device pool in SGLang's ``page_first`` layout, with batched copies.
 
 A device pool is described by its buffers: ``(tensor, slot_dim)`` pairs whose dimension
 ``slot_dim`` indexes slots (KV: ``kv[2, layers, slots, heads, dim]`` has slot dim 2; Mamba:
 ``conv[slots, ...]`` and ``temporal[slots, ...]`` have slot dim 0).  The host mirror holds the
 same buffers with ``size`` host slots, its own allocator, and copies slots between the two.
 
-Copies gather whole pages: with ``page_size > 1`` a slot index span is a run of whole pages, so
-the slot dimension is viewed as ``(pages, page_size)`` and one ``index_select`` per buffer moves
-``page_size`` contiguous slots per index (fewer, larger memory moves than per-token gathers).
-Host memory is pinned when CUDA is available, so device copies can be asynchronous.
+Host layout (``page_first``, as SGLang's ``MHATokenToKVPoolHost``): a buffer
+``[split, *mid, slots, *inner]`` is held as ``[split, slots, *mid, *inner]`` -- the leading
+dimension (K/V) stays split, then all layers of a slot (and of a page of ``page_size``
+slots) are contiguous.  KV ``[2, layers, slots, heads, dim]`` is held as ``[2, slots, layers,
+heads, dim]``: a page is one contiguous block of K and one of V, a run of pages likewise, so
+a transfer moves a few large blocks instead of ``2 x layers`` small ones per page.  A buffer
+with slot dim 0 (Mamba states) keeps its shape.  ``host_buffers`` lists the host tensors with
+their slot dim (1, or 0).
+
+Copies are batched per call and run on the pool's :class:`~hicache.transfer_engine.
+TransferEngine`; :meth:`HostPool.backup` and :meth:`HostPool.load` return the transfer's
+:class:`~hicache.transfer_engine.Completion`, and nothing they write may be read (nor what
+they read be reused) before it is done.  Pools on the CPU gather straight into (or out of)
+each contiguous run of host pages.  Pools on a CUDA device gather the pages on the device into
+a staging buffer in host order (on the transfer stream, with a device copy of the indices)
+and move each run of host pages with one asynchronous copy; host memory is then pinned
+(``cudaHostRegister`` on an exactly sized buffer: no power-of-two rounding).
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from hicache._cpu_copy import RowMirror, backup_rows, load_rows
+from hicache.transfer_engine import DONE, Completion, Lane, TransferEngine, engine_for
 from urc.errors import ConfigError, InvalidIndicesError
 from urc.pools.allocator import TokenSlotAllocator
 
-__all__ = ["HostPool", "SlotBuffers"]
+__all__ = ["STAGING_BYTES", "HostPool", "SlotBuffers"]
 
 SlotBuffers = Sequence[tuple[torch.Tensor, int]]
 
+#: A device-side staging buffer holds at most this many bytes (larger transfers go in chunks).
+STAGING_BYTES = 256 << 20
+
+
+class _Mirror:
+    """One device buffer and its host copy as ``[split, units, ...]`` page views."""
+
+    __slots__ = ("device", "host", "page_shape", "rows", "split", "unit_bytes")
+
+    def __init__(self, dev: torch.Tensor, dim: int, host: torch.Tensor, page_size: int) -> None:
+        shape = dev.shape
+        split = shape[0] if dim > 0 else 1
+        mid = math.prod(shape[1:dim]) if dim > 0 else 1
+        inner = math.prod(shape[dim + 1 :])
+        units = shape[dim] // page_size
+        self.split = split
+        self.page_shape = (page_size, mid, inner)
+        # Device pages in host order: [split, units, page_size, mid, inner] (a strided view).
+        self.device = dev.view(split, mid, units, page_size, inner).permute(0, 2, 3, 1, 4)
+        self.host = host.view(split, host.shape[1 if dim > 0 else 0] // page_size, -1)
+        self.unit_bytes = split * page_size * mid * inner * dev.element_size()
+        # Row views for pools on the CPU (:mod:`hicache._cpu_copy`).
+        self.rows = RowMirror(dev, host, split, mid, inner) if dev.device.type == "cpu" else None
+
 
 class HostPool:
-    """Host copies of the slots of one device pool.
+    """Host copies of the slots of one device pool (see the module docstring).
 
     ``allocator`` hands out host slots (in pages of ``page_size``).  :meth:`backup` copies
-    device slots into host slots, :meth:`load` the other way; both move real bytes and leave
-    the source untouched.  Index tensors must be int64 and of equal length.
+    device slots into host slots, :meth:`load` the other way; both move real bytes, leave
+    the source untouched and return the transfer's completion.  Host indices are CPU int64
+    tensors (the allocator's); device indices may live on the host or the device.
+    ``pin_memory``: pin the host buffers (default: when the device pool is on CUDA);
+    ``engine``: where copies run (default: :func:`~hicache.transfer_engine.engine_for` the
+    pool's device).
     """
 
-    __slots__ = ("allocator", "device_buffers", "host_buffers", "page_size", "pinned", "size")
+    __slots__ = (
+        "_mirrors",
+        "allocator",
+        "device",
+        "device_buffers",
+        "engine",
+        "host_buffers",
+        "page_size",
+        "pinned",
+        "size",
+    )
 
     def __init__(
         self,
@@ -41,20 +97,34 @@ class HostPool:
         size: int,
         page_size: int = 1,
         pin_memory: bool | None = None,
+        engine: TransferEngine | None = None,
     ) -> None:
         if not device_buffers:
             raise ConfigError("a host pool needs at least one device buffer to mirror")
+        device = device_buffers[0][0].device
+        if any(t.device != device for t, _ in device_buffers):
+            raise ConfigError("a host pool mirrors buffers of one device")
         self.size = size
         self.page_size = page_size
+        self.device = device
         self.allocator = TokenSlotAllocator(size, page_size, "cpu")
-        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pinned = device.type == "cuda" if pin_memory is None else pin_memory
+        self.engine = engine_for(device) if engine is None else engine
         self.device_buffers = list(device_buffers)
         self.host_buffers: list[tuple[torch.Tensor, int]] = []
+        self._mirrors: list[_Mirror] = []
         for tensor, dim in self.device_buffers:
+            if not tensor.is_contiguous():
+                raise ConfigError("a host pool mirrors contiguous device buffers")
             shape = list(tensor.shape)
-            shape[dim] = size
-            host = torch.empty(shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pinned)
-            self.host_buffers.append((host, dim))
+            if dim > 0:
+                host_shape = [shape[0], size, *shape[1:dim], *shape[dim + 1 :]]
+            else:
+                host_shape = [size, *shape[1:]]
+            host = _host_buffer(host_shape, tensor.dtype, self.pinned)
+            host_dim = 1 if dim > 0 else 0
+            self.host_buffers.append((host, host_dim))
+            self._mirrors.append(_Mirror(tensor, dim, host, page_size))
 
     @property
     def bytes_per_slot(self) -> int:
@@ -64,78 +134,161 @@ class HostPool:
             total += tensor.numel() // tensor.shape[dim] * tensor.element_size()
         return total
 
-    def _units(self, indices: torch.Tensor) -> torch.Tensor:
-        ps = self.page_size
-        return indices if ps == 1 else torch.div(indices[::ps], ps, rounding_mode="floor")
-
-    def _copy(
-        self,
-        src: list[tuple[torch.Tensor, int]],
-        src_idx: torch.Tensor,
-        dst: list[tuple[torch.Tensor, int]],
-        dst_idx: torch.Tensor,
-    ) -> None:
-        if src_idx.shape[0] != dst_idx.shape[0]:
-            raise InvalidIndicesError(
-                f"copy of {src_idx.shape[0]} slots into {dst_idx.shape[0]} slots"
+    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> Completion:
+        """Copy device slots ``device_indices`` into host slots ``host_indices``; returns
+        the completion (the host slots hold the bytes once it is done)."""
+        host_units = self._host_units(device_indices, host_indices)
+        if host_units is None:
+            return DONE
+        if self.device.type == "cpu":
+            return self.engine.submit(
+                Lane.WRITE, lambda: self._gather_local(device_indices, host_units)
             )
-        if src_idx.shape[0] == 0:
-            return
-        s_units = self._units(src_idx)
-        d_units = self._units(dst_idx)
-        d_runs = _runs(d_units)
-        s_runs = _runs(s_units) if len(d_runs) * 4 > d_units.shape[0] else d_runs
-        for (s_buf, dim), (d_buf, _) in zip(src, dst, strict=True):
-            s_view = self._as_units(s_buf, dim)
-            d_view = self._as_units(d_buf, dim)
-            su = s_units.to(s_buf.device)
-            du = d_units.to(d_buf.device)
-            if s_runs is d_runs:
-                # Destination in a few contiguous runs (spans are usually allocated together):
-                # gather straight into each run, one pass over the bytes.
-                for o in range(s_view.shape[0]):
-                    rows = s_view[o]
-                    for pos, length, start in d_runs:
-                        out = d_view[o, start : start + length]
-                        if rows.device == out.device:
-                            torch.index_select(rows, 0, su[pos : pos + length], out=out)
-                        else:
-                            out.copy_(
-                                rows.index_select(0, su[pos : pos + length]), non_blocking=True
-                            )
-            elif len(s_runs) * 4 <= s_units.shape[0]:
-                # Source in a few runs: scatter each contiguous source run, no staging copy.
-                for o in range(s_view.shape[0]):
-                    rows = d_view[o]
-                    for pos, length, start in s_runs:
-                        part = s_view[o, start : start + length].to(d_buf.device, non_blocking=True)
-                        rows.index_copy_(0, du[pos : pos + length], part)
-            else:
-                data = s_view.index_select(1, su).to(d_buf.device, non_blocking=self.pinned)
-                d_view.index_copy_(1, du, data)
+        return self.engine.submit(
+            Lane.WRITE, lambda: self._backup_staged(device_indices, host_units)
+        )
 
-    def _as_units(self, buf: torch.Tensor, dim: int) -> torch.Tensor:
-        """``buf`` viewed as ``[outer, units, unit_elems]`` (a unit = one page of slots)."""
-        outer = 1
-        for d in buf.shape[:dim]:
-            outer *= d
-        units = buf.shape[dim] // self.page_size
-        return buf.view(outer, units, -1)
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> Completion:
+        """Copy host slots ``host_indices`` back into device slots ``device_indices``;
+        returns the completion (the host slots must stay unchanged until it is done)."""
+        host_units = self._host_units(device_indices, host_indices)
+        if host_units is None:
+            return DONE
+        if self.device.type == "cpu":
+            return self.engine.submit(
+                Lane.LOAD, lambda: self._scatter_local(device_indices, host_units)
+            )
+        return self.engine.submit(Lane.LOAD, lambda: self._load_staged(device_indices, host_units))
 
-    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
-        """Copy device slots ``device_indices`` into host slots ``host_indices``."""
-        self._copy(self.device_buffers, device_indices, self.host_buffers, host_indices)
+    # ------------------------------------------------------------------ internals
+    def _host_units(
+        self, device_indices: torch.Tensor, host_indices: torch.Tensor
+    ) -> np.ndarray | None:
+        """The host page numbers of a transfer (numpy), or None when it moves nothing."""
+        n = host_indices.shape[0]
+        if device_indices.shape[0] != n:
+            raise InvalidIndicesError(f"copy of {device_indices.shape[0]} slots into {n} slots")
+        if host_indices.device.type != "cpu" or host_indices.dtype != torch.int64:
+            raise InvalidIndicesError(
+                f"host indices must be CPU int64, got {host_indices.dtype} on {host_indices.device}"
+            )
+        if n == 0:
+            return None
+        host = host_indices.numpy()
+        ps = self.page_size
+        return host if ps == 1 else host[::ps] // ps
 
-    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        """Copy host slots ``host_indices`` back into device slots ``device_indices``."""
-        self._copy(self.host_buffers, host_indices, self.device_buffers, device_indices)
+    def _device_units(self, device_indices: torch.Tensor) -> torch.Tensor:
+        """Device page numbers, on the pool's device (inside the work: on its stream)."""
+        idx = device_indices.to(self.device, non_blocking=True)
+        ps = self.page_size
+        return idx if ps == 1 else torch.div(idx[::ps], ps, rounding_mode="floor")
+
+    def _slots(self, device_indices: torch.Tensor, hu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Device and host slots (numpy) of whole pages, for pools on the CPU."""
+        dn = device_indices.numpy()
+        ps = self.page_size
+        if ps == 1:
+            return dn, hu
+        offsets = np.arange(ps, dtype=np.int64)
+        du = dn[::ps] // ps
+        return (
+            (du[:, None] * ps + offsets).reshape(-1),
+            (hu[:, None] * ps + offsets).reshape(-1),
+        )
+
+    def _gather_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
+        """Backup, pools on the CPU: row copies (:mod:`hicache._cpu_copy`)."""
+        ds, hs = self._slots(device_indices, hu)
+        for m in self._mirrors:
+            assert m.rows is not None, "row views exist for pools on the CPU"
+            backup_rows(m.rows, ds, hs, 4 * self.page_size)
+
+    def _scatter_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
+        """Load, pools on the CPU: row copies (:mod:`hicache._cpu_copy`)."""
+        ds, hs = self._slots(device_indices, hu)
+        for m in self._mirrors:
+            assert m.rows is not None, "row views exist for pools on the CPU"
+            load_rows(m.rows, hs, ds, 4 * self.page_size)
+
+    def _chunks(self, hu: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """The runs of ``hu`` grouped in chunks that fit the staging buffer:
+        ``(first position, units, runs)`` each, runs split where a chunk ends."""
+        unit_bytes = sum(m.unit_bytes for m in self._mirrors)
+        cap = max(1, STAGING_BYTES // unit_bytes)
+        chunks: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+        cur: list[tuple[int, int, int]] = []
+        first = used = 0
+        for pos, length, start in _runs(hu):
+            while length:
+                take = min(length, cap - used)
+                cur.append((pos, take, start))
+                used += take
+                pos += take
+                start += take
+                length -= take
+                if used == cap:
+                    chunks.append((first, used, cur))
+                    cur, first, used = [], pos, 0
+        if cur:
+            chunks.append((first, used, cur))
+        return chunks
+
+    def _backup_staged(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
+        """Backup, pools on a device: gather pages on the device, one copy per host run."""
+        du = self._device_units(device_indices)
+        for first, count, runs in self._chunks(hu):
+            for m in self._mirrors:
+                staging = torch.empty(
+                    (m.split, count, m.host.shape[2]), dtype=m.host.dtype, device=self.device
+                )
+                for s in range(m.split):
+                    out = staging[s].view(count, *m.page_shape)
+                    torch.index_select(m.device[s], 0, du[first : first + count], out=out)
+                    for pos, length, start in runs:
+                        a = pos - first
+                        m.host[s, start : start + length].copy_(
+                            staging[s, a : a + length], non_blocking=True
+                        )
+
+    def _load_staged(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
+        """Load, pools on a device: one copy per host run into staging, scatter on device."""
+        du = self._device_units(device_indices)
+        for first, count, runs in self._chunks(hu):
+            for m in self._mirrors:
+                staging = torch.empty(
+                    (m.split, count, m.host.shape[2]), dtype=m.host.dtype, device=self.device
+                )
+                for s in range(m.split):
+                    for pos, length, start in runs:
+                        a = pos - first
+                        staging[s, a : a + length].copy_(
+                            m.host[s, start : start + length], non_blocking=True
+                        )
+                    part = staging[s].view(count, *m.page_shape)
+                    m.device[s].index_copy_(0, du[first : first + count], part)
 
 
-def _runs(units: torch.Tensor) -> list[tuple[int, int, int]]:
+def _runs(units: np.ndarray) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive values: ``(position, length, first value)`` each."""
     n = units.shape[0]
-    breaks = torch.nonzero(units[1:] - units[:-1] != 1).flatten().tolist()
+    breaks = np.flatnonzero(np.diff(units) != 1).tolist()
     starts = [0, *(b + 1 for b in breaks)]
     ends = [*(b + 1 for b in breaks), n]
-    first = units[starts].tolist() if len(starts) > 1 else [int(units[0])]
+    first = units[starts].tolist()
     return [(a, b - a, f) for a, b, f in zip(starts, ends, first, strict=True)]
+
+
+def _host_buffer(shape: list[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """An uninitialized host tensor of exactly ``shape``; ``pinned``: page-locked in place
+    with ``cudaHostRegister`` (``torch.empty(pin_memory=True)`` would round the allocation
+    up to a power of two), unregistered when the tensor is collected."""
+    host = torch.empty(shape, dtype=dtype)
+    if pinned and host.numel():
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        ptr = host.data_ptr()
+        err = cudart.cudaHostRegister(ptr, host.numel() * host.element_size(), 0)
+        if int(err) != 0:
+            raise ConfigError(f"cudaHostRegister of the host pool failed: {err}")
+        weakref.finalize(host, cudart.cudaHostUnregister, ptr)
+    return host

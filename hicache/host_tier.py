@@ -3,7 +3,8 @@
 One :class:`~hicache.host_pool.HostPool` per component mirrors that component's device pool
 (Full KV, SWA KV, Mamba states).  It implements the core's ``urc.host.protocol.HostTier`` protocol:
 allocation bookkeeping is called from the tree's owner only; ``backup``/``load`` copy bytes and
-may run in a worker thread (each copy touches only the slots of its own transfer).
+may run in a worker thread (each copy touches only the slots of its own transfer) and return
+the transfer's completion (:mod:`hicache.transfer_engine`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from hicache.config import HiCacheConfig
 from hicache.host_pool import HostPool
+from hicache.transfer_engine import Completion, TransferEngine
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.node import ComponentType, SizeUnit
@@ -26,8 +28,14 @@ class HostMemoryTier:
         self.pools = pools
 
     @classmethod
-    def for_cache(cls, cache: UnifiedRadixCache, config: HiCacheConfig) -> HostMemoryTier:
-        """Mirror every device pool of ``cache`` with the sizes ``config`` asks for."""
+    def for_cache(
+        cls,
+        cache: UnifiedRadixCache,
+        config: HiCacheConfig,
+        engine: TransferEngine | None = None,
+    ) -> HostMemoryTier:
+        """Mirror every device pool of ``cache`` with the sizes ``config`` asks for;
+        ``engine``: where the copies run (default: the one for the pools' device)."""
         pools: dict[ComponentType, HostPool] = {}
         for c in cache.components:
             buffers = c.host_mirror_buffers()
@@ -35,7 +43,7 @@ class HostMemoryTier:
                 raise ConfigError(f"{c.component_type.name} has no device buffers to mirror")
             page = cache.page_size if c.unit is SizeUnit.TOKENS else 1
             size = config.host_size(c.pool_capacity(), page, c.unit)
-            pools[c.component_type] = HostPool(buffers, size, page)
+            pools[c.component_type] = HostPool(buffers, size, page, engine=engine)
         return cls(pools)
 
     def host_capacity(self, ct: ComponentType) -> int:
@@ -50,11 +58,11 @@ class HostMemoryTier:
     def host_free(self, ct: ComponentType, indices: torch.Tensor) -> None:
         self.pools[ct].allocator.free(indices)
 
-    def backup(self, ct: ComponentType, device: torch.Tensor, host: torch.Tensor) -> None:
-        self.pools[ct].backup(device, host)
+    def backup(self, ct: ComponentType, device: torch.Tensor, host: torch.Tensor) -> Completion:
+        return self.pools[ct].backup(device, host)
 
-    def load(self, ct: ComponentType, host: torch.Tensor, device: torch.Tensor) -> None:
-        self.pools[ct].load(host, device)
+    def load(self, ct: ComponentType, host: torch.Tensor, device: torch.Tensor) -> Completion:
+        return self.pools[ct].load(host, device)
 
     def usage(self, ct: ComponentType = ComponentType.FULL) -> float:
         """Fraction of ``ct``'s host pool in use."""
@@ -62,8 +70,11 @@ class HostMemoryTier:
         return 1.0 - pool.allocator.available_size() / pool.size
 
 
-def attach_hicache(cache: UnifiedRadixCache, config: HiCacheConfig) -> HostMemoryTier:
-    """Build the host tier for ``cache`` and attach it with ``config.write_policy``."""
-    tier = HostMemoryTier.for_cache(cache, config)
+def attach_hicache(
+    cache: UnifiedRadixCache, config: HiCacheConfig, engine: TransferEngine | None = None
+) -> HostMemoryTier:
+    """Build the host tier for ``cache`` (copies on ``engine``: see
+    :meth:`HostMemoryTier.for_cache`) and attach it with ``config.write_policy``."""
+    tier = HostMemoryTier.for_cache(cache, config, engine)
     cache.attach_host_tier(tier, config.write_policy)
     return tier

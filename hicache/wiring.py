@@ -23,6 +23,7 @@ from hicache.controller import HiCacheController
 from hicache.host_tier import HostMemoryTier, attach_hicache
 from hicache.storage.base import StorageBackend
 from hicache.storage_worker import RetryPolicy, StorageWorker
+from hicache.transfer_engine import TransferEngine
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.service import ServiceObserver
@@ -56,20 +57,23 @@ def attach(
     observer: ServiceObserver | None = None,
     retry: RetryPolicy | None = None,
     copy_in_thread: bool = True,
+    engine: TransferEngine | None = None,
 ) -> HiCache:
     """Attach a host tier sized by ``config`` to ``cache`` and build its workers.
 
     ``storage``: an L3 store (opened by the caller, who also closes it after the service);
     ``storage_config`` and ``retry`` configure its worker.  ``observer`` (e.g. a
     ``metrics.CacheMetrics``) gets the transfers and storage errors; ``copy_in_thread``: see
-    :class:`~hicache.controller.HiCacheController`.  Call it once per cache, before the
-    service starts (an L3 store can also come later, or go: :func:`hicache.attach_storage`,
-    :func:`hicache.detach_storage`).  Raises :class:`~urc.errors.ConfigError` when the cache
-    already has a host tier, or a pool cannot be mirrored or stored.
+    :class:`~hicache.controller.HiCacheController`; ``engine``: where the host tier's copies
+    run (default: :func:`~hicache.transfer_engine.engine_for` the pools' device).  Call it
+    once per cache, before the service starts (an L3 store can also come later, or go:
+    :func:`hicache.attach_storage`, :func:`hicache.detach_storage`).  Raises
+    :class:`~urc.errors.ConfigError` when the cache already has a host tier, or a pool cannot
+    be mirrored or stored.
     """
     if cache.host_tier is not None:
         raise ConfigError("the cache already has a host tier")
-    tier = attach_hicache(cache, config)
+    tier = attach_hicache(cache, config, engine)
     controller = HiCacheController(
         cache, tier, config, observer=observer, copy_in_thread=copy_in_thread
     )

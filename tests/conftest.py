@@ -16,8 +16,19 @@ if SERVICE_TESTS not in sys.path:
     sys.path.append(SERVICE_TESTS)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` need a CUDA device: skipped without one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 # Fixtures of the metrics tests (test_metrics*.py): a fresh registry, and both export modes.
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from metrics import ExportMode  # noqa: E402

@@ -12,6 +12,7 @@ from cache_harness import assert_path_validators_agree
 
 from hicache.config import HiCacheConfig
 from hicache.host_tier import attach_hicache
+from hicache.transfer_engine import TransferEngine
 from urc import (
     CacheConfig,
     ComponentType,
@@ -45,9 +46,11 @@ def make(
     host_pages: int = 128,
     mamba_size: int = 16,
     window_pages: int = WINDOW_PAGES,
+    engine: TransferEngine | None = None,
     **config: Any,
 ) -> UnifiedRadixCache:
-    """A cache of ``comps`` with a host tier (``config``: more ``CacheConfig`` fields)."""
+    """A cache of ``comps`` with a host tier (``config``: more ``CacheConfig`` fields;
+    ``engine``: where the host tier's copies run, default the one for ``config.device``)."""
     cache = build_cache(
         CacheConfig(
             **config,
@@ -60,7 +63,11 @@ def make(
             kv_shape=KVShape(2, 2, 4, torch.float32),
         )
     )
-    attach_hicache(cache, HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps))
+    hc = HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps)
+    if engine is None:
+        attach_hicache(cache, hc)
+    else:
+        attach_hicache(cache, hc, engine)
     return cache
 
 
@@ -121,17 +128,18 @@ def insert(
         if value is None:
             return False
     kv = cache.pools.kv_pool.kv  # type: ignore[union-attr]
+    dev = kv.device  # the pools' data may live on a device; indices stay on the host
     if fill is None:
-        kv[:, :, value] = torch.randn(kv[:, :, value].shape)
+        kv[:, :, value] = torch.randn(kv[:, :, value].shape).to(dev)
     else:
-        kv[:, :, value] = torch.tensor(fill[:n]).view(1, 1, n, 1, 1)
+        kv[:, :, value] = torch.tensor(fill[:n]).view(1, 1, n, 1, 1).to(dev)
     if cache.supports_swa():
         sv = alloc.translate(value)  # type: ignore[attr-defined]
         skv = swa_kv(cache)
         if fill is None:
-            skv[:, :, sv] = torch.randn(skv[:, :, sv].shape)
+            skv[:, :, sv] = torch.randn(skv[:, :, sv].shape).to(dev)
         else:
-            skv[:, :, sv] = (torch.tensor(fill[:n]) + 0.5).view(1, 1, n, 1, 1)
+            skv[:, :, sv] = (torch.tensor(fill[:n]) + 0.5).view(1, 1, n, 1, 1).to(dev)
     mv = None
     slot = None
     if cache.supports_mamba() and state:
@@ -142,8 +150,8 @@ def insert(
             slot = pool.alloc_slot()
         if slot is not None:
             if fill is None:
-                pool.conv[slot] = torch.randn(pool.conv[slot].shape)
-                pool.temporal[slot] = torch.randn(pool.temporal[slot].shape)
+                pool.conv[slot] = torch.randn(pool.conv[slot].shape).to(dev)
+                pool.temporal[slot] = torch.randn(pool.temporal[slot].shape).to(dev)
             else:
                 pool.conv[slot] = fill[n - 1] + 0.25
                 pool.temporal[slot] = fill[n - 1] + 0.75

@@ -12,6 +12,7 @@ from urc.fastpath import WalkImpl
 from urc.node import ComponentType
 from urc.pools.allocator import TokenSlotAllocator, check_page_size
 from urc.pools.cache_pools import CachePools
+from urc.pools.indices import INDEX_DEVICE
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
 from urc.specs import SPEC_TYPES, ComponentSpec, PoolContext
@@ -47,7 +48,7 @@ class CacheConfig:
     max_num_reqs: int = 256
     max_context_len: int = 1 << 16
     kv_shape: KVShape = field(default_factory=KVShape)
-    device: str = "cpu"
+    device: str = "cpu"  # the pools' data (KV, states); index tensors stay on the host
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     # SLRU: a leaf with at least this many hits is in the protected segment (SGLang's
     # ``protected_threshold``).  TLRU: a conversation keeps ``tlru_threshold`` tokens fewer
@@ -125,11 +126,12 @@ class CacheConfig:
 
 
 def build_pools(config: CacheConfig) -> CachePools:
-    """Allocate the pools ``config`` describes (real tensors, on ``config.device``)."""
+    """Allocate the pools ``config`` describes: data tensors on ``config.device``, index
+    bookkeeping (allocators, request rows) on the host (:mod:`urc.pools.indices`)."""
     device = torch.device(config.device)
     pools = CachePools(
-        token_allocator=TokenSlotAllocator(config.kv_size, config.page_size, device),
-        req_to_token_pool=ReqToTokenPool(config.max_num_reqs, config.max_context_len, device),
+        token_allocator=TokenSlotAllocator(config.kv_size, config.page_size, INDEX_DEVICE),
+        req_to_token_pool=ReqToTokenPool(config.max_num_reqs, config.max_context_len, INDEX_DEVICE),
         kv_pool=KVPool(config.kv_size, config.kv_shape, device),
     )
     ctx = PoolContext(config.kv_size, config.page_size, device, config.kv_shape)

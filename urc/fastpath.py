@@ -13,6 +13,7 @@ only changes speed.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,6 +34,7 @@ __all__ = [
     "choose_impl",
     "common_len",
     "native_available",
+    "page_key",
     "py_deepest_boundary",
     "py_match_tail",
     "py_walk",
@@ -67,8 +69,8 @@ def py_walk(node: TreeNode, ck: Any, tokens: TokenIds, pos: int, page_size: int)
     """Follow ``tokens[pos:]`` down from ``node``; changes nothing.
 
     The first child is looked up under ``ck`` (the caller knows the root's namespaced key;
-    ``None``: the page key at ``pos``, as for every later one), each later one under
-    ``tokens[pos]`` (page 1) or the tuple of the next page.  Returns
+    ``None``: the page key at ``pos``, as for every later one), each later one under the
+    page key of the next page (:func:`page_key`).  Returns
     ``(nodes, pos, partial, m)``: the children whose whole edge matched, in order; the
     position after them; the child where the match ends inside its edge (``None`` when the
     walk ended at a node boundary, at a missing child or at a mismatch in the edge's first
@@ -80,7 +82,7 @@ def py_walk(node: TreeNode, ck: Any, tokens: TokenIds, pos: int, page_size: int)
     nodes: list[TreeNode] = []
     n = len(tokens)
     if ck is None and pos < n:
-        ck = tokens[pos] if page_size == 1 else tuple(tokens[pos : pos + page_size])
+        ck = page_key(tokens, pos, page_size)
     while pos < n:
         child = node.children.get(ck)
         if child is None:
@@ -92,12 +94,22 @@ def py_walk(node: TreeNode, ck: Any, tokens: TokenIds, pos: int, page_size: int)
             node = child
             pos += klen
             if pos < n:
-                ck = tokens[pos] if page_size == 1 else tuple(tokens[pos : pos + page_size])
+                ck = page_key(tokens, pos, page_size)
             continue
         m = common_len(edge, tokens, pos)
         m -= m % page_size
         return nodes, pos, (child if m else None), m
     return nodes, pos, None, 0
+
+
+def page_key(tokens: TokenIds, pos: int, page_size: int) -> Any:
+    """The child key of a node whose key starts at ``tokens[pos]``: the token itself (page
+    1), else the page's bytes (packed keys: one object to hash and compare, and the compiled
+    walk compares it with one ``memcmp``) or the tuple of its bigram pairs (EAGLE)."""
+    if page_size == 1:
+        return tokens[pos]
+    page = tokens[pos : pos + page_size]
+    return page.tobytes() if type(page) is array else tuple(page)
 
 
 def common_len(edge: TokenIds, tokens: TokenIds, pos: int) -> int:

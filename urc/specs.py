@@ -21,6 +21,7 @@ import torch
 from urc.errors import ConfigError
 from urc.node import ComponentType
 from urc.pools.cache_pools import CachePools
+from urc.pools.indices import INDEX_DEVICE
 from urc.pools.kv_pool import KVShape
 from urc.pools.mamba import MambaPool
 from urc.pools.swa import SWAKVPool, SWATokenSlotAllocator
@@ -71,9 +72,9 @@ class SlidingWindowSpec:
 
     def build_pools(self, pools: CachePools, ctx: PoolContext) -> None:
         # The paired allocator replaces the Full one: each Full slot maps an SWA slot.
-        allocator = SWATokenSlotAllocator(ctx.kv_size, self.kv_size, ctx.page_size, ctx.device)
+        allocator = SWATokenSlotAllocator(ctx.kv_size, self.kv_size, ctx.page_size, INDEX_DEVICE)
         pools.token_allocator = allocator
-        pools.swa = SWAKVPool(allocator, ctx.kv_shape)
+        pools.swa = SWAKVPool(allocator, ctx.kv_shape, ctx.device)
 
 
 @dataclass(frozen=True, slots=True)

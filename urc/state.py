@@ -64,7 +64,9 @@ class CacheState:
         self.config = config
         self.pools = pools
         self.page_size = config.page_size
-        self.device = torch.device(config.device)
+        #: The device of index tensors: the token allocator's (urc's own pools keep indices
+        #: on the host whatever ``config.device`` is: :mod:`urc.pools.indices`).
+        self.device = torch.device(getattr(pools.token_allocator, "device", config.device))
         #: A miss's pending indices concatenate this (a fresh empty tensor each read).
         self.no_indices = torch.empty(0, dtype=torch.int64, device=self.device)
         #: Index tensors live in host memory (numpy views of them are free).

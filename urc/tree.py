@@ -2,8 +2,10 @@
 namespaces, the walk, split, link and unlink.
 
 The cache, eviction, request caching, the HiCache protocol, the checks and the components use
-the tree through these methods; only this module knows how child keys are spelled.  A child
-key is the child's first token (page size 1) or first page as a tuple; children of the root
+the tree through these methods; only this module (with :func:`urc.fastpath.page_key` and
+its compiled twin) knows how child keys are spelled.  A child key is the child's first token
+(page size 1) or first page: its bytes (packed keys) or a tuple of pairs (EAGLE); children of
+the root
 in a namespace (``RadixKey.extra_key``) are keyed ``(NAMESPACE, extra_key, first page)``, so
 namespaces are disjoint subtrees.  Node classes live in :mod:`urc.node` (re-exported here).
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from urc.fastpath import MatchTailFn, WalkFn, common_len, py_match_tail, py_walk
+from urc.fastpath import MatchTailFn, WalkFn, common_len, page_key, py_match_tail, py_walk
 from urc.gc_keys import untrack_key
 from urc.key import RadixKey, TokenIds
 from urc.node import ComponentData, ComponentType, TreeNode
@@ -117,8 +119,7 @@ class Tree:
     def page_key(self, tokens: TokenIds, pos: int) -> Any:
         """The child key of a node whose key starts at ``tokens[pos]`` (below the root's
         namespaced level)."""
-        ps = self.page_size
-        return tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps])
+        return page_key(tokens, pos, self.page_size)
 
     def root_child_key(self, tokens: TokenIds, namespace: Any) -> Any:
         """The key under which the root holds the child starting ``tokens`` in

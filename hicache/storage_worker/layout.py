@@ -27,8 +27,11 @@ class HostPageLayout:
     A Mamba host pool has pages of one slot: a row is one state (conv + temporal bytes).
 
     A page of ``page_size`` slots spans every host buffer; its bytes are the concatenation,
-    buffer by buffer, of ``[outer, page_bytes_in_buffer]`` blocks.  :meth:`gather` copies
-    pages out into a ``[pages, page_bytes]`` uint8 tensor; :meth:`scatter` copies rows back.
+    buffer by buffer, of ``[outer, page_bytes_in_buffer]`` blocks.  Host pools are
+    ``page_first`` (:mod:`hicache.host_pool`), so a KV page's row is its K block
+    ``[page_size, layers, heads, dim]`` then its V block: SGLang's ``page_first`` data page.
+    :meth:`gather` copies pages out into a ``[pages, page_bytes]`` uint8 tensor;
+    :meth:`scatter` copies rows back.
     """
 
     def __init__(self, pool: HostPool) -> None:

@@ -141,7 +141,7 @@ def test_native_walk_returns_what_the_python_walk_returns(
             # ``None``: the walk takes the page key at ``pos`` itself.
             for first in (ck, None):
                 _assert_walks_agree(native, cache.root, first, toks, pos, ps)
-            ck = toks[pos] if ps == 1 else tuple(toks[pos : pos + ps])
+            ck = cache.tree.page_key(toks, pos)
         for node in cache.iter_nodes():  # from below the root: later lookups may scan
             _assert_walks_agree(native, node, None, toks, 0, ps)
 

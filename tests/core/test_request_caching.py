@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 from cache_harness import Harness, running_request, seq
 
@@ -201,19 +203,20 @@ def test_resumed_chunk_commit_equals_a_walk_from_the_root(
     assert run(from_root=False) == run(from_root=True)
 
 
-def test_fill_prefix_grows_one_list_while_the_prompt_is_the_same() -> None:
+def test_fill_prefix_grows_one_packed_buffer_while_the_prompt_is_the_same() -> None:
     prompt = list(range(100))
     req = Req("r0", prompt)
     first = req.fill_prefix(16)
-    assert first == prompt[:16]
+    assert type(first) is array and first.tolist() == prompt[:16]
     again = req.fill_prefix(48)
-    assert again is first and again == prompt[:48]  # extended in place, not re-sliced
-    assert req.fill_prefix(32) == prompt[:32]  # a shorter cut trims it
-    assert req.fill_prefix(100) is prompt  # no cut: the prompt list itself
+    assert again is first and again.tolist() == prompt[:48]  # extended in place
+    assert req.fill_prefix(32).tolist() == prompt[:32]  # a shorter cut trims it
+    assert req.fill_prefix(100) is first and first.tolist() == prompt  # no cut: all of it
     req.output_ids = [7]
-    assert req.fill_prefix(64) == prompt[:64]  # fill_ids is a new list now: rebuilt
+    rebuilt = req.fill_prefix(64)  # fill_ids is a new list now: packed again
+    assert rebuilt is not first and rebuilt.tolist() == prompt[:64]
     req.fill_ids = [5, 6, 7]
-    assert req.fill_prefix(2) == [5, 6]
+    assert req.fill_prefix(2).tolist() == [5, 6]
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)

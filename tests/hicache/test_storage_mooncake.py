@@ -147,9 +147,10 @@ async def test_a_master_outage_reads_as_counted_misses_and_typed_errors_until_re
     async with await MooncakeStorage.open(config_for(master.address, op_timeout_s=2)) as store:
         assert await store.put(keys, pages) == 4
         master.kill()
-        # Right after the crash the client fails at once (RPC_FAIL); later calls may spend
-        # seconds reconnecting and hit the deadline instead: both are typed failures.
-        with pytest.raises(StorageUnavailableError, match="RPC_FAIL"):
+        # Right after the crash the client usually fails at once (RPC_FAIL); a call may also
+        # spend seconds reconnecting and hit the deadline (on a loaded machine, even the
+        # first): both are typed failures, never an empty store read as healthy.
+        with pytest.raises((StorageUnavailableError, StorageTimeout)):
             await store.exists(keys, raise_errors=True)
         assert await store.exists(keys) == 0
         with pytest.raises((StorageUnavailableError, StorageTimeout)):

@@ -10,7 +10,7 @@
  * one.
  *
  * walk is read-only: it follows ``tokens[pos:]`` down the radix tree from ``node`` (first
- * child key ``ck``, then ``tokens[pos]`` or the tuple of the next page) and changes nothing.
+ * child key ``ck``, then ``tokens[pos]`` or the bytes of the next page) and changes nothing.
  * Tokens and node keys are packed ``array('q')`` keys (urc.key): edges compare with memcmp,
  * exactly what comparing two array slices does, without building the slices.  match_tail
  * stamps the nodes of the hit it finds.
@@ -129,25 +129,14 @@ common_i64(const int64_t *a, const int64_t *b, Py_ssize_t n)
     return i;
 }
 
-/* The child key of the page at ``t``: the token as an int (page 1) or a tuple of the page's
- * ints (``Tree.page_key``). */
+/* The child key of the page at ``t`` (``urc.fastpath.page_key``): the token as an int (page
+ * 1) or the page's bytes. */
 static PyObject *
 child_key(const int64_t *t, Py_ssize_t ps)
 {
     if (ps == 1)
         return PyLong_FromLongLong(t[0]);
-    PyObject *k = PyTuple_New(ps);
-    if (k == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < ps; i++) {
-        PyObject *x = PyLong_FromLongLong(t[i]);
-        if (x == NULL) {
-            Py_DECREF(k);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(k, i, x);
-    }
-    return k;
+    return PyBytes_FromStringAndSize((const char *)t, ps * (Py_ssize_t)sizeof(int64_t));
 }
 
 /* Up to this many children, a lookup scans the child keys instead of building the page's key
@@ -176,51 +165,34 @@ int_is(PyObject *k, int64_t v)
     return !overflow && x == v; /* no error is possible on an exact int */
 }
 
-/* 1: the packed key ``edge`` starts with the page ``t[0:ps]``; 0: it does not or is not a
- * packed key of a page or more.  Runs no Python code. */
-static int
-edge_starts_with(PyObject *edge, const int64_t *t, Py_ssize_t ps)
-{
-    Py_buffer eb;
-    if (edge == NULL || PyObject_GetBuffer(edge, &eb, PyBUF_FORMAT | PyBUF_ND) < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    const int same = eb.ndim == 1 && eb.itemsize == 8 && eb.format != NULL &&
-                     strcmp(eb.format, "q") == 0 && eb.shape[0] >= ps &&
-                     memcmp(eb.buf, t, (size_t)ps * sizeof(int64_t)) == 0;
-    PyBuffer_Release(&eb);
-    return same;
-}
-
 /* The child of ``children`` held under the page key of ``t[0:ps]`` -- what
- * ``children.get(Tree.page_key(...))`` gives -- found without building the key: a key's
- * first int is compared with the page's first token (most differ there), and a page key
- * whose first token matches is confirmed on the child's edge, whose first page it is
- * (``Tree.child_key_of``, checked by ``sanity_check``): one contiguous read instead of a
- * read of every int object of the key.  1: decided (``*out`` the child, borrowed, or NULL
- * for none); 0: not decidable here (too many children, or a key holding an int subclass):
- * build the key and look it up.  A key of another shape (a namespaced root key, whose first
- * item is the sentinel object) never equals the page key and is skipped.  Runs no Python
- * code, so the dict cannot change under the iteration. */
+ * ``children.get(page_key(...))`` gives -- found without building the key: an int key is
+ * compared by value, a page's bytes with one memcmp (a key of another shape, such as a
+ * namespaced root key, never equals the page key and is skipped).  1: decided (``*out`` the
+ * child, borrowed, or NULL for none); 0: not decidable here (too many children, or an int
+ * subclass key): build the key and look it up.  Runs no Python code, so the dict cannot
+ * change under the iteration. */
 static int
 scan_keys(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **out)
 {
     *out = NULL;
     if (PyDict_GET_SIZE(children) > SCAN_CHILDREN)
         return 0;
+    const Py_ssize_t nbytes = ps * (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t it = 0;
     PyObject *k, *v;
     while (PyDict_Next(children, &it, &k, &v)) {
-        if (ps > 1) {
-            if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != ps)
-                continue;
-            k = PyTuple_GET_ITEM(k, 0);
+        int same;
+        if (ps == 1) {
+            same = int_is(k, t[0]);
+            if (same < 0)
+                return 0;
         }
-        const int same = int_is(k, t[0]);
-        if (same < 0)
-            return 0;
-        if (same && (ps == 1 || edge_starts_with(peek_slot(v, &sc_key), t, ps))) {
+        else {
+            same = PyBytes_CheckExact(k) && PyBytes_GET_SIZE(k) == nbytes &&
+                   memcmp(PyBytes_AS_STRING(k), t, (size_t)nbytes) == 0;
+        }
+        if (same) {
             *out = v;
             return 1;
         }

@@ -106,7 +106,7 @@ class MambaComponent(TreeComponent):
         if pool is None:
             raise ConfigError("the MAMBA component needs a Mamba pool (CachePools.mamba)")
         self.pool: MambaPool = pool
-        self.device = pool.device
+        self.device = pool.index_device  # of index tensors (the states: pool.device)
         self.page_size = config.page_size
         self.chunk_size = config.mamba_chunk_size
         self.is_eagle = config.is_eagle

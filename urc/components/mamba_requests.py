@@ -58,7 +58,7 @@ class MambaRequestSlots:
         alloc_slot: Callable[[TreeNode | None], int | None],
     ) -> None:
         self.pool = pool
-        self.device = pool.device
+        self.device = pool.index_device
         self.page_size = page_size
         self.is_eagle = is_eagle
         self.alloc_slot = alloc_slot

@@ -27,6 +27,7 @@ __all__ = [
     "HostTier",
     "LoadTicket",
     "TierEvents",
+    "TransferCompletion",
     "TransferItem",
     "WritePolicy",
 ]
@@ -45,12 +46,22 @@ class WritePolicy(Enum):
         return {"write_through": 1, "write_through_selective": 2}.get(self.value)
 
 
+class TransferCompletion(Protocol):
+    """The completion of a host tier's copy (``hicache.transfer_engine.Completion``)."""
+
+    def wait(self) -> None:
+        """Block until the copy has completed."""
+        ...
+
+
 class HostTier(Protocol):
     """Host memory for every component's data: allocation and byte copies.
 
     Units per component are the component's own (token slots, state slots).  ``backup`` and
-    ``load`` only copy bytes (they may run in a worker thread); ``alloc``/``free`` are called
-    by the cache's owner only.
+    ``load`` only issue the copies (they may run in a worker thread) and return their
+    completion: nothing may read the destination, or reuse the source slots, before it is
+    waited on.  ``alloc``/``free`` are called by the cache's owner only.  Index tensors of
+    the host side are CPU int64.
     """
 
     def host_capacity(self, ct: ComponentType) -> int: ...
@@ -61,9 +72,13 @@ class HostTier(Protocol):
 
     def host_free(self, ct: ComponentType, indices: torch.Tensor) -> None: ...
 
-    def backup(self, ct: ComponentType, device: torch.Tensor, host: torch.Tensor) -> None: ...
+    def backup(
+        self, ct: ComponentType, device: torch.Tensor, host: torch.Tensor
+    ) -> TransferCompletion: ...
 
-    def load(self, ct: ComponentType, host: torch.Tensor, device: torch.Tensor) -> None: ...
+    def load(
+        self, ct: ComponentType, host: torch.Tensor, device: torch.Tensor
+    ) -> TransferCompletion: ...
 
 
 class TierEvents:

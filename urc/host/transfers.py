@@ -185,9 +185,11 @@ def _unpin(
 
 
 def copy_backup(tier: HostTier, ticket: BackupTicket) -> None:
-    """Copy the ticket's device bytes to host (no tree access: safe in a worker thread)."""
-    for _, item in ticket.items:
-        tier.backup(item.component, item.device, item.host)
+    """Copy the ticket's device bytes to host and wait until they have landed (no tree
+    access: safe in a worker thread).  The copies are all issued before the first wait."""
+    done = [tier.backup(item.component, item.device, item.host) for _, item in ticket.items]
+    for d in done:
+        d.wait()
 
 
 def finish_backup(state: CacheState, ticket: BackupTicket, ok: bool = True) -> int:
@@ -274,9 +276,11 @@ def start_load_back(state: CacheState, node: TreeNode, threshold: int = 0) -> Lo
 
 
 def copy_load_back(tier: HostTier, ticket: LoadTicket) -> None:
-    """Copy the ticket's host bytes to device (no tree access: safe in a worker thread)."""
-    for _, item in ticket.items:
-        tier.load(item.component, item.host, item.device)
+    """Copy the ticket's host bytes to device and wait until the copies completed (their
+    host slots are unpinned only after that; no tree access: safe in a worker thread)."""
+    done = [tier.load(item.component, item.host, item.device) for _, item in ticket.items]
+    for d in done:
+        d.wait()
 
 
 def finish_load_back(state: CacheState, ticket: LoadTicket, ok: bool = True) -> int:

@@ -72,9 +72,10 @@ class KVPool:
         return [(self.kv, 2)]
 
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
-        """Copy the K/V of ``indices`` out as ``[2, layers, n, heads, head_dim]``."""
-        return self.kv.index_select(2, indices)
+        """Copy the K/V of ``indices`` (host or device) out as ``[2, layers, n, heads,
+        head_dim]`` on the pool's device."""
+        return self.kv.index_select(2, indices.to(self.device, non_blocking=True))
 
     def scatter(self, indices: torch.Tensor, data: torch.Tensor) -> None:
         """Write ``data`` (as returned by :meth:`gather`) into the slots ``indices``."""
-        self.kv.index_copy_(2, indices, data)
+        self.kv.index_copy_(2, indices.to(self.device, non_blocking=True), data)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
+from urc.pools.indices import INDEX_DEVICE
 
 __all__ = ["MambaPool"]
 
@@ -40,13 +41,14 @@ class MambaPool:
     """``size`` Mamba state slots with an explicit-free allocator.
 
     Public index arguments are int64 tensors (any shape; a 0-d tensor is one slot) on the
-    pool's device, or plain ints.  Every method validates its whole input before changing
+    host (``index_device``: :mod:`urc.pools.indices`), or plain ints; ``conv`` and
+    ``temporal`` live on ``device``.  Every method validates its whole input before changing
     anything: an index outside ``[0, size)`` raises :class:`InvalidIndicesError`, freeing a
     slot that is not allocated (or the same slot twice in one call) raises
     :class:`DoubleFreeError`, freeing a tree-owned slot :class:`TreeOwnedSlotError`.
     """
 
-    __slots__ = ("_free", "_state", "conv", "device", "size", "temporal")
+    __slots__ = ("_free", "_state", "conv", "device", "index_device", "size", "temporal")
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class MambaPool:
             )
         self.size = size
         self.device = torch.device(device)
+        self.index_device = INDEX_DEVICE
         self.conv = torch.zeros((size, *conv_shape), dtype=dtype, device=self.device)
         self.temporal = torch.zeros((size, *ssm_shape), dtype=dtype, device=self.device)
         self.clear()
@@ -107,7 +110,7 @@ class MambaPool:
         state = self._state
         for s in slots:
             state[s] = _HELD
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return torch.tensor(slots, dtype=torch.int64, device=self.index_device)
 
     def free(self, indices: SlotIndex) -> None:
         """Return the caller-held slots ``indices`` to the pool (all or nothing)."""
@@ -173,9 +176,9 @@ class MambaPool:
         if isinstance(indices, int) and not isinstance(indices, bool):
             slots = [indices]
         elif isinstance(indices, torch.Tensor):
-            if indices.dtype != torch.int64 or indices.device != self.device:
+            if indices.dtype != torch.int64 or indices.device != self.index_device:
                 raise InvalidIndicesError(
-                    f"Mamba slot indices must be int64 on {self.device}, "
+                    f"Mamba slot indices must be int64 on {self.index_device}, "
                     f"got {indices.dtype} on {indices.device}"
                 )
             slots = indices.reshape(-1).tolist()
@@ -218,12 +221,14 @@ class MambaPool:
 
     def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the (conv, temporal) states of the slots ``indices`` (1-D int64)."""
-        return self.conv.index_select(0, indices), self.temporal.index_select(0, indices)
+        idx = indices.to(self.device, non_blocking=True)
+        return self.conv.index_select(0, idx), self.temporal.index_select(0, idx)
 
     def scatter(self, indices: torch.Tensor, conv: torch.Tensor, temporal: torch.Tensor) -> None:
         """Write states (as returned by :meth:`gather`) into the slots ``indices``."""
-        self.conv.index_copy_(0, indices, conv)
-        self.temporal.index_copy_(0, indices, temporal)
+        idx = indices.to(self.device, non_blocking=True)
+        self.conv.index_copy_(0, idx, conv)
+        self.temporal.index_copy_(0, idx, temporal)
 
     # ------------------------------------------------------------------ checks
     def check_consistency(self) -> None:

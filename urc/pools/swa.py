@@ -337,9 +337,15 @@ class SWAKVPool:
 
     __slots__ = ("allocator", "kv_pool")
 
-    def __init__(self, allocator: SWATokenSlotAllocator, shape: KVShape) -> None:
+    def __init__(
+        self,
+        allocator: SWATokenSlotAllocator,
+        shape: KVShape,
+        device: str | torch.device | None = None,
+    ) -> None:
+        """``device``: where the K/V data lives (default: the allocator's index device)."""
         self.allocator = allocator
-        self.kv_pool = KVPool(allocator.swa_size, shape, allocator.device)
+        self.kv_pool = KVPool(allocator.swa_size, shape, device or allocator.device)
 
     def translate(self, full_idx: torch.Tensor) -> torch.Tensor:
         """SWA slots of ``full_idx`` (see :meth:`SWATokenSlotAllocator.translate`)."""

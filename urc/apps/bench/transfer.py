@@ -1,10 +1,24 @@
-"""Bandwidth of page-gathered device<->host copies against a plain contiguous copy; prints JSON.
+"""Bandwidth of HiCache's host-tier copies against a plain copy of the same bytes; prints JSON.
 
-Usage: ``python -m urc.apps.bench.transfer [--tokens N] [--page-sizes 1 16 64]``.
+Usage: ``python -m urc.apps.bench.transfer [--device auto|cpu|cuda] [--tokens N]
+[--page-sizes 1 16 64] [--layers 32 --heads 8 --head-dim 128 --dtype bfloat16]``.
 
-Both directions copy ``--tokens`` scattered slots (random whole pages) of a KV pool; a second
-load-back lands in freshly allocated slots (the usual case).  The baseline copies the same
-number of bytes with one contiguous ``tensor.copy_``.
+The KV rows are Llama-3-8B's by default (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB
+per token).  ``--tokens`` slots in random whole pages of a device pool twice that size are
+copied through a :class:`~hicache.host_pool.HostPool`:
+
+- ``backup``: scattered device pages to one run of host pages (a fresh host allocation);
+- ``backup_scattered``: scattered device pages to host pages in random order;
+- ``load_back``: one run of host pages to a fresh device allocation (the usual load-back);
+- ``load_back_scattered``: host pages in random order to scattered device pages.
+
+Each is timed from submission until its completion is done, best of ``--repeat``.  On CUDA
+the host pool is pinned, the copies run on the transfer engine's streams, and the time is
+read from CUDA events (the start recorded on the submitting stream, the end after that
+stream waited on the completion; synchronized before reading).  The baselines are a plain
+``copy_`` of the same number of bytes between one contiguous device tensor and one pinned
+host tensor, each way (timed the same way); on the CPU, a contiguous ``copy_`` in memory.
+``*_fraction`` is the copy's bandwidth over its direction's baseline.
 """
 
 from __future__ import annotations
@@ -12,72 +26,140 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hicache.host_pool import HostPool
+from hicache.transfer_engine import Completion
 from urc.pools.allocator import TokenSlotAllocator
 from urc.pools.kv_pool import KVPool, KVShape
 
-__all__ = ["main", "measure"]
+__all__ = ["LLAMA3_8B", "main", "measure"]
+
+#: The default KV rows: Llama-3-8B (32 layers, 8 KV heads, head dim 128, bf16).
+LLAMA3_8B = KVShape(32, 8, 128, torch.bfloat16)
 
 
-def _best(fn: object, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _timer(device: torch.device) -> Callable[[Callable[[], Completion | None]], float]:
+    """Seconds one transfer takes, from submission until its completion is done."""
+    if device.type != "cuda":
+
+        def wall(fn: Callable[[], Completion | None]) -> float:
+            t0 = time.perf_counter()
+            done = fn()
+            if done is not None:
+                done.wait()
+            return time.perf_counter() - t0
+
+        return wall
+
+    def events(fn: Callable[[], Completion | None]) -> float:
+        torch.cuda.synchronize(device)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        done = fn()
+        if done is not None:
+            done.wait_stream()
+        end.record()
+        torch.cuda.synchronize(device)
+        return float(start.elapsed_time(end)) / 1e3
+
+    return events
 
 
-def measure(tokens: int, page_size: int, shape: KVShape, repeat: int = 5) -> dict[str, float]:
-    """GB/s of backup, load-back and a contiguous copy of the same bytes."""
-    pool_tokens = 4 * tokens
-    device = KVPool(pool_tokens, shape)
-    device.kv.normal_()
-    host = HostPool(device.slot_buffers(), 2 * tokens, page_size)
-    pages = torch.randperm(pool_tokens // page_size)[: tokens // page_size]
-    dev_idx = (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
-    host_idx = host.allocator.alloc(tokens)
-    assert host_idx is not None
-    nbytes = tokens * host.bytes_per_slot
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(1)
-    t_backup = _best(lambda: host.backup(dev_idx, host_idx), repeat)
-    t_load = _best(lambda: host.load(host_idx, dev_idx), repeat)
-    t_plain = _best(lambda: dst.copy_(src), repeat)
-    # Load-back normally lands in freshly allocated device slots (runs of whole pages), not
-    # back into the scattered pages it came from.
+def _best(timer: Callable[[Callable[[], Any]], float], fn: Callable[[], Any], repeat: int) -> float:
+    timer(fn)  # warm-up: allocator, streams, the host pool's first touch
+    return min(timer(fn) for _ in range(repeat))
+
+
+def _pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def measure(
+    tokens: int,
+    page_size: int,
+    shape: KVShape = LLAMA3_8B,
+    device: str | torch.device = "cpu",
+    repeat: int = 5,
+    seed: int = 0,
+) -> dict[str, float]:
+    """GB/s of each copy (see the module docstring), of the baselines, and the fractions."""
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    pool_tokens = 2 * tokens
+    kv = KVPool(pool_tokens, shape, dev)
+    kv.kv.normal_()
+    host = HostPool(kv.slot_buffers(), tokens, page_size)
+    n_pages = tokens // page_size
+    dev_idx = _pages(torch.randperm(pool_tokens // page_size, generator=gen)[:n_pages], page_size)
+    host_run = host.allocator.alloc(tokens)
+    assert host_run is not None
+    host_scattered = _pages(torch.randperm(n_pages, generator=gen), page_size)
     fresh = TokenSlotAllocator(pool_tokens, page_size).alloc(tokens)
     assert fresh is not None
-    t_fresh = _best(lambda: host.load(host_idx, fresh), repeat)
-    gbs = nbytes / 1e9
-    return {
+    nbytes = tokens * host.bytes_per_slot
+    timer = _timer(dev)
+    times = {
+        "backup": _best(timer, lambda: host.backup(dev_idx, host_run), repeat),
+        "backup_scattered": _best(timer, lambda: host.backup(dev_idx, host_scattered), repeat),
+        "load_back": _best(timer, lambda: host.load(host_run, fresh), repeat),
+        "load_back_scattered": _best(timer, lambda: host.load(host_scattered, dev_idx), repeat),
+    }
+    pinned = dev.type == "cuda"
+    src_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    plain = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    src_dev.fill_(1)
+    plain.fill_(2)
+
+    def d2h() -> None:
+        plain.copy_(src_dev, non_blocking=pinned)
+
+    def h2d() -> None:
+        src_dev.copy_(plain, non_blocking=pinned)
+
+    base_d2h = _best(timer, d2h, repeat)
+    base_h2d = _best(timer, h2d, repeat)
+    gb = nbytes / 1e9
+    out: dict[str, Any] = {
+        "device": str(dev),
         "page_size": page_size,
         "tokens": tokens,
         "bytes": nbytes,
-        "backup_gb_s": round(gbs / t_backup, 2),
-        "load_back_gb_s": round(gbs / t_load, 2),
-        "contiguous_copy_gb_s": round(gbs / t_plain, 2),
-        "backup_ratio": round(t_plain / t_backup, 2),
-        "load_back_ratio": round(t_plain / t_load, 2),
-        "load_back_fresh_gb_s": round(gbs / t_fresh, 2),
-        "load_back_fresh_ratio": round(t_plain / t_fresh, 2),
+        "pinned": host.pinned,
+        "plain_d2h_gb_s": round(gb / base_d2h, 2),
+        "plain_h2d_gb_s": round(gb / base_h2d, 2),
     }
+    for name, t in times.items():
+        base = base_d2h if name.startswith("backup") else base_h2d
+        out[f"{name}_gb_s"] = round(gb / t, 2)
+        out[f"{name}_fraction"] = round(base / t, 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m urc.apps.bench.transfer")
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")
+    ap.add_argument("--tokens", type=int, default=None, help="default 8192 on CUDA, 1024 on CPU")
     ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16, 64])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=LLAMA3_8B.num_layers)
+    ap.add_argument("--heads", type=int, default=LLAMA3_8B.num_heads)
+    ap.add_argument("--head-dim", type=int, default=LLAMA3_8B.head_dim)
+    ap.add_argument("--dtype", default="bfloat16", help="a torch dtype name")
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
-    shape = KVShape(args.layers, args.heads, args.head_dim, torch.float16)
-    results = [measure(args.tokens, ps, shape) for ps in args.page_sizes]
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = args.tokens or (8192 if device.startswith("cuda") else 1024)
+    dtype = getattr(torch, args.dtype)
+    if not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"not a torch dtype: {args.dtype}")
+    shape = KVShape(args.layers, args.heads, args.head_dim, dtype)
+    results = [measure(tokens, ps, shape, device, args.repeat) for ps in args.page_sizes]
     print(json.dumps({"bytes_per_token": shape.bytes_per_token, "results": results}, indent=2))
 
 

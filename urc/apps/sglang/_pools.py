@@ -169,6 +169,7 @@ class SGLangMambaSlots:
         self.allocator = req_to_token_pool.mamba_allocator
         self.size: int = self.allocator.size + 1
         self.device = torch.device(self.allocator.device)
+        self.index_device = self.device  # SGLang's slot indices live with its states
         self._tree: set[int] = set()
 
     def _tensor(self, slots: Any) -> torch.Tensor:
