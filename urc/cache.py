@@ -37,6 +37,7 @@ from urc.params import (
 )
 from urc.pools.cache_pools import CachePools
 from urc.req import Req
+from urc.reuse_hint import ReuseHint
 from urc.state import CacheState
 from urc.stats import CacheStats, StatsSnapshotter
 
@@ -211,12 +212,18 @@ class UnifiedRadixCache(CacheState):
 
     # ================================================================== request caching
     def cache_finished_req(
-        self, req: Req, is_insert: bool = True, *, kv_len_to_handle: int | None = None
+        self,
+        req: Req,
+        is_insert: bool = True,
+        *,
+        kv_len_to_handle: int | None = None,
+        hint: ReuseHint | None = None,
     ) -> None:
         """Hand a finished request's KV to the tree and release everything it held;
-        ``kv_len_to_handle`` caps the tokens cached (see
+        ``kv_len_to_handle`` caps the tokens cached; ``hint`` tells the eviction policy
+        when the prefix is likely used next (``urc.reuse_hint``; see
         :func:`urc.request_caching.cache_finished_req` for the KV ranges)."""
-        request_caching.cache_finished_req(self, req, is_insert, kv_len_to_handle)
+        request_caching.cache_finished_req(self, req, is_insert, kv_len_to_handle, hint)
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Cache the KV computed so far and move the request's lock onto it (see

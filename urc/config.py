@@ -57,6 +57,12 @@ class CacheConfig:
     slru_protected_threshold: int = 2
     tlru_threshold: int = 0
     tlru_next_prompt_estimate: int = 0
+    # SESSION_AWARE: how long a session that called a tool is kept ahead of cold ones, and
+    # the expected gap (seconds) up to which a hinted session counts as hot; see
+    # ``urc.session_eviction.SessionAwareStrategy``.
+    session_window_s: float = 600.0
+    session_hot_gap_s: float = 60.0
+    session_quantum_s: float = 20.0
     is_eagle: bool = False
     # Reasoning models: a finished request that produced thinking tokens caches its prompt
     # only (SGLang's ``strip_thinking_cache``); its output KV is freed.

@@ -24,23 +24,26 @@ The interface is small:
 Which strategy the cache uses is ``CacheConfig.eviction_policy``; LRU is the default and is
 exactly SGLang's order, and so are LFU, FIFO, MRU, FILO, PRIORITY, SLRU and TLRU (SGLang
 0.5.23's ``evict_policy.py``; ties, which SGLang breaks by access time, cannot occur for
-them); BELADY needs ``CacheConfig.next_use``.  Host-only leaves are evicted
-in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU lists: they evict
-when their own pools run out, and the Full order decides which prefixes stay.
+them); BELADY needs ``CacheConfig.next_use``; SESSION_AWARE (``urc.session_eviction``) uses
+the serving layer's hints (``urc.reuse_hint``) and is LRU without them.  Host-only leaves
+are evicted in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU
+lists: they evict when their own pools run out, and the Full order decides which prefixes
+stay.
 
 Cost: O(1) per key and per fork (Belady: O(depth) per key for its oracle, measurement only).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import Enum
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Protocol
 
 from urc.errors import ConfigError
+from urc.eviction_strategy import EvictionStrategy, HeapKey
 from urc.node import TreeNode
+from urc.session_eviction import SessionAwareStrategy
 
 __all__ = [
     "EvictionPolicy",
@@ -52,6 +55,7 @@ __all__ = [
     "NewestFirstStrategy",
     "NextUseOracle",
     "OrderByStrategy",
+    "SessionAwareStrategy",
     "SlruStrategy",
     "TlruStrategy",
     "make_strategy",
@@ -72,10 +76,10 @@ class EvictionPolicy(Enum):
     SLRU = "slru"  # segmented LRU: fewer than ``slru_protected_threshold`` hits first
     TLRU = "tlru"  # tail-optimized LRU: ``tlru_threshold``, ``tlru_next_prompt_estimate``
     FORK_AWARE = "fork-aware"  # LRU, but a branch the traffic just forked away from goes first
+    # Serving hints (``urc.reuse_hint``): sessions that went cold first, a stable set of the
+    # hot ones kept whole; LRU without hints (``urc.session_eviction``).
+    SESSION_AWARE = "session-aware"
     BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
-
-
-HeapKey = Callable[[TreeNode], Any]
 
 
 class NextUseOracle(Protocol):
@@ -83,37 +87,6 @@ class NextUseOracle(Protocol):
     next request that will use ``node``'s first page, or a number past the end if none."""
 
     def next_use(self, node: TreeNode) -> int: ...
-
-
-class EvictionStrategy(ABC):
-    """What the Full eviction heaps order by (see the module docstring for the rules)."""
-
-    __slots__ = ()
-
-    # Whether a leaf needs a fresh heap entry whenever it is used (its key may have dropped).
-    # False for every policy whose keys only grow.
-    rekey_on_release: bool = False
-    # Whether :meth:`superseded` is worth asking at each fork (off: no call on the insert path).
-    marks_forks: bool = False
-    # Whether keys drop on every use, so the heap is re-keyed before each eviction.
-    rekey_before_evict: bool = False
-    # Whether the strategy keeps ``node.eviction_state`` (then :meth:`note_split` is called).
-    keeps_node_state: bool = False
-
-    @abstractmethod
-    def key_function(self) -> HeapKey:
-        """The heap key of a node; smaller keys are evicted first."""
-
-    def superseded(self, parent: TreeNode) -> TreeNode | None:
-        """``parent`` just got its second child: a sibling to evict first, if any."""
-        return None
-
-    def still_superseded(self, node: TreeNode) -> bool:
-        """Whether a node :meth:`superseded` named is still to be evicted first."""
-        return False
-
-    def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
-        """``lower`` was just split: ``upper`` is its new parent (their keys are final)."""
 
 
 class OrderByStrategy(EvictionStrategy):
@@ -322,9 +295,13 @@ def make_strategy(
     slru_protected_threshold: int = 2,
     tlru_threshold: int = 0,
     tlru_next_prompt_estimate: int = 0,
+    session_window_s: float = 600.0,
+    session_hot_gap_s: float = 60.0,
+    session_quantum_s: float = 20.0,
 ) -> EvictionStrategy:
-    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's and TLRU's, see
-    :class:`SlruStrategy` and :class:`TlruStrategy`; other policies ignore them).
+    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's, TLRU's and
+    SESSION_AWARE's, see :class:`SlruStrategy`, :class:`TlruStrategy` and
+    :class:`urc.session_eviction.SessionAwareStrategy`; other policies ignore them).
 
     Raises:
         ConfigError: BELADY without an ``oracle``, or an ``oracle`` with another policy.
@@ -339,4 +316,6 @@ def make_strategy(
         return SlruStrategy(slru_protected_threshold)
     if policy is EvictionPolicy.TLRU:
         return TlruStrategy(tlru_threshold, tlru_next_prompt_estimate)
+    if policy is EvictionPolicy.SESSION_AWARE:
+        return SessionAwareStrategy(session_window_s, session_hot_gap_s, session_quantum_s)
     return _SIMPLE[policy]()

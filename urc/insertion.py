@@ -18,6 +18,7 @@ tail handed back to the caller (``unclaim``) before ``insert`` returns.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -29,6 +30,7 @@ from urc.host.protocol import WritePolicy
 from urc.key import RadixKey, check_key
 from urc.node import FULL_INDEX, TreeNode
 from urc.params import InsertParams, InsertResult
+from urc.reuse_hint import ReuseHint
 
 if TYPE_CHECKING:
     from urc.state import CacheState
@@ -120,6 +122,8 @@ def insert(
     prev = params.prev_prefix_len
     if not prev >= 0:
         raise InvalidInputError(f"prev_prefix_len must be >= 0, got {prev}")
+    if params.reuse_hint is not None and type(params.reuse_hint) is not ReuseHint:
+        raise InvalidInputError(f"reuse_hint must be a ReuseHint, got {params.reuse_hint!r}")
     resumed: list[TreeNode] = []
     if resume_from is not None:
         resumed = state.tree.path_to(resume_from)
@@ -252,6 +256,11 @@ def insert(
     result.last_device_node = target
     for c in state.hooks.insert_end:
         c.on_insert_end(path)
+    hint = params.reuse_hint
+    if hint is not None and state.full.strategy.uses_hints:
+        if hint.session_id is None and params.session_id is not None:
+            hint = replace(hint, session_id=params.session_id)
+        state.full.note_hint(path, hint)
     if is_new_leaf and count_hits:  # counted after the commit hooks split it (SGLang)
         leaf = path[-1]
         leaf.hit_count += 1

@@ -11,6 +11,7 @@ import torch
 from urc.errors import InvalidInputError
 from urc.key import RadixKey
 from urc.node import ComponentType, TreeNode
+from urc.reuse_hint import ReuseHint
 
 if TYPE_CHECKING:
     from urc.req import Req
@@ -173,7 +174,9 @@ class InsertParams:
     (``insert`` raises :class:`~urc.errors.InvalidInputError` if either is still missing).
     ``component_evicted_seqlens`` is SGLang 0.5.23's per-component form of
     ``swa_evicted_seqlen``; when it names a component it wins (read it with
-    :meth:`get_evicted_seqlen`).
+    :meth:`get_evicted_seqlen`).  ``session_id`` (SGLang 0.5.23's) and ``reuse_hint`` (the
+    serving layer's view of the next use, :mod:`urc.reuse_hint`) reach the eviction policy
+    when it uses hints (the hint's session defaults to ``session_id``); others ignore them.
     """
 
     key: RadixKey | None = None
@@ -184,6 +187,8 @@ class InsertParams:
     chunked: bool = False
     priority: int = 0
     component_evicted_seqlens: dict[ComponentType, int] | None = None
+    session_id: str | None = None
+    reuse_hint: ReuseHint | None = None
 
     def get_evicted_seqlen(self, ct: ComponentType) -> int:
         """Tokens below which component ``ct``'s slots of the request were already freed."""

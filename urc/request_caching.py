@@ -21,6 +21,7 @@ from urc.matching import match_path, path_device_indices
 from urc.node import TreeNode
 from urc.params import InsertParams, InsertResult, MatchPrefixParams
 from urc.req import Req
+from urc.reuse_hint import ReuseHint
 
 if TYPE_CHECKING:
     from urc.state import CacheState
@@ -82,7 +83,11 @@ def _handled_len(state: CacheState, req: Req, kv_len_to_handle: int | None) -> i
 
 
 def cache_finished_req(
-    state: CacheState, req: Req, is_insert: bool = True, kv_len_to_handle: int | None = None
+    state: CacheState,
+    req: Req,
+    is_insert: bool = True,
+    kv_len_to_handle: int | None = None,
+    hint: ReuseHint | None = None,
 ) -> None:
     """Hand a finished request's KV to the tree and release everything it held.
 
@@ -98,9 +103,13 @@ def cache_finished_req(
     A range the caller took with ``req.pop_committed_kv_cache()`` (``[protected, c)``: not
     inserted either) or ``req.pop_overallocated_kv_cache()`` (``[c, e)``) is the caller's
     to free.  Frees the request's ``req_to_token`` row.  With ``is_insert=False`` nothing
-    is inserted.  Raises :class:`~urc.errors.InvalidInputError` (nothing changed) for a
-    ``kv_len_to_handle`` outside ``[0, c]``.
+    is inserted.  ``hint`` (:mod:`urc.reuse_hint`) goes with the insert to the eviction
+    policy (ignored by policies that do not use hints).  Raises
+    :class:`~urc.errors.InvalidInputError` (nothing changed) for a ``kv_len_to_handle``
+    outside ``[0, c]`` or a ``hint`` that is not a ``ReuseHint``.
     """
+    if hint is not None and type(hint) is not ReuseHint:
+        raise InvalidInputError(f"hint must be a ReuseHint, got {hint!r}")
     row = _row(state, req, True)
     handled = _handled_len(state, req, kv_len_to_handle)
     committed = req.kv_committed_len
@@ -116,6 +125,7 @@ def cache_finished_req(
         params, aligned = _prepare(state, req, handled, True, False)
         if aligned > 0:
             params.value = kv[:aligned]
+            params.reuse_hint = hint
             result = insert(state, params)
         free_start = max(aligned, free_start)
     if free_start < free_end:

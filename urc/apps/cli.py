@@ -112,6 +112,7 @@ def _config(args: argparse.Namespace) -> ReplayConfig:
         num_requests=args.num_requests,
         seed=args.seed,
         block_size=args.block_size,
+        session_concurrency=args.session_concurrency,
         model=ModelProfile(args.model),
         window=args.window,
         swa_tokens=args.swa_tokens,

@@ -37,6 +37,7 @@ from urc.components.base import EvictionSteps, EvictTracker, TreeComponent
 from urc.errors import InvalidLockError
 from urc.eviction_policy import make_strategy
 from urc.node import FULL_INDEX, ComponentData, ComponentType, Tier, TreeNode
+from urc.reuse_hint import ReuseHint
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +93,9 @@ class FullComponent(TreeComponent):
             slru_protected_threshold=config.slru_protected_threshold,
             tlru_threshold=config.tlru_threshold,
             tlru_next_prompt_estimate=config.tlru_next_prompt_estimate,
+            session_window_s=config.session_window_s,
+            session_hot_gap_s=config.session_hot_gap_s,
+            session_quantum_s=config.session_quantum_s,
         )
         self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release
@@ -274,6 +278,15 @@ class FullComponent(TreeComponent):
         upper = self.tree.split(leaf, n - take)
         upper.last_access_time = t
         return leaf
+
+    def note_hint(self, path: Sequence[TreeNode], hint: ReuseHint) -> None:
+        """A finished request's ``path`` was inserted with ``hint``: the strategy re-keys
+        it; a node whose key dropped gets a fresh heap entry (the old one, larger, is
+        dropped when it surfaces), so keys that only grew stay lazily honoured."""
+        for node in self.strategy.note_hint(path, hint):
+            if node.heap_entry is not None:
+                entry = node.heap_entry = (self._key(node), node.id, node)
+                heapq.heappush(self._heap, entry)
 
     def uses_hook(self, name: str) -> bool:
         return name != "on_insert_end" or self._rekey_on_release

@@ -20,6 +20,7 @@ import torch
 
 from urc.key import RadixKey
 from urc.params import EvictParams
+from urc.reuse_hint import ReuseHint
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
@@ -277,12 +278,13 @@ class FreeMamba:
 
 @dataclass(frozen=True, slots=True)
 class CacheFinishedReq:
-    """``cache_finished_req(req, is_insert)``."""
+    """``cache_finished_req(req, is_insert, hint=hint)``."""
 
     kind: ClassVar[CommandKind] = CommandKind.CACHE_FINISHED_REQ
     on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
     req: Req
     is_insert: bool = True
+    hint: ReuseHint | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -268,7 +268,7 @@ class CommandExecutor:
 
     @handles(CacheFinishedReq)
     def _cache_finished(self, cmd: CacheFinishedReq) -> None:
-        self.cache.cache_finished_req(cmd.req, cmd.is_insert)
+        self.cache.cache_finished_req(cmd.req, cmd.is_insert, hint=cmd.hint)
 
     @handles(CacheUnfinishedReq)
     def _cache_unfinished(self, cmd: CacheUnfinishedReq) -> None:

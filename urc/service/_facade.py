@@ -25,6 +25,7 @@ from urc.key import ExtraKey, RadixKey
 from urc.node import ComponentType
 from urc.params import EvictParams, EvictResult
 from urc.req import Req
+from urc.reuse_hint import ReuseHint
 from urc.service._attachable import AttachableWorker
 from urc.service._base import ServiceState
 from urc.service._commands import (
@@ -304,11 +305,16 @@ class AsyncUnifiedRadixCache(Lifecycle):
         result: int = await self._submit(SlideReqWindow(req, seq_len))
         return result
 
-    async def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
-        """``UnifiedRadixCache.cache_finished_req`` through the actor."""
+    async def cache_finished_req(
+        self, req: Req, is_insert: bool = True, *, hint: ReuseHint | None = None
+    ) -> None:
+        """``UnifiedRadixCache.cache_finished_req`` through the actor (``hint``: the
+        serving layer's view of the next use, ``urc.reuse_hint``)."""
         if not isinstance(req, Req):
             raise InvalidInputError(f"cache_finished_req needs a Req, got {type(req)}")
-        await self._submit(CacheFinishedReq(req, is_insert))
+        if hint is not None and not isinstance(hint, ReuseHint):
+            raise InvalidInputError(f"hint must be a ReuseHint, got {hint!r}")
+        await self._submit(CacheFinishedReq(req, is_insert, hint))
 
     async def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """``UnifiedRadixCache.cache_unfinished_req`` through the actor."""

@@ -154,7 +154,9 @@ def add_replay_parser(sub: Any) -> None:
         metavar="PATH",
         type=Path,
         help="a Mooncake-format trace (JSON lines: timestamp, input_length, output_length, "
-        "hash_ids), read streaming; e.g. the traces in Mooncake's FAST25-release/traces/",
+        "hash_ids), read streaming; e.g. the traces in Mooncake's FAST25-release/traces/; or "
+        "agentic sessions: a directory or .tar.xz of session files (one cache token per "
+        "block; use --page-size 1)",
     )
     _choice_option(
         excl,
@@ -172,6 +174,13 @@ def add_replay_parser(sub: Any) -> None:
     )
     src.add_argument(
         "--seed", metavar="N", type=int, default=0, help="seed of the synthetic workload"
+    )
+    src.add_argument(
+        "--session-concurrency",
+        metavar="N",
+        type=float,
+        default=100.0,
+        help="agentic sessions: Poisson session arrivals at this mean number running",
     )
     src.add_argument(
         "--block-size",
@@ -370,7 +379,9 @@ def output_path_problem(path: Path) -> str | None:
     if str(path) == "-":
         return None
     if path.is_dir():
-        return f"{path} is a directory"
+        if not any(path.glob("*.json")):
+            return f"{path} is a directory without session files (*.json)"
+        return None
     parent = path.parent
     if not parent.is_dir():
         return f"directory {parent} does not exist"
@@ -395,7 +406,9 @@ def _trace_problem(path: Path) -> str | None:
     if not path.exists():
         return f"{path}: no such file"
     if path.is_dir():
-        return f"{path} is a directory"
+        if not any(path.glob("*.json")):
+            return f"{path} is a directory without session files (*.json)"
+        return None
     if not os.access(path, os.R_OK):
         return f"{path} is not readable"
     return None

@@ -26,6 +26,7 @@ import torch
 from hicache.config import StorageBackupPolicy
 from urc.apps.replay.options import DEFAULT_CHUNK_SIZE, Capacity, ModelProfile, check_options
 from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
+from urc.apps.workloads.agentic import AgenticConfig, is_session_archive
 from urc.config import CacheConfig
 from urc.eviction_policy import EvictionPolicy, NextUseOracle
 from urc.host.protocol import WritePolicy
@@ -77,6 +78,15 @@ class ReplayConfig:
     tokens (a multiple of ``page_size``), ``prefill_only`` caches only the prompts, ``speed``
     > 0 paces arrivals at ``timestamp / speed`` (0: as fast as possible).
 
+    Agentic sessions: a ``trace`` that is a directory or a tar archive of session files
+    (:mod:`urc.apps.workloads.agentic`: one cache token per block, sessions arriving as a
+    Poisson process at ``session_concurrency`` sessions on average, shuffled by ``seed``;
+    ``session_subset=(k, n)`` keeps every n-th session from the k-th; ``share_prefix``
+    shares the tools and system prompt between sessions of the same agent).  Each finished
+    request is cached with its :class:`~urc.reuse_hint.ReuseHint` (session, stop reason,
+    finish time on the trace's clock).  ``tlru_threshold`` and ``tlru_next_prompt_estimate``
+    are the TLRU policy's parameters (``CacheConfig``'s, in the replay's tokens).
+
     Determinism: with ``realtime=False`` (the default) host-tier copies run inside the event
     loop and the trace is read without worker threads, so the same config gives the same
     report (timings aside) on every run.  ``realtime=True`` copies in worker threads and
@@ -108,6 +118,14 @@ class ReplayConfig:
     speed: float = 0.0
     realtime: bool = False
     kv_shape: KVShape = REPLAY_KV_SHAPE
+    session_concurrency: float = 100.0
+    session_subset: tuple[int, int] | None = None
+    share_prefix: bool = True
+    tlru_threshold: int = 0
+    tlru_next_prompt_estimate: int = 0
+    session_window_s: float = 600.0
+    session_hot_gap_s: float = 60.0
+    session_quantum_s: float = 20.0
 
     def __post_init__(self) -> None:
         check_options(
@@ -130,6 +148,22 @@ class ReplayConfig:
     def source_name(self) -> str:
         """The workload, as the report names it."""
         return str(self.trace) if self.trace is not None else self.workload.value
+
+    @property
+    def agentic(self) -> bool:
+        """Whether ``trace`` is a set of agentic session files (not a Mooncake trace)."""
+        return self.trace is not None and is_session_archive(self.trace)
+
+    def agentic_config(self) -> AgenticConfig:
+        """How :mod:`urc.apps.workloads.agentic` lays the sessions out for this replay."""
+        assert self.trace is not None, "agentic_config needs a trace"
+        return AgenticConfig(
+            self.trace,
+            concurrency=self.session_concurrency,
+            seed=self.seed,
+            share_prefix=self.share_prefix,
+            subset=self.session_subset,
+        )
 
     @property
     def deterministic(self) -> bool:
@@ -180,5 +214,10 @@ class ReplayConfig:
             kv_shape=self.kv_shape,
             eviction_policy=self.eviction_policy,
             partial_leaf_eviction=self.partial_leaf_eviction,
+            tlru_threshold=self.tlru_threshold,
+            tlru_next_prompt_estimate=self.tlru_next_prompt_estimate,
+            session_window_s=self.session_window_s,
+            session_hot_gap_s=self.session_hot_gap_s,
+            session_quantum_s=self.session_quantum_s,
             next_use=next_use,
         )

@@ -38,7 +38,9 @@ After the run the service is closed (background work stopped, pins released) and
 
 from __future__ import annotations
 
+import math
 import sys
+from array import array
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing, suppress
 from dataclasses import asdict
@@ -62,7 +64,13 @@ from metrics.kv_events import KVPublisherMetrics
 from urc.apps.replay.belady import NextUseTable, build_next_use
 from urc.apps.replay.config import ModelProfile, ReplayConfig
 from urc.apps.replay.report import TIERS, LatencyRecorder, ReplayReport
-from urc.apps.replay.source import EmptyWorkloadError, WorkloadSummary, aiter_requests, summarize
+from urc.apps.replay.source import (
+    EmptyWorkloadError,
+    WorkloadSummary,
+    agentic_workload,
+    aiter_requests,
+    summarize,
+)
 from urc.apps.workloads import TraceRequest
 from urc.cache import UnifiedRadixCache, build_cache
 from urc.errors import ConfigError, OutOfMemoryError, ServiceError
@@ -70,6 +78,7 @@ from urc.eviction_policy import EvictionPolicy
 from urc.key import RadixKey
 from urc.node import ComponentType, Tier
 from urc.req import Req
+from urc.reuse_hint import ReuseHint, StopReason
 from urc.service import (
     AsyncUnifiedRadixCache,
     BackgroundWorker,
@@ -93,6 +102,20 @@ def output_token_ids(index: int, length: int) -> list[int]:
     """The deterministic output token ids of request ``index``."""
     base = OUTPUT_TOKEN_BASE + (index << 24)
     return list(range(base, base + length))
+
+
+_STOPS = {s.value: s for s in StopReason}
+
+
+def _hint(tr: TraceRequest) -> ReuseHint | None:
+    """What a server would know when ``tr`` finishes (workloads with sessions only): its
+    session, its stop reason, and the finish on the trace's clock."""
+    if tr.session_id is None:
+        return None
+    stop = _STOPS.get(tr.stop or "", StopReason.OTHER)
+    # The replay serves a request at its arrival (no model time passes in the cache's
+    # order of events), so that is when it finishes on the cache's clock.
+    return ReuseHint(tr.session_id, stop, None, tr.timestamp_ms / 1000)
 
 
 # ---------------------------------------------------------------------- memory admission
@@ -151,6 +174,7 @@ class _ServingLoop:
         self.requests = self.done = self.rejected = 0
         self.input_tokens = self.output_tokens = 0
         self.oom_waits = 0
+        self.recomputed = array("q")  # per request: prompt tokens not served from a cache
 
     async def run(self, requests: AsyncGenerator[TraceRequest, None]) -> None:
         sem = anyio.Semaphore(self.config.concurrency)
@@ -246,6 +270,7 @@ class _ServingLoop:
             svc.match_req(req, cow_mamba=self.mamba, load_back=controller is not None),
         )
         hits = self.hits
+        hits_before = sum(hits.values())
         hits[Tier.HOST] += m.host_loaded_len
         device_hit = m.prefix_len - m.host_loaded_len
         if storage is not None and m.prefix_len + m.host_hit_length + config.page_size <= n_in:
@@ -261,6 +286,7 @@ class _ServingLoop:
                 hits[Tier.HOST] += m2.host_loaded_len - from_l3
                 device_hit += m2.prefix_len - m.prefix_len - m2.host_loaded_len
         hits[Tier.DEVICE] += device_hit
+        self.recomputed.append(n_in - (sum(hits.values()) - hits_before))
         if self.mamba and req.mamba_pool_idx is None:
             got = await self._with_memory("alloc_mamba_state", partial(svc.alloc_req_mamba, req))
             if got is None:
@@ -299,7 +325,7 @@ class _ServingLoop:
             if self.swa and out_len:
                 await self._timed("swa_slide_window", svc.slide_req_window(req, n_in + out_len))
             self.output_tokens += out_len
-        await self._timed("cache_finished_req", svc.cache_finished_req(req))
+        await self._timed("cache_finished_req", svc.cache_finished_req(req, hint=_hint(tr)))
         return True
 
     async def _reject(self, req: Req) -> bool:
@@ -308,6 +334,30 @@ class _ServingLoop:
 
 
 # ---------------------------------------------------------------------- entry point
+def _percentile(values: array[int], q: float) -> int:
+    """Nearest-rank percentile ``q`` of ``values`` (0 when empty)."""
+    if not values:
+        return 0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _agentic_notes(config: ReplayConfig) -> list[str]:
+    """What an agentic replay assumed (``urc.apps.workloads.agentic``), for its report."""
+    wl = agentic_workload(config)
+    return [
+        f"agentic sessions: {wl.sessions} sessions, {wl.flows} flows (sub-agents are their "
+        f"own), {wl.requests:,} requests; one cache token per {wl.block_size}-token block "
+        f"(token counts here are blocks; a prompt's last partial block is left out)",
+        f"arrivals: Poisson, {config.session_concurrency:g} sessions running on average "
+        f"(mean session {wl.mean_session_s:,.0f} s), order and gaps seeded by {config.seed}; "
+        "recorded think and model times kept",
+        "tools+system prefix "
+        + ("shared by sessions of the same agent" if config.share_prefix else "not shared")
+        + "; each finished request cached with its session, stop reason and finish time",
+    ]
+
+
 def _check(cache: UnifiedRadixCache) -> str | None:
     try:
         cache.sanity_check()
@@ -472,6 +522,8 @@ async def run_replay(
             "the hit rate is above the cold-start ideal: pages an earlier run left in the L3 "
             "store were hits"
         )
+    if config.agentic:
+        notes.extend(_agentic_notes(config))
     if config.model is not ModelProfile.FULL:
         notes.append(
             f"the ideal is the full-attention one; a {config.model.value} model hits only "
@@ -516,6 +568,8 @@ async def run_replay(
         total_time_s=perf_counter() - t_setup,
         check_ok=error is None,
         check_error=error,
+        recomputed_p50=_percentile(loop.recomputed, 0.5),
+        recomputed_p99=_percentile(loop.recomputed, 0.99),
         notes=tuple(notes),
         warnings=tuple(warnings),
     )

@@ -68,6 +68,7 @@ EVICTION_POLICY_VALUES = (
     "slru",
     "tlru",
     "fork-aware",
+    "session-aware",
     "belady",
 )
 WRITE_POLICY_VALUES = ("write_through", "write_through_selective", "write_back")

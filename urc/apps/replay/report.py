@@ -132,6 +132,9 @@ class ReplayReport:
     total_time_s: float
     check_ok: bool
     check_error: str | None = None
+    # Per request, prompt tokens no tier served (recomputed), nearest-rank percentiles.
+    recomputed_p50: int = 0
+    recomputed_p99: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
     warnings: tuple[str, ...] = field(default_factory=tuple)
     # From ``urc``'s main to the start of setup: imports of torch, the cache, the service
@@ -191,6 +194,7 @@ class ReplayReport:
                 "overall": self.hit_rate,
                 **{_name(t): self.tier_hit_rate(t) for t in TIERS},
             },
+            "recomputed_per_request": {"p50": self.recomputed_p50, "p99": self.recomputed_p99},
             "evicted": dict(self.evicted),
             "backed_up_tokens": self.backed_up_tokens,
             "loaded_back_tokens": self.loaded_back_tokens,
@@ -234,6 +238,8 @@ class ReplayReport:
             f"host {pct(self.tier_hit_rate(Tier.HOST))}, "
             f"storage {pct(self.tier_hit_rate(Tier.STORAGE))})",
             f"ideal      {pct(self.ideal_hit_rate)}  ({IDEAL_SCOPE})",
+            f"recomputed per request: p50 {self.recomputed_p50:,}, p99 "
+            f"{self.recomputed_p99:,} prompt tokens",
             *(
                 [
                     f"host tier  +{self.tier_hit_rate(Tier.HOST) * 100:.2f} points of hit rate "

@@ -9,6 +9,8 @@ For a Mooncake trace the pass works on hash ids only (no token expansion): the 1
 conversation trace (145M prompt tokens) takes a few seconds.  It streams the file like the
 replay does, so a malformed line is reported (with its line number) before anything runs.
 A synthetic workload is generated twice from the same seed (cheaper than keeping it).
+Agentic sessions (:mod:`urc.apps.workloads.agentic`) are read once per process and kept
+(compactly: each request as its difference from its flow's previous one).
 
 The first pass yields to the event loop every :data:`CHECKPOINT_EVERY` requests even where
 no read suspends (a synthetic workload): a Ctrl-C (asyncio cancels the main task) or a
@@ -25,8 +27,9 @@ streamed with aiofiles, like a server reading its input.
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass, replace
 
@@ -45,11 +48,13 @@ from urc.apps.workloads import (
     iter_mooncake_trace,
     synthetic_workload,
 )
+from urc.apps.workloads.agentic import AgenticConfig, AgenticWorkload, load_agentic
 
 __all__ = [
     "CHECKPOINT_EVERY",
     "EmptyWorkloadError",
     "WorkloadSummary",
+    "agentic_workload",
     "aiter_requests",
     "default_requests",
     "summarize",
@@ -86,6 +91,18 @@ class WorkloadSummary:
         return self.ideal_hit_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
+@functools.lru_cache(maxsize=2)
+def _agentic(config: AgenticConfig) -> AgenticWorkload:
+    # Reading 471 sessions takes ~20 s: the first pass, Belady and the replay share one.
+    return load_agentic(config)
+
+
+def agentic_workload(config: ReplayConfig) -> AgenticWorkload:
+    """The agentic sessions ``config.trace`` names, laid out in time (loaded once per
+    process for the same layout)."""
+    return _agentic(config.agentic_config())
+
+
 def synthetic_requests(config: ReplayConfig) -> Iterator[TraceRequest]:
     """The built-in workload ``config`` names, seeded and sized as it says."""
     wl = default_config(config.workload)
@@ -106,6 +123,8 @@ async def summarize(config: ReplayConfig, *, progress: bool = False) -> Workload
     limit = config.num_requests
     ps = config.page_size
     total = limit if config.trace is not None else default_requests(config)
+    if config.agentic:
+        total = agentic_workload(config).requests
     with tqdm(
         total=total,
         unit="req",
@@ -115,9 +134,9 @@ async def summarize(config: ReplayConfig, *, progress: bool = False) -> Workload
         mininterval=0.5,
         desc="first pass (sizing the cache)",
     ) as bar:
-        if config.trace is None:
+        if config.trace is None or config.agentic:
             oracle = TokenPrefixOracle(ps)
-            for r in synthetic_requests(config):
+            for r in _requests(config):
                 hits += oracle.observe(r.input_ids, r.namespace)
                 count += 1
                 tokens_in += r.input_length
@@ -126,6 +145,8 @@ async def summarize(config: ReplayConfig, *, progress: bool = False) -> Workload
                 if count % CHECKPOINT_EVERY == 0:
                     bar.update(CHECKPOINT_EVERY)
                     await anyio.lowlevel.checkpoint()
+                if limit is not None and config.agentic and count >= limit:
+                    break
             return WorkloadSummary(count, tokens_in, tokens_out, longest, hits)
         bs = config.block_size
         block_oracle = BlockPrefixOracle(bs, ps) if bs % ps == 0 else None
@@ -151,6 +172,11 @@ async def summarize(config: ReplayConfig, *, progress: bool = False) -> Workload
     return WorkloadSummary(count, tokens_in, tokens_out, longest, hits)
 
 
+def _requests(config: ReplayConfig) -> Iterable[TraceRequest]:
+    """A synthetic workload's or the agentic sessions' requests (not a Mooncake trace's)."""
+    return agentic_workload(config) if config.agentic else synthetic_requests(config)
+
+
 def default_requests(config: ReplayConfig) -> int:
     """How many requests the synthetic workload ``config`` names holds."""
     if config.num_requests is not None:
@@ -161,8 +187,10 @@ def default_requests(config: ReplayConfig) -> int:
 async def aiter_requests(config: ReplayConfig) -> AsyncGenerator[TraceRequest, None]:
     """The workload's requests in order (see the module docstring for how a trace is read)."""
     limit = config.num_requests
-    if config.trace is None:
-        for r in synthetic_requests(config):
+    if config.trace is None or config.agentic:
+        for r in _requests(config):
+            if limit is not None and config.agentic and r.index >= limit:
+                break
             yield r
         return
     if not config.realtime:

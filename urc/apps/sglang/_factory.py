@@ -17,7 +17,7 @@ __all__ = ["check_supported", "create_cache", "unsupported_options"]
 
 # SGLang's ``--radix-eviction-policy`` values urc implements: an ``EvictionPolicy`` member of
 # the same name (urc's own offline or experimental orders are not SGLang's to select).
-_NOT_SGLANG = {EvictionPolicy.BELADY, EvictionPolicy.FORK_AWARE}
+_NOT_SGLANG = {EvictionPolicy.BELADY, EvictionPolicy.FORK_AWARE, EvictionPolicy.SESSION_AWARE}
 
 
 # ``--radix-eviction-policy-config`` keys each policy takes (SGLang's names) and the

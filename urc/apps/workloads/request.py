@@ -27,6 +27,12 @@ class TraceRequest:
         hash_ids: for Mooncake traces, the block hash ids the tokens were expanded from (one per
             block of ``block_size`` tokens, the last one possibly partial); ``None`` for
             synthetic workloads.
+        session_id: the session (agent flow) the request belongs to, for workloads that have
+            them (:mod:`urc.apps.workloads.agentic`); ``None`` otherwise.
+        stop: why the request's generation stopped, as the trace records it (``"tool_use"``,
+            ``"end_turn"``, ``""``), or ``None`` when the workload does not say.
+        model_time_ms: how long the model took to answer (the finish is at
+            ``timestamp_ms + model_time_ms``); 0 when unknown.
 
     Raises:
         ValueError: if ``input_length != len(input_ids)`` or a length or time is negative.
@@ -39,6 +45,9 @@ class TraceRequest:
     input_length: int
     namespace: tuple[str, ...] | None = None
     hash_ids: tuple[int, ...] | None = None
+    session_id: str | None = None
+    stop: str | None = None
+    model_time_ms: int = 0
 
     def __post_init__(self) -> None:
         # Cheap O(1) checks only: the record is built once per request on the hot path.
