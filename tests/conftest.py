@@ -29,6 +29,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Fixtures of the metrics tests (test_metrics*.py): a fresh registry, and both export modes.
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Property tests check behaviour, not speed: on a shared 2-core machine one example can take
+# longer than hypothesis's 200 ms deadline, or generation than its health check allows.
+settings.register_profile("urc", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("urc")
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from metrics import ExportMode  # noqa: E402
