@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 import anyio
 import torch
 from cache_harness import pins
+from storage_harness import put_random_kv, wait_host_backups
 
 import hicache
 from hicache.config import HiCacheConfig, StorageConfig
@@ -62,19 +63,8 @@ class Replica:
     async def put(self, tokens: list[int], ns: tuple[str, ...] | None = None) -> torch.Tensor:
         """Insert ``tokens`` with random KV bytes and wait until storage has them; returns
         the bytes (``[2, layers, tokens, heads, dim]``)."""
-        value = await self.svc.alloc(len(tokens))
-        data = torch.randn(self.kv[:, :, value].shape).to(SHAPE.dtype)
-
-        def write(cache: UnifiedRadixCache) -> None:
-            self.kv[:, :, value] = data
-
-        await self.svc.call(write)
-        await self.svc.insert(RadixKey(tokens, ns), value)
-        while True:
-            await anyio.wait_all_tasks_blocked()
-            busy = await self.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight))
-            if not busy:
-                break
+        data = await put_random_kv(self.svc, self.kv, tokens, ns, SHAPE.dtype)
+        await wait_host_backups(self.svc)
         await self.worker.flush()
         return data
 

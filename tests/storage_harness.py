@@ -26,6 +26,36 @@ from urc.service._observer import ServiceObserver
 PS = 4
 
 
+async def put_random_kv(
+    svc: AsyncUnifiedRadixCache,
+    kv: torch.Tensor,
+    tokens: list[int],
+    ns: tuple[str, ...] | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Allocate slots through ``svc``, write random KV bytes (of ``dtype``) into ``kv`` at
+    them, and insert ``tokens`` (in namespace ``ns``) there; returns those bytes."""
+    value = await svc.alloc(len(tokens))
+    data = torch.randn(kv[:, :, value].shape)
+    if dtype is not None:
+        data = data.to(dtype)
+
+    def write(cache: UnifiedRadixCache) -> None:
+        kv[:, :, value] = data
+
+    await svc.call(write)
+    await svc.insert(RadixKey(tokens, ns), value)
+    return data
+
+
+async def wait_host_backups(svc: AsyncUnifiedRadixCache) -> None:
+    """Wait until ``svc`` has no host backup pending or in flight."""
+    while True:
+        await anyio.wait_all_tasks_blocked()
+        if not await svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight)):
+            return
+
+
 class L3Stack:
     """The stack over ``store``; ``svc`` is not entered yet (``trace``: its trace hook)."""
 
@@ -65,23 +95,11 @@ class L3Stack:
 
     async def put(self, tokens: list[int], ns: tuple[str, ...] | None = None) -> torch.Tensor:
         """Insert ``tokens`` (in namespace ``ns``) with random KV bytes; returns those bytes."""
-        value = await self.svc.alloc(len(tokens))
-        data = torch.randn(self.kv[:, :, value].shape)
-
-        def write(cache: UnifiedRadixCache) -> None:
-            self.kv[:, :, value] = data
-
-        await self.svc.call(write)
-        await self.svc.insert(RadixKey(tokens, ns), value)
-        return data
+        return await put_random_kv(self.svc, self.kv, tokens, ns)
 
     async def settle(self) -> None:
         """Wait until host backups are committed and every storage write finished."""
-        while True:
-            await anyio.wait_all_tasks_blocked()
-            busy = await self.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight))
-            if not busy:
-                break
+        await wait_host_backups(self.svc)
         await self.worker.flush()
 
     async def drop_device_and_host(self) -> None:

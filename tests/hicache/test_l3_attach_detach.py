@@ -21,6 +21,7 @@ import torch
 from cache_harness import pins
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from storage_harness import put_random_kv, wait_host_backups
 from test_service_ownership import CancelTaskOnApply
 
 import hicache
@@ -115,23 +116,11 @@ class Stack:
 
     async def put(self, tokens: list[int]) -> torch.Tensor:
         """Insert ``tokens`` with random KV bytes; returns those bytes."""
-        value = await self.svc.alloc(len(tokens))
-        data = torch.randn(self.kv[:, :, value].shape)
-
-        def write(cache: UnifiedRadixCache) -> None:
-            self.kv[:, :, value] = data
-
-        await self.svc.call(write)
-        await self.svc.insert(RadixKey(tokens), value)
-        return data
+        return await put_random_kv(self.svc, self.kv, tokens)
 
     async def settle(self) -> None:
         """Host backups committed, and the attached worker's writes finished."""
-        while True:
-            await anyio.wait_all_tasks_blocked()
-            busy = await self.svc.call(lambda c: bool(c.pending_backups or c.backups_in_flight))
-            if not busy:
-                break
+        await wait_host_backups(self.svc)
         if self.hc.storage is not None:
             await self.hc.storage.flush()
 
