@@ -47,7 +47,13 @@ from hicache.storage.codec import (
     raw_page,
 )
 from hicache.storage.errors import InvalidStorageKeyError
-from hicache.storage.keys import KEY_FORMAT_VERSION, PageKey, SGLangPageKey, StorageComponent
+from hicache.storage.keys import (
+    KEY_FORMAT_VERSION,
+    SGLANG_FILE_STEM,
+    PageKey,
+    SGLangPageKey,
+    StorageComponent,
+)
 from hicache.storage.keys import parse_page_key as _parse_page_key
 
 __all__ = ["FileStorage"]
@@ -57,8 +63,8 @@ _PAGE_NAME = re.compile(r"([0-9a-f]{64})\.(full|swa|mamba)\.v([0-9]+)")
 _FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
 _TEMP_SUFFIX = ".tmp"
 # SGLang-scheme pages in the root, and this backend's temp files for them.
-_SGLANG_FILE = re.compile(r"([0-9a-f]{64}_[A-Za-z0-9._-]*_[0-9]+_[0-9]+)\.bin")
-_SGLANG_TEMP = re.compile(r"\.[0-9a-f]{64}_[A-Za-z0-9._-]*_[0-9]+_[0-9]+\.bin\.[0-9a-f]{12}\.tmp")
+_SGLANG_FILE = re.compile(rf"({SGLANG_FILE_STEM})\.bin")
+_SGLANG_TEMP = re.compile(rf"\.{SGLANG_FILE_STEM}\.bin\.[0-9a-f]{{12}}\.tmp")
 
 
 class _Presence(Enum):

@@ -35,6 +35,7 @@ __all__ = [
     "KEY_FORMAT_VERSION",
     "KEY_PATTERN",
     "ROOT_HASH",
+    "SGLANG_FILE_STEM",
     "SGLANG_KEY_PATTERN",
     "VERSION_PREFIX",
     "ExtraKey",
@@ -63,7 +64,13 @@ KEY_PATTERN = re.compile(r"urc([0-9]+):(full|swa|mamba):([0-9a-f]{64})")
 """A valid key string matches this in full (``fullmatch``: no trailing newline slips through);
 backends build paths and names from its groups only."""
 
-SGLANG_KEY_PATTERN = re.compile(r"sglang:([0-9a-f]{64})(_[A-Za-z0-9._-]*_[0-9]+_[0-9]+)")
+_SGLANG_HASH = r"[0-9a-f]{64}"
+_SGLANG_SUFFIX = r"_[A-Za-z0-9._-]*_[0-9]+_[0-9]+"
+
+SGLANG_FILE_STEM = _SGLANG_HASH + _SGLANG_SUFFIX
+"""The regex of an SGLang page's file stem: the page hash and the deployment suffix."""
+
+SGLANG_KEY_PATTERN = re.compile(rf"sglang:({_SGLANG_HASH})({_SGLANG_SUFFIX})")
 """A valid SGLang-scheme key string matches this in full: the page hash, then the deployment
 suffix (model name with ``/`` as ``-``, TP rank, TP size; path-safe characters only)."""
 
