@@ -27,7 +27,7 @@ import torch
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
 from urc.host import transfers as host_transfers
 from urc.host.protocol import WritePolicy
-from urc.key import RadixKey, check_key
+from urc.key import RadixKey, TokenIds, check_key
 from urc.node import FULL_INDEX, TreeNode
 from urc.params import InsertParams, InsertResult
 from urc.reuse_hint import ReuseHint
@@ -41,7 +41,7 @@ __all__ = ["insert"]
 def _add_leaf(
     state: CacheState,
     parent: TreeNode,
-    key: list[Any],
+    key: TokenIds,
     value: torch.Tensor,
     ns: Any,
     priority: int,

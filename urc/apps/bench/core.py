@@ -28,7 +28,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,7 +356,7 @@ def _settle() -> None:
     gc.freeze()
 
 
-def _grow(seed: int, chunk_len: int) -> Iterator[list[int]]:
+def _grow(seed: int, chunk_len: int) -> Generator[list[int], None, None]:
     """An endless stream of reference-workload sequences (for the scaling runs)."""
     rng = random.Random(seed)
     root = [rng.randrange(_VOCAB) for _ in range(chunk_len // 4)]
@@ -490,7 +490,7 @@ def _tree_memory(
         params, after = driver.insert(seq)
         after(cache.insert(params))
 
-    return tree_memory(cache, insert, chunk_len)
+    return tree_memory(cache, insert, _grow(7, chunk_len))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,16 +16,14 @@ import contextlib
 import ctypes
 import gc
 import os
-import random
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import closing
 from typing import Any
 
 from urc.cache import UnifiedRadixCache
 
 __all__ = ["tree_memory"]
-
-_VOCAB = 150_000
 
 
 def _rss_bytes() -> int | None:
@@ -43,26 +41,20 @@ def _rss_bytes() -> int | None:
 def tree_memory(
     cache: UnifiedRadixCache,
     insert: Callable[[list[int]], None],
-    chunk_len: int,
+    sequences: Generator[list[int], None, None],
     tokens: int = 10**6,
 ) -> dict[str, Any]:
-    """Fill the empty ``cache`` to about ``tokens`` cached tokens with reference-workload
-    sequences (each a fresh list: shared prefixes, fresh chunks; ``insert(seq)`` caches one),
-    drop every sequence, and measure what the cache holds then: ``{"tokens", "nodes",
-    "python_heap_mib", "rss_mib"}``.  Mutates ``cache``."""
+    """Fill the empty ``cache`` to about ``tokens`` cached tokens from ``sequences``
+    (``insert(seq)`` caches one), close the stream so no sequence is left alive, and measure
+    what the cache holds then: ``{"tokens", "nodes", "python_heap_mib", "rss_mib"}``.
+    Mutates ``cache``."""
     gc.collect()
     rss0 = _rss_bytes()
     tracemalloc.start()
-    rng = random.Random(7)
-    seqs = [[rng.randrange(_VOCAB) for _ in range(chunk_len // 4 + chunk_len)]]
-    while cache.total_size() < tokens:
-        parent = rng.choice(seqs[-4096:])
-        if len(parent) > 16 * chunk_len:
-            parent = seqs[0][: chunk_len // 4]
-        seq = parent + [rng.randrange(_VOCAB) for _ in range(chunk_len)]
-        seqs.append(seq)
-        insert(seq)
-    del seqs, seq, parent
+    with closing(sequences):  # close() frees the generator's state (its sequences)
+        while cache.total_size() < tokens:
+            insert(next(sequences))
+    del sequences
     gc.collect()
     heap = tracemalloc.get_traced_memory()[0]
     rss1 = _rss_bytes()
