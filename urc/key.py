@@ -126,8 +126,8 @@ def pack_tokens(token_ids: object, is_bigram: bool = False) -> TokenIds:
     :class:`~urc.errors.InvalidInputError` for anything else, or for ids outside int64."""
     try:
         if isinstance(token_ids, list | tuple):
-            if is_bigram:
-                return list(token_ids)
+            if is_bigram:  # pairs: kept as a list (taken as it is, like a packed array)
+                return token_ids if isinstance(token_ids, list) else list(token_ids)
             return _pack(token_ids)
         if isinstance(token_ids, range):
             return array("q", token_ids)
