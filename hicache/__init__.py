@@ -10,12 +10,14 @@ service.
 from __future__ import annotations
 
 from hicache.config import HiCacheConfig, StorageConfig
+from hicache.host_layout import HostLayout
 from hicache.storage_attach import attach_storage, detach_storage
 from hicache.wiring import HiCache, attach
 
 __all__ = [
     "HiCache",
     "HiCacheConfig",
+    "HostLayout",
     "StorageConfig",
     "attach",
     "attach_storage",

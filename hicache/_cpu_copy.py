@@ -1,4 +1,11 @@
-"""Copies between a CPU pool and its ``page_first`` host mirror, row by row.
+"""Copies between a CPU pool and its host mirror: page blocks, or rows for ``page_first``.
+
+:func:`copy_pages` moves whole pages between two ``[outer, units, page elements]`` views whose
+pages are contiguous on both sides (a ``layer_first`` mirror, or buffers with no layer
+dimension): one ``index_select`` straight into each run of destination pages, else one
+``index_copy_`` from each run of source pages, else a gather and a scatter.
+
+The rest of this module transposes, for a ``page_first`` mirror of a buffer with layers.
 
 A buffer ``[split, mid, slots, inner]`` (KV: ``mid`` = layers, ``inner`` = heads x dim) and
 its host copy ``[split, host_slots, mid, inner]`` are both viewed as rows of ``inner``
@@ -21,7 +28,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["SPAN_SLOTS", "TILE_SLOTS", "RowMirror", "backup_rows", "load_rows"]
+__all__ = [
+    "SPAN_SLOTS",
+    "TILE_SLOTS",
+    "RowMirror",
+    "backup_rows",
+    "copy_pages",
+    "load_rows",
+    "runs",
+]
 
 #: Spans that run on both sides are copied span by span when they average this many slots.
 SPAN_SLOTS = 16
@@ -48,18 +63,42 @@ class RowMirror:
         self.host_slots = self.host.shape[0] // (split * mid)
 
 
-def _runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive slots: ``(position, length, first slot)`` each."""
-    n = slots.shape[0]
-    cuts = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts = [0, *cuts.tolist()]
-    ends = [*cuts.tolist(), n]
-    return [(a, b - a, int(slots[a])) for a, b in zip(starts, ends, strict=True)]
+def runs(values: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive values (numpy int64): ``(position, length, first value)``
+    each."""
+    n = values.shape[0]
+    cuts = (np.flatnonzero(np.diff(values) != 1) + 1).tolist()
+    starts = [0, *cuts]
+    ends = [*cuts, n]
+    first = values[starts].tolist()
+    return [(a, b - a, f) for a, b, f in zip(starts, ends, first, strict=True)]
 
 
 def _few(runs: list[tuple[int, int, int]], n: int, per: int) -> bool:
     """Few enough runs to copy run by run (at least ``per`` slots each on average)."""
     return len(runs) * per <= n
+
+
+def copy_pages(src: torch.Tensor, su: np.ndarray, dst: torch.Tensor, du: np.ndarray) -> None:
+    """Copy pages ``su`` of ``src`` into pages ``du`` of ``dst`` (``[outer, units, elements]``
+    views, pages contiguous; equal-length numpy int64 page numbers)."""
+    n = du.shape[0]
+    d_runs = runs(du)
+    if _few(d_runs, n, 4):  # the destination runs: gather straight into each run
+        s_idx = torch.from_numpy(su)
+        for o in range(src.shape[0]):
+            for pos, length, start in d_runs:
+                out = dst[o, start : start + length]
+                torch.index_select(src[o], 0, s_idx[pos : pos + length], out=out)
+        return
+    s_runs = runs(su)
+    d_idx = torch.from_numpy(du)
+    if _few(s_runs, n, 4):  # the source runs: scatter each run
+        for o in range(src.shape[0]):
+            for pos, length, start in s_runs:
+                dst[o].index_copy_(0, d_idx[pos : pos + length], src[o, start : start + length])
+        return
+    dst.index_copy_(1, d_idx, src.index_select(1, torch.from_numpy(su)))
 
 
 def _dev_rows(m: RowMirror, s: int, ds: np.ndarray) -> np.ndarray:
@@ -100,8 +139,8 @@ def backup_rows(m: RowMirror, ds: np.ndarray, hs: np.ndarray, per: int) -> None:
             m.host4[:, h0 : h0 + length].copy_(m.dev4[:, :, d0 : d0 + length].transpose(1, 2))
         return
     n, mid = ds.shape[0], m.mid
-    host_runs = _runs(hs)
-    dev_runs = None if _few(host_runs, n, per) else _runs(ds)
+    host_runs = runs(hs)
+    dev_runs = None if _few(host_runs, n, per) else runs(ds)
     for s in range(m.split):
         if dev_runs is None:  # the host side runs: gather straight into each run
             rows = torch.from_numpy(_dev_rows(m, s, ds))
@@ -128,8 +167,8 @@ def load_rows(m: RowMirror, hs: np.ndarray, ds: np.ndarray, per: int) -> None:
             m.dev4[:, :, d0 : d0 + length].copy_(m.host4[:, h0 : h0 + length].transpose(1, 2))
         return
     n, mid = ds.shape[0], m.mid
-    dev_runs = _runs(ds)
-    host_runs = None if _few(dev_runs, n, per) else _runs(hs)
+    dev_runs = runs(ds)
+    host_runs = None if _few(dev_runs, n, per) else runs(hs)
     for s in range(m.split):
         if host_runs is None:  # the device side runs: gather one layer of a run at a time
             for k in range(mid):

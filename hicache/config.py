@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hicache.host_layout import HostLayout
 from hicache.storage.keys import KeyScheme
 from hicache.storage.sglang_keys import SGLangNaming
 from urc.errors import ConfigError
@@ -27,7 +28,9 @@ class HiCacheConfig:
     the device pool.  Mamba host states are ``host_ratio`` times the device states.  Host
     eviction keeps usage between ``low_watermark`` and ``high_watermark`` (fractions of the
     host capacity).  Load-backs shorter than ``load_back_threshold`` tokens are skipped.
-    ``max_in_flight`` bounds concurrent backups and load-backs each.
+    ``max_in_flight`` bounds concurrent backups and load-backs each.  ``host_layout``: how
+    the host pools hold KV (:class:`~hicache.host_layout.HostLayout`; default ``None``:
+    ``PAGE_FIRST`` for pools on CUDA, ``LAYER_FIRST`` on the CPU).
     """
 
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
@@ -38,6 +41,7 @@ class HiCacheConfig:
     load_back_threshold: int = 0
     max_in_flight: int = 4
     backup_batch: int = 16
+    host_layout: HostLayout | None = None
 
     def __post_init__(self) -> None:
         if self.host_tokens is not None and self.host_tokens <= 0:

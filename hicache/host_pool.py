@@ -1,27 +1,32 @@
-"""Host (L2) mirror of a device pool in SGLang's ``page_first`` layout, with batched copies.
+"""Host (L2) mirror of a device pool, in a :class:`~hicache.host_layout.HostLayout`, with
+batched copies.
 
 A device pool is described by its buffers: ``(tensor, slot_dim)`` pairs whose dimension
 ``slot_dim`` indexes slots (KV: ``kv[2, layers, slots, heads, dim]`` has slot dim 2; Mamba:
 ``conv[slots, ...]`` and ``temporal[slots, ...]`` have slot dim 0).  The host mirror holds the
 same buffers with ``size`` host slots, its own allocator, and copies slots between the two.
 
-Host layout (``page_first``, as SGLang's ``MHATokenToKVPoolHost``): a buffer
-``[split, *mid, slots, *inner]`` is held as ``[split, slots, *mid, *inner]`` -- the leading
-dimension (K/V) stays split, then all layers of a slot (and of a page of ``page_size``
-slots) are contiguous.  KV ``[2, layers, slots, heads, dim]`` is held as ``[2, slots, layers,
-heads, dim]``: a page is one contiguous block of K and one of V, a run of pages likewise, so
-a transfer moves a few large blocks instead of ``2 x layers`` small ones per page.  A buffer
-with slot dim 0 (Mamba states) keeps its shape.  ``host_buffers`` lists the host tensors with
-their slot dim (1, or 0).
+Host layouts: a buffer ``[split, *mid, slots, *inner]`` is held as
+
+- ``LAYER_FIRST``: ``[split, *mid, size, *inner]``, the device's own layout;
+- ``PAGE_FIRST`` (SGLang's ``MHATokenToKVPoolHost`` default): ``[split, size, *mid, *inner]``
+  -- the leading dimension (K/V) stays split, then all layers of a slot (and of a page of
+  ``page_size`` slots) are contiguous, so a page is one K block and one V block.
+
+A buffer with slot dim 0 (Mamba states) keeps its shape in both.  ``host_buffers`` lists the
+host tensors with their slot dim; :meth:`HostPool.page_views` shows them page by page in
+``PAGE_FIRST`` order whatever the layout (what L3 stores).  Either way a transfer moves
+``outer`` blocks per page: ``split`` for ``PAGE_FIRST``, ``split x mid`` for ``LAYER_FIRST``.
 
 Copies are batched per call and run on the pool's :class:`~hicache.transfer_engine.
 TransferEngine`; :meth:`HostPool.backup` and :meth:`HostPool.load` return the transfer's
 :class:`~hicache.transfer_engine.Completion`, and nothing they write may be read (nor what
 they read be reused) before it is done.  Pools on the CPU gather straight into (or out of)
-each contiguous run of host pages.  Pools on a CUDA device gather the pages on the device into
-a staging buffer in host order (on the transfer stream, with a device copy of the indices)
-and move each run of host pages with one asynchronous copy; host memory is then pinned
-(``cudaHostRegister`` on an exactly sized buffer: no power-of-two rounding).
+each contiguous run of host pages (:mod:`hicache._cpu_copy`).  Pools on a CUDA device gather
+the pages on the device into a staging buffer in host order (on the transfer stream, with a
+device copy of the indices) and move each run of host pages with one asynchronous copy per
+block; host memory is then pinned (``cudaHostRegister`` on an exactly sized buffer: no
+power-of-two rounding).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache._cpu_copy import RowMirror, backup_rows, load_rows
+from hicache._cpu_copy import RowMirror, backup_rows, copy_pages, load_rows, runs
+from hicache.host_layout import HostLayout
 from hicache.transfer_engine import DONE, Completion, Lane, TransferEngine, engine_for
 from urc.errors import ConfigError, InvalidIndicesError
 from urc.pools.allocator import TokenSlotAllocator
@@ -47,24 +53,38 @@ STAGING_BYTES = 256 << 20
 
 
 class _Mirror:
-    """One device buffer and its host copy as ``[split, units, ...]`` page views."""
+    """One device buffer and its host copy as ``[outer, units, page elements]`` views, the
+    device's pages in host order (see the module docstring)."""
 
-    __slots__ = ("device", "host", "page_shape", "rows", "split", "unit_bytes")
+    __slots__ = ("device", "host", "outer", "page_shape", "rows", "unit_bytes", "views")
 
-    def __init__(self, dev: torch.Tensor, dim: int, host: torch.Tensor, page_size: int) -> None:
+    def __init__(
+        self, dev: torch.Tensor, dim: int, host: torch.Tensor, page_size: int, layout: HostLayout
+    ) -> None:
         shape = dev.shape
         split = shape[0] if dim > 0 else 1
         mid = math.prod(shape[1:dim]) if dim > 0 else 1
         inner = math.prod(shape[dim + 1 :])
         units = shape[dim] // page_size
-        self.split = split
-        self.page_shape = (page_size, mid, inner)
-        # Device pages in host order: [split, units, page_size, mid, inner] (a strided view).
-        self.device = dev.view(split, mid, units, page_size, inner).permute(0, 2, 3, 1, 4)
-        self.host = host.view(split, host.shape[1 if dim > 0 else 0] // page_size, -1)
+        host_units = host.numel() // (split * mid * inner * page_size)
         self.unit_bytes = split * page_size * mid * inner * dev.element_size()
-        # Row views for pools on the CPU (:mod:`hicache._cpu_copy`).
-        self.rows = RowMirror(dev, host, split, mid, inner) if dev.device.type == "cpu" else None
+        self.rows: RowMirror | None = None
+        if layout is HostLayout.PAGE_FIRST and mid > 1:
+            self.outer = split
+            self.page_shape: tuple[int, ...] = (page_size, mid, inner)
+            # Device pages in host order: [split, units, page_size, mid, inner] (strided).
+            self.device = dev.view(split, mid, units, page_size, inner).permute(0, 2, 3, 1, 4)
+            pages = host.view(split, host_units, page_size, mid, inner)
+            if dev.device.type == "cpu":  # row views (:mod:`hicache._cpu_copy`)
+                self.rows = RowMirror(dev, host, split, mid, inner)
+        else:
+            self.outer = split * mid
+            self.page_shape = (page_size * inner,)
+            self.device = dev.view(self.outer, units, page_size * inner)
+            pages = host.view(split, mid, host_units, page_size, inner).permute(0, 2, 3, 1, 4)
+        self.host = host.view(self.outer, host_units, -1)
+        # Host pages in PAGE_FIRST order, as bytes: [split, units, page_size, mid, inner bytes].
+        self.views = pages.view(torch.uint8)
 
 
 class HostPool:
@@ -74,9 +94,12 @@ class HostPool:
     device slots into host slots, :meth:`load` the other way; both move real bytes, leave
     the source untouched and return the transfer's completion.  Host indices are CPU int64
     tensors (the allocator's); device indices may live on the host or the device.
+    ``layout``: how the host buffers hold slots (default:
+    :meth:`~hicache.host_layout.HostLayout.for_device` of the pool's device);
     ``pin_memory``: pin the host buffers (default: when the device pool is on CUDA);
     ``engine``: where copies run (default: :func:`~hicache.transfer_engine.engine_for` the
-    pool's device).
+    pool's device).  Raises :class:`~urc.errors.ConfigError` for no buffers, buffers of
+    several devices, or a buffer that is not contiguous.
     """
 
     __slots__ = (
@@ -86,6 +109,7 @@ class HostPool:
         "device_buffers",
         "engine",
         "host_buffers",
+        "layout",
         "page_size",
         "pinned",
         "size",
@@ -98,6 +122,7 @@ class HostPool:
         page_size: int = 1,
         pin_memory: bool | None = None,
         engine: TransferEngine | None = None,
+        layout: HostLayout | None = None,
     ) -> None:
         if not device_buffers:
             raise ConfigError("a host pool needs at least one device buffer to mirror")
@@ -107,6 +132,7 @@ class HostPool:
         self.size = size
         self.page_size = page_size
         self.device = device
+        self.layout = HostLayout.for_device(device) if layout is None else layout
         self.allocator = TokenSlotAllocator(size, page_size, "cpu")
         self.pinned = device.type == "cuda" if pin_memory is None else pin_memory
         self.engine = engine_for(device) if engine is None else engine
@@ -117,14 +143,15 @@ class HostPool:
             if not tensor.is_contiguous():
                 raise ConfigError("a host pool mirrors contiguous device buffers")
             shape = list(tensor.shape)
-            if dim > 0:
-                host_shape = [shape[0], size, *shape[1:dim], *shape[dim + 1 :]]
+            if dim == 0 or self.layout is HostLayout.LAYER_FIRST:
+                host_shape = [*shape[:dim], size, *shape[dim + 1 :]]
+                host_dim = dim
             else:
-                host_shape = [size, *shape[1:]]
+                host_shape = [shape[0], size, *shape[1:dim], *shape[dim + 1 :]]
+                host_dim = 1
             host = _host_buffer(host_shape, tensor.dtype, self.pinned)
-            host_dim = 1 if dim > 0 else 0
             self.host_buffers.append((host, host_dim))
-            self._mirrors.append(_Mirror(tensor, dim, host, page_size))
+            self._mirrors.append(_Mirror(tensor, dim, host, page_size, self.layout))
 
     @property
     def bytes_per_slot(self) -> int:
@@ -133,6 +160,12 @@ class HostPool:
         for tensor, dim in self.device_buffers:
             total += tensor.numel() // tensor.shape[dim] * tensor.element_size()
         return total
+
+    def page_views(self) -> list[torch.Tensor]:
+        """Each host buffer as bytes, page by page in ``PAGE_FIRST`` order whatever the
+        layout: ``[split, host pages, page_size, mid, inner bytes]`` views (strided for
+        ``LAYER_FIRST``) of the live buffers -- writing through them writes the pool."""
+        return [m.views for m in self._mirrors]
 
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> Completion:
         """Copy device slots ``device_indices`` into host slots ``host_indices``; returns
@@ -184,6 +217,12 @@ class HostPool:
         ps = self.page_size
         return idx if ps == 1 else torch.div(idx[::ps], ps, rounding_mode="floor")
 
+    def _units_np(self, device_indices: torch.Tensor) -> np.ndarray:
+        """Device page numbers (numpy) of CPU indices."""
+        dn = device_indices.numpy()
+        ps = self.page_size
+        return dn if ps == 1 else dn[::ps] // ps
+
     def _slots(self, device_indices: torch.Tensor, hu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Device and host slots (numpy) of whole pages, for pools on the CPU."""
         dn = device_indices.numpy()
@@ -198,18 +237,22 @@ class HostPool:
         )
 
     def _gather_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Backup, pools on the CPU: row copies (:mod:`hicache._cpu_copy`)."""
-        ds, hs = self._slots(device_indices, hu)
+        """Backup, pools on the CPU (:mod:`hicache._cpu_copy`)."""
         for m in self._mirrors:
-            assert m.rows is not None, "row views exist for pools on the CPU"
-            backup_rows(m.rows, ds, hs, 4 * self.page_size)
+            if m.rows is not None:  # a transposition: row copies
+                ds, hs = self._slots(device_indices, hu)
+                backup_rows(m.rows, ds, hs, 4 * self.page_size)
+            else:
+                copy_pages(m.device, self._units_np(device_indices), m.host, hu)
 
     def _scatter_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Load, pools on the CPU: row copies (:mod:`hicache._cpu_copy`)."""
-        ds, hs = self._slots(device_indices, hu)
+        """Load, pools on the CPU (:mod:`hicache._cpu_copy`)."""
         for m in self._mirrors:
-            assert m.rows is not None, "row views exist for pools on the CPU"
-            load_rows(m.rows, hs, ds, 4 * self.page_size)
+            if m.rows is not None:
+                ds, hs = self._slots(device_indices, hu)
+                load_rows(m.rows, hs, ds, 4 * self.page_size)
+            else:
+                copy_pages(m.host, hu, m.device, self._units_np(device_indices))
 
     def _chunks(self, hu: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """The runs of ``hu`` grouped in chunks that fit the staging buffer:
@@ -219,7 +262,7 @@ class HostPool:
         chunks: list[tuple[int, int, list[tuple[int, int, int]]]] = []
         cur: list[tuple[int, int, int]] = []
         first = used = 0
-        for pos, length, start in _runs(hu):
+        for pos, length, start in runs(hu):
             while length:
                 take = min(length, cap - used)
                 cur.append((pos, take, start))
@@ -237,15 +280,15 @@ class HostPool:
     def _backup_staged(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
         """Backup, pools on a device: gather pages on the device, one copy per host run."""
         du = self._device_units(device_indices)
-        for first, count, runs in self._chunks(hu):
+        for first, count, parts in self._chunks(hu):
             for m in self._mirrors:
                 staging = torch.empty(
-                    (m.split, count, m.host.shape[2]), dtype=m.host.dtype, device=self.device
+                    (m.outer, count, m.host.shape[2]), dtype=m.host.dtype, device=self.device
                 )
-                for s in range(m.split):
+                for s in range(m.outer):
                     out = staging[s].view(count, *m.page_shape)
                     torch.index_select(m.device[s], 0, du[first : first + count], out=out)
-                    for pos, length, start in runs:
+                    for pos, length, start in parts:
                         a = pos - first
                         m.host[s, start : start + length].copy_(
                             staging[s, a : a + length], non_blocking=True
@@ -254,29 +297,19 @@ class HostPool:
     def _load_staged(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
         """Load, pools on a device: one copy per host run into staging, scatter on device."""
         du = self._device_units(device_indices)
-        for first, count, runs in self._chunks(hu):
+        for first, count, parts in self._chunks(hu):
             for m in self._mirrors:
                 staging = torch.empty(
-                    (m.split, count, m.host.shape[2]), dtype=m.host.dtype, device=self.device
+                    (m.outer, count, m.host.shape[2]), dtype=m.host.dtype, device=self.device
                 )
-                for s in range(m.split):
-                    for pos, length, start in runs:
+                for s in range(m.outer):
+                    for pos, length, start in parts:
                         a = pos - first
                         staging[s, a : a + length].copy_(
                             m.host[s, start : start + length], non_blocking=True
                         )
                     part = staging[s].view(count, *m.page_shape)
                     m.device[s].index_copy_(0, du[first : first + count], part)
-
-
-def _runs(units: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive values: ``(position, length, first value)`` each."""
-    n = units.shape[0]
-    breaks = np.flatnonzero(np.diff(units) != 1).tolist()
-    starts = [0, *(b + 1 for b in breaks)]
-    ends = [*(b + 1 for b in breaks), n]
-    first = units[starts].tolist()
-    return [(a, b - a, f) for a, b, f in zip(starts, ends, first, strict=True)]
 
 
 def _host_buffer(shape: list[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:

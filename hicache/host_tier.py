@@ -43,7 +43,9 @@ class HostMemoryTier:
                 raise ConfigError(f"{c.component_type.name} has no device buffers to mirror")
             page = cache.page_size if c.unit is SizeUnit.TOKENS else 1
             size = config.host_size(c.pool_capacity(), page, c.unit)
-            pools[c.component_type] = HostPool(buffers, size, page, engine=engine)
+            pools[c.component_type] = HostPool(
+                buffers, size, page, engine=engine, layout=config.host_layout
+            )
         return cls(pools)
 
     def host_capacity(self, ct: ComponentType) -> int:

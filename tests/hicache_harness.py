@@ -11,6 +11,7 @@ import torch
 from cache_harness import assert_path_validators_agree
 
 from hicache.config import HiCacheConfig
+from hicache.host_layout import HostLayout
 from hicache.host_tier import attach_hicache
 from hicache.transfer_engine import TransferEngine
 from urc import (
@@ -47,10 +48,12 @@ def make(
     mamba_size: int = 16,
     window_pages: int = WINDOW_PAGES,
     engine: TransferEngine | None = None,
+    layout: HostLayout | None = None,
     **config: Any,
 ) -> UnifiedRadixCache:
     """A cache of ``comps`` with a host tier (``config``: more ``CacheConfig`` fields;
-    ``engine``: where the host tier's copies run, default the one for ``config.device``)."""
+    ``engine``: where the host tier's copies run, default the one for ``config.device``;
+    ``layout``: the host pools' layout, default the device's)."""
     cache = build_cache(
         CacheConfig(
             **config,
@@ -63,7 +66,7 @@ def make(
             kv_shape=KVShape(2, 2, 4, torch.float32),
         )
     )
-    hc = HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps)
+    hc = HiCacheConfig(write_policy=policy, host_tokens=host_pages * ps, host_layout=layout)
     if engine is None:
         attach_hicache(cache, hc)
     else:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 import hicache
 from hicache.config import HiCacheConfig, StorageConfig
+from hicache.host_layout import HostLayout
 from hicache.storage.base import StorageBackend
 from hicache.storage.stats import StorageOp
 from hicache.storage_worker import RetryPolicy
@@ -57,7 +58,8 @@ async def wait_host_backups(svc: AsyncUnifiedRadixCache) -> None:
 
 
 class L3Stack:
-    """The stack over ``store``; ``svc`` is not entered yet (``trace``: its trace hook)."""
+    """The stack over ``store``; ``svc`` is not entered yet (``trace``: its trace hook;
+    ``host_layout``: the host pool's layout, default the device's)."""
 
     def __init__(
         self,
@@ -68,11 +70,14 @@ class L3Stack:
         trace: TraceHook | None = None,
         storage_config: StorageConfig | None = None,
         observer: ServiceObserver | None = None,
+        host_layout: HostLayout | None = None,
     ) -> None:
         self.cache: UnifiedRadixCache = build_cache(
             CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
         )
-        hconfig = HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_tokens=host_tokens)
+        hconfig = HiCacheConfig(
+            write_policy=WritePolicy.WRITE_THROUGH, host_tokens=host_tokens, host_layout=host_layout
+        )
         self.registry = CollectorRegistry()
         hc = hicache.attach(
             self.cache,

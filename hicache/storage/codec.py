@@ -4,6 +4,10 @@ Header (little-endian, ``HEADER_SIZE`` bytes)::
 
     magic b"URCP" | format version u16 | reserved u16 | payload length u64 | crc32 u32
 
+Format versions: 2 since the storage worker writes KV pages token-major (``[2, page_size,
+layers, heads, dim]``, SGLang's ``page_first`` data page, whatever the host layout); version 1
+pages held them layer-major, with the same size, so they must never be read as version 2.
+
 Every backend stores exactly ``encode_page(buffer)`` and checks reads with
 ``decode_page_into``, so a torn write, a truncated file or a value from another program is
 detected before a single byte reaches the caller's buffer.
@@ -41,7 +45,7 @@ __all__ = [
 ]
 
 PAGE_MAGIC = b"URCP"
-PAGE_FORMAT_VERSION = 1
+PAGE_FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sHHQI")
 HEADER_SIZE = _HEADER.size
 # Checksumming runs at a few GB/s: below this size it costs less than a hop to a worker

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hicache._cpu_copy import runs
 from hicache.host_pool import HostPool
 from hicache.host_tier import HostMemoryTier
 from hicache.storage.keys import StorageComponent
@@ -27,23 +28,27 @@ class HostPageLayout:
     A Mamba host pool has pages of one slot: a row is one state (conv + temporal bytes).
 
     A page of ``page_size`` slots spans every host buffer; its bytes are the concatenation,
-    buffer by buffer, of ``[outer, page_bytes_in_buffer]`` blocks.  Host pools are
-    ``page_first`` (:mod:`hicache.host_pool`), so a KV page's row is its K block
-    ``[page_size, layers, heads, dim]`` then its V block: SGLang's ``page_first`` data page.
-    :meth:`gather` copies pages out into a ``[pages, page_bytes]`` uint8 tensor;
-    :meth:`scatter` copies rows back.
+    buffer by buffer, of ``[split, page_size, mid, inner]`` blocks: ``PAGE_FIRST`` order
+    whatever the pool's :class:`~hicache.host_layout.HostLayout`
+    (:meth:`~hicache.host_pool.HostPool.page_views`), so pools of either layout read each
+    other's pages.  A KV page's row is its K block ``[page_size, layers, heads, dim]`` then
+    its V block: SGLang's ``page_first`` data page.  :meth:`gather` copies pages out into a
+    ``[pages, page_bytes]`` uint8 tensor; :meth:`scatter` copies rows back.
     """
 
     def __init__(self, pool: HostPool) -> None:
         self.page_size = pool.page_size
-        self.views: list[torch.Tensor] = []
-        for buf, dim in pool.host_buffers:
-            outer = 1
-            for d in buf.shape[:dim]:
-                outer *= d
-            units = buf.shape[dim] // self.page_size
-            self.views.append(buf.view(outer, units, -1).view(torch.uint8))
-        self.page_bytes = sum(v.shape[0] * v.shape[2] for v in self.views)
+        self.views = pool.page_views()  # [split, units, page_size, mid, inner bytes] each
+        self.page_bytes = sum(v[:, 0].numel() for v in self.views)
+        # Each buffer's block of a row, copied in the widest words its offset and sizes allow
+        # (a byte-wise strided copy runs at a tenth of the speed).
+        self._blocks: list[tuple[int, int, torch.Tensor]] = []
+        off = 0
+        for v in self.views:
+            size = v[:, 0].numel()
+            word = next(w for w in (8, 4, 2, 1) if (off | self.page_bytes | v.shape[4]) % w == 0)
+            self._blocks.append((off // word, size // word, v.view(_WORDS[word])))
+            off += size
 
     def units(self, host_indices: torch.Tensor) -> torch.Tensor:
         """Page numbers of page-aligned host slot indices."""
@@ -52,25 +57,26 @@ class HostPageLayout:
 
     def gather(self, host_indices: torch.Tensor) -> torch.Tensor:
         """The pages of ``host_indices`` as ``[pages, page_bytes]`` uint8 rows (a copy)."""
-        units = self.units(host_indices)
-        n = int(units.shape[0])
+        unit_runs = runs(self.units(host_indices).numpy())
+        n = sum(length for _, length, _ in unit_runs)
         out = torch.empty((n, self.page_bytes), dtype=torch.uint8)
-        off = 0
-        for v in self.views:
-            o, _, b = v.shape
-            out[:, off : off + o * b].view(n, o, b).copy_(v.index_select(1, units).permute(1, 0, 2))
-            off += o * b
+        for off, size, v in self._blocks:
+            block = out.view(v.dtype)[:, off : off + size].view(n, v.shape[0], *v.shape[2:])
+            for pos, length, start in unit_runs:  # one strided copy per run of host pages
+                block[pos : pos + length].copy_(v[:, start : start + length].transpose(0, 1))
         return out
 
     def scatter(self, rows: torch.Tensor, host_indices: torch.Tensor) -> None:
         """Copy ``[pages, page_bytes]`` rows into the pages of ``host_indices``."""
-        units = self.units(host_indices)
-        n = int(units.shape[0])
-        off = 0
-        for v in self.views:
-            o, _, b = v.shape
-            v.index_copy_(1, units, rows[:, off : off + o * b].reshape(n, o, b).permute(1, 0, 2))
-            off += o * b
+        unit_runs = runs(self.units(host_indices).numpy())
+        n = int(rows.shape[0])
+        for off, size, v in self._blocks:
+            block = rows.view(v.dtype)[:, off : off + size].view(n, v.shape[0], *v.shape[2:])
+            for pos, length, start in unit_runs:
+                v[:, start : start + length].copy_(block[pos : pos + length].transpose(0, 1))
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 class PageLayouts:

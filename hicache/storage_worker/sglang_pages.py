@@ -5,9 +5,9 @@ SGLang's ``page_first`` host pool (``MHATokenToKVPoolHost``, 0.5.23) stores one 
 head_dim]``.  urc's :class:`~hicache.storage_worker.layout.HostPageLayout` gathers a page as
 its host buffers' blocks one after the other:
 
-- a KV pool held ``page_first`` (urc's ``KVPool``, one ``[2, slots, layers, heads, dim]``
-  host buffer): two blocks, K then V, each ``[page_size, layers, heads, dim]`` -- already
-  SGLang's payload, so nothing is converted;
+- a KV pool with one ``[2, layers, slots, heads, dim]`` buffer (urc's ``KVPool``), held in
+  either host layout: two blocks, K then V, each ``[page_size, layers, heads, dim]`` --
+  already SGLang's payload, so nothing is converted;
 - per-layer K and V buffers with slot dim 0 (SGLang's own device pools under the plug-in,
   mirrored as they are): ``2 x layers`` blocks of ``[page_size, heads, dim]``, i.e.
   ``[2, layers, page_size, ...]``, which differs from SGLang's by swapping the page and
@@ -43,10 +43,9 @@ class SGLangPagePayload:
         ps = layout.page_size
         blocks = 0
         sizes = set()
-        for view in layout.views:
-            outer, _, block = view.shape
-            blocks += outer
-            sizes.add(block // ps)
+        for view in layout.views:  # [split, units, page_size, mid, inner bytes]
+            blocks += view.shape[0]
+            sizes.add(view.shape[3] * view.shape[4])
         if len(sizes) != 1 or blocks % 2:
             raise ConfigError(
                 "the SGLang page format needs K and V blocks of one size per token "

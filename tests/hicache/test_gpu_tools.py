@@ -7,15 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.host_layout import HostLayout
 from urc.apps import gpu_check
 from urc.apps.bench.transfer import measure
 from urc.pools.kv_pool import KVShape
 
 
+@pytest.mark.parametrize("layout", [None, *HostLayout], ids=lambda v: getattr(v, "value", "auto"))
 @pytest.mark.parametrize("ps", [1, 16])
-def test_the_transfer_bench_reports_every_copy_against_its_baseline(ps: int) -> None:
-    out = measure(64, ps, KVShape(2, 2, 8, torch.bfloat16), "cpu", repeat=1)
+def test_the_transfer_bench_reports_every_copy_against_its_baseline(
+    ps: int, layout: HostLayout | None
+) -> None:
+    out = measure(64, ps, KVShape(2, 2, 8, torch.bfloat16), "cpu", repeat=1, layout=layout)
     assert out["bytes"] == 64 * 2 * 2 * 2 * 8 * 2 and out["pinned"] is False
+    assert out["layout"] == (layout or HostLayout.LAYER_FIRST).value
     for name in ("backup", "backup_scattered", "load_back", "load_back_scattered"):
         assert out[f"{name}_gb_s"] > 0 and out[f"{name}_fraction"] > 0
 
@@ -26,3 +31,10 @@ def test_the_gpu_check_without_cuda_says_so_and_succeeds(
 ) -> None:
     assert gpu_check.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda v: v.value)
+def test_the_gpu_checks_round_trip_is_byte_exact_on_the_cpu(layout: HostLayout) -> None:
+    out = gpu_check.sync_free_round_trip(1, layout, device="cpu")
+    assert out["ok"] and out["byte_exact"] and out["layout"] == layout.value
+    assert out["backed_up"] == out["loaded_back"] == 64

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hicache_harness import FULL, SET_IDS, SETS, check, insert, leaves, make, match, seq
 
+from hicache.host_layout import HostLayout
 from hicache.host_pool import HostPool
 from hicache.transfer_engine import CudaTransferEngine
 from urc import ComponentType, EvictParams, UnifiedRadixCache
@@ -34,12 +35,16 @@ def no_host_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
+LAYOUTS = list(HostLayout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("comps", ALL_SETS, ids=ALL_IDS)
 def test_round_trip_on_cuda_is_byte_exact_without_host_syncs(
-    comps: tuple[ComponentType, ...], ps: int
+    comps: tuple[ComponentType, ...], ps: int, layout: HostLayout
 ) -> None:
-    cache = make(comps, ps, device="cuda")
+    cache = make(comps, ps, device="cuda", layout=layout)
     tier = cache.host_tier
     assert tier is not None
     for pool in tier.pools.values():  # type: ignore[attr-defined]
@@ -71,13 +76,16 @@ def demote_all_quiet(cache: UnifiedRadixCache) -> None:
     cache.evict(EvictParams(num_tokens=10**6))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
 @pytest.mark.parametrize("ps", [1, 16, 64])
-def test_a_cuda_host_pool_is_pinned_exact_and_copies_without_host_syncs(ps: int) -> None:
+def test_a_cuda_host_pool_is_pinned_exact_and_copies_without_host_syncs(
+    ps: int, layout: HostLayout
+) -> None:
     shape = KVShape(4, 2, 64, torch.bfloat16)
     kv = KVPool(64 * ps, shape, "cuda")
     kv.kv.normal_()
     size = 24 * ps  # not a power of two
-    pool = HostPool(kv.slot_buffers(), size, ps)
+    pool = HostPool(kv.slot_buffers(), size, ps, layout=layout)
     host = pool.host_buffers[0][0]
     assert pool.pinned and host.is_pinned()
     assert host.numel() * host.element_size() == size * shape.bytes_per_token
@@ -90,7 +98,15 @@ def test_a_cuda_host_pool_is_pinned_exact_and_copies_without_host_syncs(ps: int)
         done.wait_stream()
     assert torch.equal(kv.kv[:, :, back.cuda()], kv.kv[:, :, dev_idx.cuda()])
     expected = kv.kv[:, :, dev_idx.cuda()].cpu()
-    assert torch.equal(host[:, host_idx].transpose(1, 2), expected)
+    if layout is HostLayout.PAGE_FIRST:
+        assert torch.equal(host[:, host_idx].transpose(1, 2), expected)
+    else:
+        assert torch.equal(host[:, :, host_idx], expected)
+
+
+def test_the_default_layout_on_cuda_is_page_first() -> None:
+    kv = KVPool(16, KVShape(2, 2, 8, torch.float16), "cuda")
+    assert HostPool(kv.slot_buffers(), 16).layout is HostLayout.PAGE_FIRST
 
 
 def test_hicache_tests_exercise_both_streams() -> None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.host_layout import HostLayout
 from hicache.host_pool import HostPool
 from urc import InvalidIndicesError, KVShape
 from urc.pools import KVPool, TokenSlotAllocator
 
 
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda v: v.value)
 @pytest.mark.parametrize("ps", [1, 4, 16])
 @pytest.mark.parametrize("scatter", ["runs", "scattered"])
-def test_kv_round_trip_is_byte_exact(ps: int, scatter: str) -> None:
+def test_kv_round_trip_is_byte_exact(ps: int, scatter: str, layout: HostLayout) -> None:
     shape = KVShape(num_layers=3, num_heads=2, head_dim=4, dtype=torch.bfloat16)
     dev = KVPool(64 * ps, shape)
     dev.kv.copy_(torch.randn(dev.kv.shape).to(torch.bfloat16))
@@ -23,15 +25,15 @@ def test_kv_round_trip_is_byte_exact(ps: int, scatter: str) -> None:
     if scatter == "scattered":
         pages = torch.randperm(64)[:10]
         span = (pages.unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
-    host = HostPool(dev.slot_buffers(), 32 * ps, ps)
+    host = HostPool(dev.slot_buffers(), 32 * ps, ps, layout=layout)
     hidx = host.allocator.alloc(10 * ps)
     assert hidx is not None
-    host.backup(span, hidx)
+    host.backup(span, hidx).wait()
     dev.kv[:, :, span] = 0
     # "runs": load into freshly allocated slots; "scattered": restore the scattered slots.
     back = dev_alloc.alloc(10 * ps) if scatter == "runs" else span
     assert back is not None
-    host.load(hidx, back)
+    host.load(hidx, back).wait()
     assert torch.equal(dev.kv[:, :, back], original[:, :, span])
 
 

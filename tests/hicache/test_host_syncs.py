@@ -14,6 +14,7 @@ from device_guard import DeviceGuard, DeviceMismatchError, DeviceTensor, HostSyn
 from hicache_harness import FULL, SET_IDS, SETS, make
 from transfer_harness import round_trip
 
+from hicache.host_layout import HostLayout
 from hicache.host_pool import HostPool
 from urc import ComponentType
 from urc.pools.kv_pool import KVPool, KVShape
@@ -42,13 +43,17 @@ def test_the_guard_raises_on_host_syncs_and_mixed_devices() -> None:
     assert host.tolist() == [0, 1, 2, 3]
 
 
+LAYOUTS = list(HostLayout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("comps", ALL_SETS, ids=ALL_IDS)
 def test_round_trip_on_a_device_makes_no_host_sync(
-    comps: tuple[ComponentType, ...], ps: int
+    comps: tuple[ComponentType, ...], ps: int, layout: HostLayout
 ) -> None:
     with DeviceGuard() as guard:
-        cache = make(comps, ps, device=str(guard.device))
+        cache = make(comps, ps, device=str(guard.device), layout=layout)
         assert isinstance(cache.pools.kv_pool.kv, DeviceTensor)  # type: ignore[union-attr]
         pairs = round_trip(cache, ps)
         assert guard.syncs_checked > 0
@@ -59,12 +64,13 @@ def test_round_trip_on_a_device_makes_no_host_sync(
         after.assert_equal(before)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
 @pytest.mark.parametrize("ps", [1, 4])
-def test_host_pool_copies_of_a_device_pool_make_no_host_sync(ps: int) -> None:
+def test_host_pool_copies_of_a_device_pool_make_no_host_sync(ps: int, layout: HostLayout) -> None:
     with DeviceGuard() as guard:
         kv = KVPool(16 * ps, KVShape(3, 2, 4, torch.float32), guard.device)
         kv.kv.normal_()
-        pool = HostPool(kv.slot_buffers(), 8 * ps, ps)
+        pool = HostPool(kv.slot_buffers(), 8 * ps, ps, layout=layout)
         assert not pool.pinned  # pinned only for a CUDA pool
         # Scattered host pages, device pages in two runs.
         host_idx = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in (5, 1, 7, 2)])

@@ -28,6 +28,7 @@ from valkey_server import (
 )
 
 from hicache.config import HiCacheConfig, PrefetchStopPolicy, StorageBackupPolicy, StorageConfig
+from hicache.host_layout import HostLayout
 from hicache.host_tier import attach_hicache
 from hicache.storage.base import StorageBackend
 from hicache.storage.file import FileStorage
@@ -111,10 +112,20 @@ class Stack(L3Stack):
     """The storage harness's stack with a transfer recorder, plus pool scribbling and byte
     reads for the round-trip checks."""
 
-    def __init__(self, store: StorageBackend, config: StorageConfig, host_tokens: int) -> None:
+    def __init__(
+        self,
+        store: StorageBackend,
+        config: StorageConfig,
+        host_tokens: int,
+        host_layout: HostLayout | None = None,
+    ) -> None:
         self.recorder = Recorder()
         super().__init__(
-            store, host_tokens=host_tokens, storage_config=config, observer=self.recorder
+            store,
+            host_tokens=host_tokens,
+            storage_config=config,
+            observer=self.recorder,
+            host_layout=host_layout,
         )
 
     async def drop_device_and_host(self) -> None:
@@ -140,9 +151,12 @@ class Stack(L3Stack):
 
 @asynccontextmanager
 async def running(
-    store: StorageBackend, config: StorageConfig | None = None, host_tokens: int = 512
+    store: StorageBackend,
+    config: StorageConfig | None = None,
+    host_tokens: int = 512,
+    host_layout: HostLayout | None = None,
 ) -> AsyncIterator[Stack]:
-    stack = Stack(store, config or StorageConfig(), host_tokens)
+    stack = Stack(store, config or StorageConfig(), host_tokens, host_layout)
     async with store, stack.svc:
         with anyio.fail_after(45):
             yield stack
@@ -254,6 +268,27 @@ async def test_two_instances_share_one_cluster(cluster: ValkeyCluster) -> None:
             hit, data = await second.device_bytes(tokens)
             assert hit == 32 and torch.equal(data, original)
             assert (await second.svc.stats()).hit_tokens[Tier.STORAGE] == 32
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("writer", "reader"),
+    [(a, b) for a in HostLayout for b in HostLayout if a is not b],
+    ids=lambda v: v.value,
+)
+async def test_replicas_with_different_host_layouts_read_each_others_pages(
+    tmp_path: Path, writer: HostLayout, reader: HostLayout
+) -> None:
+    """A page's bytes in L3 do not depend on the host layout (PAGE_FIRST order)."""
+    tokens = tokens_of(32, 900)
+    async with running(FileStorage(tmp_path), host_layout=writer) as first:
+        original = await first.put(tokens)
+        await first.settle()
+    async with running(FileStorage(tmp_path), host_layout=reader) as second:
+        assert second.tier.pools[FULL].layout is reader
+        assert await second.worker.fetch(second.svc, RadixKey(tokens)) == 32
+        hit, data = await second.device_bytes(tokens)
+        assert hit == 32 and torch.equal(data, original)
 
 
 # ---------------------------------------------------------------------- faults

@@ -17,6 +17,7 @@ from transfer_harness import round_trip
 
 import hicache
 from hicache import HiCacheConfig
+from hicache.host_layout import HostLayout
 from hicache.host_pool import HostPool
 from hicache.transfer_engine import DONE, HostTransferEngine, Lane, engine_for
 from urc import CacheConfig, ComponentType, RadixKey, build_cache
@@ -28,26 +29,28 @@ ALL_SETS = [(FULL,), *SETS]
 ALL_IDS = ["full", *SET_IDS]
 
 
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda v: v.value)
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("comps", ALL_SETS, ids=ALL_IDS)
 def test_round_trip_with_deferred_copies_is_byte_exact(
-    comps: tuple[ComponentType, ...], ps: int
+    comps: tuple[ComponentType, ...], ps: int, layout: HostLayout
 ) -> None:
     engine = DeferredEngine()
-    cache = make(comps, ps, engine=engine)
+    cache = make(comps, ps, engine=engine, layout=layout)
     for before, after in round_trip(cache, ps):
         after.assert_equal(before)
     assert engine.submitted and engine.pending() == 0
     assert {d.lane for d in engine.submitted} == {Lane.WRITE, Lane.LOAD}
 
 
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda v: v.value)
 @pytest.mark.parametrize("comps", ALL_SETS, ids=ALL_IDS)
 def test_a_backup_commits_its_host_copies_only_after_they_landed(
-    comps: tuple[ComponentType, ...],
+    comps: tuple[ComponentType, ...], layout: HostLayout
 ) -> None:
     ps = 4
     engine = DeferredEngine()
-    cache = make(comps, ps, engine=engine)
+    cache = make(comps, ps, engine=engine, layout=layout)
     tokens = seq(0, 4, ps)
     assert insert(cache, tokens)
     node = match(cache, tokens).last_device_node
@@ -63,16 +66,26 @@ def test_a_backup_commits_its_host_copies_only_after_they_landed(
     cd = node.data[FULL]
     assert cd is not None and cd.value is not None and cd.host_value is not None
     pool = tier.pools[FULL]  # type: ignore[attr-defined]
-    host = pool.host_buffers[0][0]  # [2, slots, layers, heads, dim]
-    assert torch.equal(host[:, cd.host_value].transpose(1, 2), kv[:, :, cd.value])
+    assert torch.equal(_host_slots(pool, cd.host_value), kv[:, :, cd.value])
 
 
+def _host_slots(pool: HostPool, idx: torch.Tensor) -> torch.Tensor:
+    """Host KV slots ``idx`` as ``[2, layers, len(idx), heads, dim]`` (the device's order)."""
+    host = pool.host_buffers[0][0]
+    if pool.layout is HostLayout.PAGE_FIRST:  # [2, slots, layers, heads, dim]
+        return host[:, idx].transpose(1, 2)
+    return host[:, :, idx]  # LAYER_FIRST: [2, layers, slots, heads, dim]
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda v: v.value)
 @pytest.mark.parametrize("ps", [1, 4])
-def test_a_host_pool_copy_moves_no_byte_before_its_completion_is_waited_on(ps: int) -> None:
+def test_a_host_pool_copy_moves_no_byte_before_its_completion_is_waited_on(
+    ps: int, layout: HostLayout
+) -> None:
     engine = DeferredEngine()
     kv = KVPool(16 * ps, KVShape(3, 2, 4, torch.float32))
     kv.kv.normal_()
-    pool = HostPool(kv.slot_buffers(), 8 * ps, ps, engine=engine)
+    pool = HostPool(kv.slot_buffers(), 8 * ps, ps, engine=engine, layout=layout)
     host_idx = pool.allocator.alloc(4 * ps)
     assert host_idx is not None
     dev_idx = torch.arange(8 * ps, 12 * ps)
@@ -82,7 +95,7 @@ def test_a_host_pool_copy_moves_no_byte_before_its_completion_is_waited_on(ps: i
     assert not done.done() and int(host.count_nonzero()) == 0
     done.wait()
     assert done.done()
-    assert torch.equal(host[:, host_idx].transpose(1, 2), kv.kv[:, :, dev_idx])
+    assert torch.equal(_host_slots(pool, host_idx), kv.kv[:, :, dev_idx])
     back = torch.arange(0, 4 * ps)
     load = pool.load(host_idx, back)
     assert not torch.equal(kv.kv[:, :, back], kv.kv[:, :, dev_idx])

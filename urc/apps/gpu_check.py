@@ -9,11 +9,13 @@ Steps, each reported as it finishes (and all of them as JSON at the end, or in `
    ``nvidia-smi``'s PCIe link generation and width (current and max) when it is installed;
 2. **tests**: ``pytest -m cuda tests/hicache`` (the HiCache tests on ``device="cuda"``)
    when pytest and the tests are there;
-3. **sync-free round trip**: a cache with its pools on the GPU and a host tier; backups,
-   device eviction and load-backs run under ``torch.cuda.set_sync_debug_mode("error")``
-   (any host sync raises) and the loaded bytes must equal the originals;
+3. **sync-free round trip**: a cache with its pools on the GPU and a host tier (both host
+   layouts, pages 1, 16 and 64); backups, device eviction and load-backs run under
+   ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises) and the loaded bytes
+   must equal the originals;
 4. **bandwidth**: :func:`urc.apps.bench.transfer.measure` at pages 16 and 64 (Llama-3-8B
-   rows): backup and load-back GB/s and their fraction of a plain pinned ``copy_``.
+   rows), in both host layouts (``page_first``, the default on CUDA, and ``layer_first``):
+   backup and load-back GB/s and their fraction of a plain pinned ``copy_``.
 
 Without CUDA it prints ``no CUDA device: nothing to check`` and exits 0.  Exit status 1
 when a step failed.  Takes about 2-4 minutes on one H100.
@@ -34,9 +36,11 @@ from typing import Any
 import torch
 
 from hicache.config import HiCacheConfig
+from hicache.host_layout import HostLayout
 from hicache.host_tier import attach_hicache
 from urc import (
     CacheConfig,
+    ComponentType,
     EvictParams,
     InsertParams,
     KVShape,
@@ -92,28 +96,35 @@ def run_tests(root: Path) -> dict[str, Any]:
     return {"returncode": res.returncode, "tail": tail}
 
 
-def sync_free_round_trip(ps: int) -> dict[str, Any]:
-    """Backup, evict, load back a cache on the GPU under sync debug mode ``error``."""
+def sync_free_round_trip(
+    ps: int, layout: HostLayout | None = None, device: str = "cuda"
+) -> dict[str, Any]:
+    """Backup, evict, load back a cache on the GPU under sync debug mode ``error``
+    (``layout``: the host pool's, default the device's; ``device="cpu"``: the same steps
+    without a sync check, for the tests)."""
+    cuda = device == "cuda"
     tokens = 64 * ps
     cache = build_cache(
         CacheConfig(
             page_size=ps,
             kv_size=4 * tokens,
             kv_shape=KVShape(32, 8, 128, torch.bfloat16),
-            device="cuda",
+            device=device,
         )
     )
-    attach_hicache(cache, HiCacheConfig(host_tokens=2 * tokens))
+    tier = attach_hicache(cache, HiCacheConfig(host_tokens=2 * tokens, host_layout=layout))
     kv = cache.pools.kv_pool.kv  # type: ignore[union-attr]
     key = RadixKey(list(range(tokens)))
     value = cache.token_to_kv_pool_allocator.alloc(tokens)
     assert value is not None
-    kv[:, :, value.cuda()] = torch.randn(kv[:, :, :tokens].shape, device="cuda").to(kv.dtype)
+    on_device = value.to(device)
+    kv[:, :, on_device] = torch.randn(kv[:, :, :tokens].shape, device=device).to(kv.dtype)
     cache.insert(InsertParams(key=key, value=value))
-    before = kv[:, :, value.cuda()].clone()
-    torch.cuda.synchronize()
+    before = kv[:, :, on_device].clone()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
     t0 = time.perf_counter()
-    torch.cuda.set_sync_debug_mode("error")
     try:
         node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
         backed = cache.write_backup(node)
@@ -123,25 +134,32 @@ def sync_free_round_trip(ps: int) -> dict[str, Any]:
         loaded = cache.load_back(hit.best_match_node)
         after = cache.match_prefix(MatchPrefixParams(key=key)).device_indices
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
     seconds = time.perf_counter() - t0
-    exact = after is not None and bool(torch.equal(kv[:, :, after.cuda()], before))
+    exact = after is not None and bool(torch.equal(kv[:, :, after.to(device)], before))
     cache.sanity_check()
     return {
         "page_size": ps,
+        "layout": tier.pools[ComponentType.FULL].layout.value,
         "tokens": tokens,
         "backed_up": backed,
         "loaded_back": loaded,
         "byte_exact": exact,
-        "no_sync_raised": True,
+        "no_sync_raised": cuda,
         "seconds": round(seconds, 4),
         "ok": exact and backed == tokens and loaded == tokens,
     }
 
 
 def bandwidth(tokens: int, page_sizes: list[int]) -> list[dict[str, Any]]:
-    """``urc.apps.bench.transfer.measure`` on the GPU at each page size (Llama-3-8B rows)."""
-    return [measure(tokens, ps, LLAMA3_8B, "cuda") for ps in page_sizes]
+    """``urc.apps.bench.transfer.measure`` on the GPU at each page size and host layout
+    (Llama-3-8B rows)."""
+    return [
+        measure(tokens, ps, LLAMA3_8B, "cuda", layout=layout)
+        for layout in HostLayout
+        for ps in page_sizes
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     steps: list[tuple[str, Any]] = [("facts", facts)]
     if not args.skip_tests:
         steps.append(("tests", lambda: run_tests(root)))
-    steps.append(("round_trip", lambda: [sync_free_round_trip(ps) for ps in (1, 16, 64)]))
+    steps.append(
+        (
+            "round_trip",
+            lambda: [sync_free_round_trip(ps, v) for v in HostLayout for ps in (1, 16, 64)],
+        )
+    )
     steps.append(("bandwidth", lambda: bandwidth(args.tokens, [16, 64])))
     for name, step in steps:
         t0 = time.perf_counter()

@@ -1,11 +1,13 @@
 """Bandwidth of HiCache's host-tier copies against a plain copy of the same bytes; prints JSON.
 
 Usage: ``python -m urc.apps.bench.transfer [--device auto|cpu|cuda] [--tokens N]
-[--page-sizes 1 16 64] [--layers 32 --heads 8 --head-dim 128 --dtype bfloat16]``.
+[--page-sizes 1 16 64] [--layouts auto layer_first page_first] [--layers 32 --heads 8
+--head-dim 128 --dtype bfloat16]``.
 
 The KV rows are Llama-3-8B's by default (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB
 per token).  ``--tokens`` slots in random whole pages of a device pool twice that size are
-copied through a :class:`~hicache.host_pool.HostPool`:
+copied through a :class:`~hicache.host_pool.HostPool` in each of ``--layouts`` (``auto``: the
+device's default :class:`~hicache.host_layout.HostLayout`):
 
 - ``backup``: scattered device pages to one run of host pages (a fresh host allocation);
 - ``backup_scattered``: scattered device pages to host pages in random order;
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hicache.host_layout import HostLayout
 from hicache.host_pool import HostPool
 from hicache.transfer_engine import Completion
 from urc.pools.allocator import TokenSlotAllocator
@@ -86,14 +89,16 @@ def measure(
     device: str | torch.device = "cpu",
     repeat: int = 5,
     seed: int = 0,
+    layout: HostLayout | None = None,
 ) -> dict[str, float]:
-    """GB/s of each copy (see the module docstring), of the baselines, and the fractions."""
+    """GB/s of each copy (see the module docstring), of the baselines, and the fractions;
+    ``layout``: the host pool's (default: the device's)."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     pool_tokens = 2 * tokens
     kv = KVPool(pool_tokens, shape, dev)
     kv.kv.normal_()
-    host = HostPool(kv.slot_buffers(), tokens, page_size)
+    host = HostPool(kv.slot_buffers(), tokens, page_size, layout=layout)
     n_pages = tokens // page_size
     dev_idx = _pages(torch.randperm(pool_tokens // page_size, generator=gen)[:n_pages], page_size)
     host_run = host.allocator.alloc(tokens)
@@ -127,6 +132,7 @@ def measure(
     out: dict[str, Any] = {
         "device": str(dev),
         "page_size": page_size,
+        "layout": host.layout.value,
         "tokens": tokens,
         "bytes": nbytes,
         "pinned": host.pinned,
@@ -145,6 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")
     ap.add_argument("--tokens", type=int, default=None, help="default 8192 on CUDA, 1024 on CPU")
     ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", *(v.value for v in HostLayout)],
+        help="host layouts to measure (auto: the device's default)",
+    )
     ap.add_argument("--layers", type=int, default=LLAMA3_8B.num_layers)
     ap.add_argument("--heads", type=int, default=LLAMA3_8B.num_heads)
     ap.add_argument("--head-dim", type=int, default=LLAMA3_8B.head_dim)
@@ -159,7 +172,12 @@ def main(argv: list[str] | None = None) -> None:
     if not isinstance(dtype, torch.dtype):
         raise SystemExit(f"not a torch dtype: {args.dtype}")
     shape = KVShape(args.layers, args.heads, args.head_dim, dtype)
-    results = [measure(tokens, ps, shape, device, args.repeat) for ps in args.page_sizes]
+    layouts = [None if v == "auto" else HostLayout(v) for v in args.layouts]
+    results = [
+        measure(tokens, ps, shape, device, args.repeat, layout=layout)
+        for layout in layouts
+        for ps in args.page_sizes
+    ]
     print(json.dumps({"bytes_per_token": shape.bytes_per_token, "results": results}, indent=2))
 
 
