@@ -4,12 +4,15 @@ says there is nothing to check and succeeds."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from hicache.host_layout import HostLayout
 from urc.apps import gpu_check
 from urc.apps.bench.transfer import measure
+from urc.apps.bench.transfer_compare import PHASES, compare, load_module
 from urc.pools.kv_pool import KVShape
 
 
@@ -38,3 +41,13 @@ def test_the_gpu_checks_round_trip_is_byte_exact_on_the_cpu(layout: HostLayout) 
     out = gpu_check.sync_free_round_trip(1, layout, device="cpu")
     assert out["ok"] and out["byte_exact"] and out["layout"] == layout.value
     assert out["backed_up"] == out["loaded_back"] == 64
+
+
+def test_the_transfer_comparison_reports_every_phase_against_another_tree() -> None:
+    root = Path(__file__).resolve().parents[2]
+    old = load_module(root, "hicache/host_pool.py")  # this tree against itself
+    old_layout = load_module(root, "hicache/storage_worker/layout.py")
+    out = compare(old, old_layout, 4, 64, KVShape(2, 2, 8, torch.float16), rounds=2, repeat=1)
+    assert out["layout"] == "layer_first"
+    for phase in PHASES:
+        assert out[phase] > 0 and out[f"{phase}_new_gb_s"] > 0

@@ -39,7 +39,7 @@ from hicache.transfer_engine import Completion
 from urc.pools.allocator import TokenSlotAllocator
 from urc.pools.kv_pool import KVPool, KVShape
 
-__all__ = ["LLAMA3_8B", "main", "measure"]
+__all__ = ["LLAMA3_8B", "main", "measure", "page_slots"]
 
 #: The default KV rows: Llama-3-8B (32 layers, 8 KV heads, head dim 128, bf16).
 LLAMA3_8B = KVShape(32, 8, 128, torch.bfloat16)
@@ -78,7 +78,8 @@ def _best(timer: Callable[[Callable[[], Any]], float], fn: Callable[[], Any], re
     return min(timer(fn) for _ in range(repeat))
 
 
-def _pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The slots of whole pages ``pages``, page by page."""
     return (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
 
 
@@ -100,10 +101,11 @@ def measure(
     kv.kv.normal_()
     host = HostPool(kv.slot_buffers(), tokens, page_size, layout=layout)
     n_pages = tokens // page_size
-    dev_idx = _pages(torch.randperm(pool_tokens // page_size, generator=gen)[:n_pages], page_size)
+    picked = torch.randperm(pool_tokens // page_size, generator=gen)[:n_pages]
+    dev_idx = page_slots(picked, page_size)
     host_run = host.allocator.alloc(tokens)
     assert host_run is not None
-    host_scattered = _pages(torch.randperm(n_pages, generator=gen), page_size)
+    host_scattered = page_slots(torch.randperm(n_pages, generator=gen), page_size)
     fresh = TokenSlotAllocator(pool_tokens, page_size).alloc(tokens)
     assert fresh is not None
     nbytes = tokens * host.bytes_per_slot
