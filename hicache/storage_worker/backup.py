@@ -25,7 +25,7 @@ import torch
 
 from hicache.config import StorageBackupPolicy
 from hicache.storage_worker.context import WorkerContext
-from hicache.storage_worker.jobs import AuxPages, WriteJob, aux_pages_of, path_of
+from hicache.storage_worker.jobs import AuxPages, WriteJob, aux_pages_of, path_of, path_tokens
 from urc.cache import UnifiedRadixCache
 from urc.host import transfers as host_transfers
 from urc.host.protocol import TierEvents
@@ -103,7 +103,7 @@ class BackupWriter(TierEvents):
         if self._staged_bytes + nbytes > self.config.max_pending_bytes:
             self.stats.dropped_writes += 1
             return
-        tokens = [t for n in path for t in n.key]
+        tokens = path_tokens(path)
         # Host -> staging memcpy inside the actor: the slots are freed right after this.
         rows = layouts.full.gather(cd.host_value)
         for a in aux:
@@ -244,7 +244,7 @@ class BackupWriter(TierEvents):
                 if cd.host_value is None:
                     return None  # the chain lost a host copy meanwhile: nothing to write
                 hosts.append(cd.host_value)
-            job = WriteJob([t for n in path for t in n.key], node.namespace, 0)
+            job = WriteJob(path_tokens(path), node.namespace, 0)
             job.host = torch.cat(hosts)
             # Host locks pin every component's host copies: host eviction takes whole leaves.
             job.aux = aux_pages_of(self.layouts, path, 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ class StoreCalls:
         self.sink = sink if isinstance(sink, StorageErrorObserver) else None
 
     def keys(
-        self, tokens: list[Any], namespace: Any, ct: ComponentType = ComponentType.FULL
+        self, tokens: Sequence[int], namespace: Any, ct: ComponentType = ComponentType.FULL
     ) -> list[str]:
         """The chained page keys of ``tokens`` for component ``ct`` (CPU-bound: call it in
         a worker thread)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from hicache.storage_worker.layout import PageLayouts
 from urc.node import ComponentType, TreeNode
 
-__all__ = ["AuxPages", "WriteJob", "aux_pages_of", "path_of"]
+__all__ = ["AuxPages", "WriteJob", "aux_pages_of", "path_of", "path_tokens"]
 
 
 @dataclass(slots=True, eq=False)
@@ -32,7 +33,7 @@ class WriteJob:
     """Full pages ``[first_page, ...)`` of ``tokens`` to put: read from ``host`` (pinned by
     ``pins``) or already staged in ``rows``; ``aux``: other components' pages of the path."""
 
-    tokens: list[Any]
+    tokens: Sequence[int]
     namespace: Any
     first_page: int
     host: torch.Tensor | None = None
@@ -51,6 +52,15 @@ def path_of(node: TreeNode) -> list[TreeNode]:
         node = node.parent
     nodes.reverse()
     return nodes
+
+
+def path_tokens(path: Sequence[TreeNode]) -> array[int]:
+    """The tokens of ``path``'s keys, one packed ``array('q')`` (a memcpy per node: it runs
+    in the actor, where a list of the ids would cost a Python object per token)."""
+    tokens = array("q")
+    for node in path:
+        tokens.extend(node.key)
+    return tokens
 
 
 def aux_pages_of(layouts: PageLayouts, nodes: Sequence[TreeNode], pos: int) -> list[AuxPages]:

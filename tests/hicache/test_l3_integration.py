@@ -9,6 +9,7 @@ conservation and no pin left behind.
 from __future__ import annotations
 
 import secrets
+from array import array
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ from hicache.storage.base import StorageBackend
 from hicache.storage.file import FileStorage
 from hicache.storage.keys import PageKey
 from hicache.storage_worker import HostPageLayout, StorageWorker
+from hicache.storage_worker.jobs import path_of, path_tokens
 from urc import CacheConfig, ComponentType, ConfigError, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
 from urc.node import Tier
@@ -484,3 +486,21 @@ def test_the_worker_rejects_eagle_bigram_keys(tmp_path: Path) -> None:
     tier = attach_hicache(cache, HiCacheConfig(host_tokens=256))
     with pytest.raises(ConfigError):
         StorageWorker(cache, tier, FileStorage(tmp_path))
+
+
+def test_a_write_jobs_tokens_are_its_paths_keys_in_one_packed_array() -> None:
+    cache = build_cache(
+        CacheConfig(page_size=PS, kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32))
+    )
+    from urc import InsertParams, MatchPrefixParams
+
+    for tokens in (tokens_of(8), tokens_of(24), tokens_of(8) + tokens_of(12, 700)):
+        value = cache.token_to_kv_pool_allocator.alloc(len(tokens))
+        assert value is not None
+        cache.insert(InsertParams(key=RadixKey(tokens), value=value))
+    leaf = cache.match_prefix(MatchPrefixParams(RadixKey(tokens_of(24)))).last_device_node
+    path = path_of(leaf)
+    assert len(path) == 2  # split at 8 by the third key
+    packed = path_tokens(path)
+    assert isinstance(packed, array) and packed.typecode == "q"
+    assert list(packed) == tokens_of(24)
