@@ -109,7 +109,7 @@ def page_key(tokens: TokenIds, pos: int, page_size: int) -> Any:
     if page_size == 1:
         return tokens[pos]
     page = tokens[pos : pos + page_size]
-    return page.tobytes() if type(page) is array else tuple(page)
+    return page.tobytes() if type(page) is array or type(page) is memoryview else tuple(page)
 
 
 def common_len(edge: TokenIds, tokens: TokenIds, pos: int) -> int:

@@ -9,10 +9,11 @@ Token ids are held packed: one int64 per token in an ``array('q')``, as SGLang 0
 ``RadixKey`` holds them.  A node's key is a slice of it, so a 16k-token leaf is one 128 KiB
 buffer (copied and freed with a memcpy and a free) instead of a list of 16k int objects, and
 the compiled walk compares edges with ``memcmp`` (``urc.fastpath``).  They arrive as an
-``array('q')`` (used as it is, not copied: the hot path; the tree never mutates it, and a
-caller must not mutate it while an operation runs), a list or tuple of ints (packed once,
-by a compiled packer when it was built), another integer ``array``, a ``range``, or a 1-D
-integer torch tensor or numpy array.  Anything else -- ``None``, a string, floats, a 2-D
+``array('q')`` or a contiguous 1-D ``memoryview`` of int64s (used as it is, not copied: the
+hot path; the tree never mutates it and keeps copies of what it stores, and a caller must not
+mutate it while an operation runs), a list or tuple of ints (packed once, by a compiled
+packer when it was built), another integer ``array`` or 1-D ``memoryview``, a ``range``, or
+a 1-D integer torch tensor or numpy array.  Anything else -- ``None``, a string, floats, a 2-D
 tensor, ids outside int64 -- is an :class:`~urc.errors.InvalidInputError`.
 
 EAGLE bigram keys (``is_bigram``) are the exception: a list of ``(t_i, t_i+1)`` pairs, built
@@ -72,7 +73,7 @@ class RadixKey:
     ) -> None:
         self.token_ids: TokenIds = (
             token_ids
-            if type(token_ids) is array and token_ids.typecode == "q"
+            if (type(token_ids) is array and token_ids.typecode == "q") or _packed_view(token_ids)
             else pack_tokens(token_ids, is_bigram)
         )
         self.extra_key: ExtraKey | None = (extra_key,) if isinstance(extra_key, str) else extra_key
@@ -120,6 +121,16 @@ class RadixKey:
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
 
 
+def _packed_view(token_ids: object) -> bool:
+    """Whether ``token_ids`` is a contiguous 1-D view of int64s (held without a copy)."""
+    return (
+        type(token_ids) is memoryview
+        and token_ids.format == "q"
+        and token_ids.ndim == 1
+        and token_ids.c_contiguous
+    )
+
+
 def pack_tokens(token_ids: object, is_bigram: bool = False) -> TokenIds:
     """``token_ids`` packed into an ``array('q')`` (see the module docstring for what is
     accepted); a bigram key's list of pairs is kept as it is.  Raises
@@ -134,6 +145,9 @@ def pack_tokens(token_ids: object, is_bigram: bool = False) -> TokenIds:
         if isinstance(token_ids, array):
             if token_ids.typecode in _INT_TYPECODES:
                 return array("q", token_ids)
+        elif isinstance(token_ids, memoryview):
+            if token_ids.ndim == 1 and token_ids.format in _INT_TYPECODES:
+                return array("q", token_ids.tolist())
         elif isinstance(token_ids, torch.Tensor):
             if token_ids.dim() == 1 and not (
                 token_ids.is_floating_point()

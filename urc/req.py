@@ -67,7 +67,7 @@ class Req:
     kv_committed_freed: bool = False
     kv_overallocated_freed: bool = False
     _fill_ids: list[int] | None = field(default=None, init=False, repr=False)
-    # ``fill_prefix``'s packed buffer and the ``fill_ids`` list it was packed from.
+    # ``fill_prefix``'s packed ``fill_ids`` and the list it was packed from.
     _prefix: array[int] = field(default_factory=lambda: array("q"), init=False, repr=False)
     _prefix_of: list[int] | None = field(default=None, init=False, repr=False)
 
@@ -91,28 +91,28 @@ class Req:
         self.kv_committed_len = len(tokens)
         self.kv_allocated_len = max(self.kv_allocated_len, len(tokens))
 
-    def fill_prefix(self, n: int) -> array[int]:
+    def fill_prefix(self, n: int) -> memoryview:
         """The first ``n`` tokens of :attr:`fill_ids` (all of them when ``n`` is larger),
-        packed (``array('q')``, what a :class:`~urc.key.RadixKey` holds without a copy).
+        packed: a view of int64s (format ``"q"``) that a :class:`~urc.key.RadixKey` holds
+        without a copy.
 
-        Request caching keys each chunk's insert by the prompt so far; packing the whole
-        prompt per chunk would cost its length squared, so the request keeps one packed
-        buffer and extends it (O(new tokens) per call while ``fill_ids`` is the same list and
-        grows).  The buffer is the request's: it changes on the next call, so callers must
-        not keep it.  Raises :class:`~urc.errors.InvalidInputError` for ids that are not
-        int64."""
+        Matching and request caching key every call by the prompt so far; packing it per
+        call would cost its length per chunk (and read every token's int object again), so
+        the request packs :attr:`fill_ids` once and hands out prefixes of that buffer.  It
+        is packed again only when ``fill_ids`` is another list, or the same list changed
+        length or last token; the old buffer is never resized or written, so a view handed
+        out earlier keeps its bytes.  Views are the request's: callers must not keep them.
+        Raises :class:`~urc.errors.InvalidInputError` for ids that are not int64."""
         fill = self.fill_ids
-        n = min(n, len(fill))
-        buf = self._prefix
-        have = len(buf)
-        if self._prefix_of is not fill or have > len(fill) or (have and buf[-1] != fill[have - 1]):
-            buf = self._prefix = pack_tokens(fill[:n])
+        packed = self._prefix
+        if (
+            self._prefix_of is not fill
+            or len(packed) != len(fill)
+            or (packed and packed[-1] != fill[-1])
+        ):
+            packed = self._prefix = pack_tokens(fill)
             self._prefix_of = fill
-        elif have < n:
-            buf.extend(pack_tokens(fill[have:n]))
-        elif have > n:
-            del buf[n:]
-        return buf
+        return memoryview(packed)[: min(n, len(fill))]
 
     def get_fill_ids(self) -> list[int]:
         """:attr:`fill_ids` (SGLang's accessor)."""

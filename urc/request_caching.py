@@ -45,8 +45,8 @@ def _prepare(
 ) -> tuple[InsertParams, int]:
     """Insert params filled by the components, keyed by the first ``aligned`` of the first
     ``n_tokens`` tokens (truncated where a component asked, then page-aligned), and
-    ``aligned``.  The key's list is ``req.fill_prefix(aligned)`` (the request's own, grown per
-    chunk): valid for this call only."""
+    ``aligned``.  The key's ids are ``req.fill_prefix(aligned)`` (a view of the request's
+    packed prompt): valid for this call only."""
     fill = req.fill_ids
     n_tokens = min(n_tokens, len(fill))
     params = InsertParams(prev_prefix_len=req.cache_protected_len, chunked=chunked)

@@ -76,6 +76,31 @@ def test_a_key_of_any_accepted_type_is_packed_and_matches_the_same_list_key(make
 def test_a_packed_array_is_kept_without_a_copy() -> None:
     ids = array("q", [1, 2, 3])
     assert RadixKey(ids).token_ids is ids
+    view = memoryview(ids)[1:]
+    assert RadixKey(view).token_ids is view  # a contiguous view of int64s too
+
+
+@pytest.mark.parametrize(
+    "view",
+    [memoryview(array("q", [1, 2, 3, 4]))[::2], memoryview(array("i", [1, 3]))],
+    ids=["strided", "int32"],
+)
+def test_other_integer_views_are_packed(view: memoryview) -> None:
+    key = RadixKey(view)
+    assert type(key.token_ids) is array and key.token_ids.tolist() == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        memoryview(array("d", [1.0])),
+        memoryview(array("q", [1, 2, 3, 4])).cast("B").cast("q", (2, 2)),
+    ],
+    ids=["floats", "2-d"],
+)
+def test_views_that_are_not_token_ids_are_a_typed_error(view: memoryview) -> None:
+    with pytest.raises(InvalidInputError):
+        RadixKey(view)
 
 
 @pytest.mark.parametrize(
@@ -139,19 +164,20 @@ def test_eagle_bigram_keys_accept_tensors_too() -> None:
     cache.sanity_check()
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["array", "view"])
 @pytest.mark.parametrize("ps", [1, 4])
-def test_node_keys_are_packed_copies_the_caller_may_reuse(ps: int) -> None:
+def test_node_keys_are_packed_copies_the_caller_may_reuse(ps: int, view: bool) -> None:
     """The tree keeps packed slices of its own: a caller that refills its ``array('q')``
-    after an insert (a server reusing a request buffer) changes nothing in the tree."""
+    after an insert (a server reusing a request buffer) changes nothing in the tree, whether
+    it passed the array or a view of it (``view``: what ``Req.fill_prefix`` hands out)."""
     cache = build_cache(CacheConfig(kv_size=256, page_size=ps))
     ids = array("q", range(100, 100 + 8 * ps))
-    cache.insert(
-        InsertParams(key=RadixKey(ids), value=cache.token_to_kv_pool_allocator.alloc(8 * ps))
-    )
+    key = RadixKey(memoryview(ids) if view else ids)
+    assert (type(key.token_ids) is memoryview) is view
+    cache.insert(InsertParams(key=key, value=cache.token_to_kv_pool_allocator.alloc(8 * ps)))
     split = array("q", [*range(100, 100 + 4 * ps), *range(900, 900 + 4 * ps)])
-    cache.insert(
-        InsertParams(key=RadixKey(split), value=cache.token_to_kv_pool_allocator.alloc(8 * ps))
-    )
+    key = RadixKey(memoryview(split)[:] if view else split)
+    cache.insert(InsertParams(key=key, value=cache.token_to_kv_pool_allocator.alloc(8 * ps)))
     for i in range(len(ids)):
         ids[i] = split[i] = -1
     nodes = list(cache.iter_nodes())

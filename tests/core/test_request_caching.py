@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from array import array
-
 import pytest
 from cache_harness import Harness, running_request, seq
 
@@ -203,18 +201,22 @@ def test_resumed_chunk_commit_equals_a_walk_from_the_root(
     assert run(from_root=False) == run(from_root=True)
 
 
-def test_fill_prefix_grows_one_packed_buffer_while_the_prompt_is_the_same() -> None:
+def test_fill_prefix_packs_the_prompt_once_and_hands_out_views_of_it() -> None:
     prompt = list(range(100))
     req = Req("r0", prompt)
     first = req.fill_prefix(16)
-    assert type(first) is array and first.tolist() == prompt[:16]
+    assert type(first) is memoryview and first.format == "q" and first.tolist() == prompt[:16]
     again = req.fill_prefix(48)
-    assert again is first and again.tolist() == prompt[:48]  # extended in place
-    assert req.fill_prefix(32).tolist() == prompt[:32]  # a shorter cut trims it
-    assert req.fill_prefix(100) is first and first.tolist() == prompt  # no cut: all of it
-    req.output_ids = [7]
+    assert again.obj is first.obj and again.tolist() == prompt[:48]  # the same buffer
+    assert req.fill_prefix(32).tolist() == prompt[:32]
+    assert req.fill_prefix(1000).tolist() == prompt  # all of it
+    assert first.tolist() == prompt[:16]  # an earlier view keeps its bytes
+    prompt.append(7)  # the same list, grown: packed again (the old buffer is left alone)
+    grown = req.fill_prefix(101)
+    assert grown.obj is not first.obj and grown.tolist() == prompt and first.tolist() == prompt[:16]
+    req.output_ids = [8]
     rebuilt = req.fill_prefix(64)  # fill_ids is a new list now: packed again
-    assert rebuilt is not first and rebuilt.tolist() == prompt[:64]
+    assert rebuilt.obj is not grown.obj and rebuilt.tolist() == prompt[:64]
     req.fill_ids = [5, 6, 7]
     assert req.fill_prefix(2).tolist() == [5, 6]
 

@@ -22,6 +22,27 @@ static PyObject *frombytes;  /* "frombytes" */
 static int64_t *scratch;
 static Py_ssize_t scratch_len;
 
+/* 1 with ``*out`` set: the exact int ``x`` is compact (every id below 2**30 on 3.11), read in
+ * place (about a third of ``PyLong_AsLongLongAndOverflow``'s cost); 0: convert it the long
+ * way. */
+static inline int
+compact(PyObject *x, int64_t *out)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)x)) {
+        *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)x);
+        return 1;
+    }
+#elif !defined(Py_LIMITED_API)
+    const Py_ssize_t size = Py_SIZE(x); /* 3.11: the sign and digit count */
+    if (size >= -1 && size <= 1) {
+        *out = size == 0 ? 0 : size * (int64_t)((PyLongObject *)x)->ob_digit[0];
+        return 1;
+    }
+#endif
+    return 0;
+}
+
 static PyObject *
 pack(PyObject *self, PyObject *seq)
 {
@@ -43,6 +64,8 @@ pack(PyObject *self, PyObject *seq)
         PyObject *x = items[i];
         int overflow;
         long long v;
+        if (PyLong_CheckExact(x) && compact(x, &scratch[i]))
+            continue;
         if (!PyLong_Check(x) || ((v = PyLong_AsLongLongAndOverflow(x, &overflow)) == -1 &&
                                  (overflow || PyErr_Occurred()))) {
             /* Not an int, or out of range: the generic constructor raises the right error

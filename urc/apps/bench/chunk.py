@@ -8,9 +8,10 @@ its length; figures that grow with the length mean a quadratic term.
 
 It also prints the time spent in the core's ``cache_unfinished_req`` per prompt token (the
 client-side latency of the chunk commits).  A commit costs its chunk: the insert resumes at
-the request's locked node, the key list grows in place (``Req.fill_prefix``) and the
-re-match result is a view of the request's row, so what is left per chunk that grows with
-the prompt is a few Python steps per node on the path (the stamps SGLang's order needs).
+the request's locked node, the key is a view of the request's prompt, packed once
+(``Req.fill_prefix``), and the re-match result is a view of the request's row, so what is
+left per chunk that grows with the prompt is a few Python steps per node on the path (the
+stamps SGLang's order needs).
 The numbers are printed, never asserted (timings on shared machines are noise-prone).
 """
 
