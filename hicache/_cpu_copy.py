@@ -17,6 +17,10 @@ order; a device run, one layer's rows at a time), else into each source run with
 ``index_copy_``, else through a temporary.  Every row is contiguous on both sides, so each
 move is a memcpy of ``inner`` elements, whatever the page size.
 
+Where both sides are scattered and a slot is large (:data:`SLOT_COPY_BYTES`), each slot is one
+strided copy of ``[split, mid, inner]`` instead (a row gather of scattered rows runs at about
+a fifth of that).
+
 Where the transfer's device and host slots run together in long spans (a node's pages are
 usually allocated together on both sides), each span is instead one strided ``copy_`` of
 ``[split, mid, length, inner]`` into ``[split, length, mid, inner]`` (torch's fastest copy
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "SLOT_COPY_BYTES",
     "SPAN_SLOTS",
     "TILE_SLOTS",
     "RowMirror",
@@ -40,6 +45,10 @@ __all__ = [
 
 #: Spans that run on both sides are copied span by span when they average this many slots.
 SPAN_SLOTS = 16
+#: Slots scattered on both sides are copied one by one (one strided copy each) when a slot
+#: holds at least this many bytes; smaller ones go through row gathers, which cost less
+#: than a call per slot.
+SLOT_COPY_BYTES = 16 << 10
 #: A span is copied in tiles of at most this many slots (the source of a tile stays in
 #: cache while its rows are written: about 1.35x the bandwidth of one copy of a long span).
 TILE_SLOTS = 128
@@ -48,7 +57,17 @@ TILE_SLOTS = 128
 class RowMirror:
     """Row views of one device buffer and its host copy (see the module docstring)."""
 
-    __slots__ = ("dev", "dev4", "host", "host4", "host_slots", "mid", "slots", "split")
+    __slots__ = (
+        "dev",
+        "dev4",
+        "host",
+        "host4",
+        "host_slots",
+        "mid",
+        "slot_bytes",
+        "slots",
+        "split",
+    )
 
     def __init__(
         self, dev: torch.Tensor, host: torch.Tensor, split: int, mid: int, inner: int
@@ -61,6 +80,7 @@ class RowMirror:
         self.host4 = host.view(split, -1, mid, inner)  # [split, host slots, mid, inner]
         self.slots = self.dev.shape[0] // (split * mid)
         self.host_slots = self.host.shape[0] // (split * mid)
+        self.slot_bytes = split * mid * inner * dev.element_size()
 
 
 def runs(values: np.ndarray) -> list[tuple[int, int, int]]:
@@ -144,6 +164,10 @@ def backup_rows(m: RowMirror, ds: np.ndarray, hs: np.ndarray, per: int) -> None:
     n, mid = ds.shape[0], m.mid
     host_runs = runs(hs)
     dev_runs = None if _few(host_runs, n, per) else runs(ds)
+    if dev_runs is not None and not _few(dev_runs, n, per) and m.slot_bytes >= SLOT_COPY_BYTES:
+        for d, h in zip(ds.tolist(), hs.tolist(), strict=True):
+            m.host4[:, h].copy_(m.dev4[:, :, d])
+        return
     for s in range(m.split):
         if dev_runs is None:  # the host side runs: gather straight into each run
             rows = torch.from_numpy(_dev_rows(m, s, ds))
@@ -172,6 +196,10 @@ def load_rows(m: RowMirror, hs: np.ndarray, ds: np.ndarray, per: int) -> None:
     n, mid = ds.shape[0], m.mid
     dev_runs = runs(ds)
     host_runs = None if _few(dev_runs, n, per) else runs(hs)
+    if host_runs is not None and not _few(host_runs, n, per) and m.slot_bytes >= SLOT_COPY_BYTES:
+        for d, h in zip(ds.tolist(), hs.tolist(), strict=True):
+            m.dev4[:, :, d].copy_(m.host4[:, h])
+        return
     for s in range(m.split):
         if host_runs is None:  # the device side runs: gather one layer of a run at a time
             for k in range(mid):

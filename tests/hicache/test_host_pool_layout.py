@@ -130,3 +130,27 @@ def test_pages_of_rows_with_odd_byte_sizes_gather_and_scatter_byte_exact(ps: int
         buf.zero_()
     pages.scatter(rows, picked)
     assert torch.equal(pages.gather(picked), rows)
+
+
+@pytest.mark.parametrize("ps", [1, 2])
+def test_page_first_cpu_copies_of_large_scattered_slots_move_exactly_the_named_slots(
+    ps: int,
+) -> None:
+    """Slots of 16 KiB scattered on both sides: one strided copy per slot."""
+    kv = KVPool(16 * ps, KVShape(2, 8, 128, torch.float32))  # 16 KiB a slot
+    kv.kv.normal_()
+    pool = HostPool(kv.slot_buffers(), 12 * ps, ps, layout=HostLayout.PAGE_FIRST)
+    host = pool.host_buffers[0][0]
+    host.zero_()
+    dev_pages, host_pages = PATTERNS["both-scattered"]
+    dev_idx, host_idx = _slots(dev_pages, ps), _slots(host_pages, ps)
+    pool.backup(dev_idx, host_idx).wait()
+    expected = torch.zeros_like(host)
+    expected[:, host_idx] = kv.kv[:, :, dev_idx].transpose(1, 2)
+    assert torch.equal(host, expected)
+    before = kv.kv.clone()
+    back = _slots([1, 12, 4, 15, 6, 9, 2, 13], ps)
+    pool.load(host_idx, back).wait()
+    want = before.clone()
+    want[:, :, back] = before[:, :, dev_idx]
+    assert torch.equal(kv.kv, want)
