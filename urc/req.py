@@ -68,7 +68,9 @@ class Req:
     kv_overallocated_freed: bool = False
     _fill_ids: list[int] | None = field(default=None, init=False, repr=False)
     # ``fill_prefix``'s packed ``fill_ids`` and the list it was packed from.
-    _prefix: array[int] = field(default_factory=lambda: array("q"), init=False, repr=False)
+    _prefix: memoryview = field(
+        default_factory=lambda: memoryview(array("q")), init=False, repr=False
+    )
     _prefix_of: list[int] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -104,15 +106,11 @@ class Req:
         out earlier keeps its bytes.  Views are the request's: callers must not keep them.
         Raises :class:`~urc.errors.InvalidInputError` for ids that are not int64."""
         fill = self.fill_ids
-        packed = self._prefix
-        if (
-            self._prefix_of is not fill
-            or len(packed) != len(fill)
-            or (packed and packed[-1] != fill[-1])
-        ):
-            packed = self._prefix = pack_tokens(fill)
+        view = self._prefix
+        if self._prefix_of is not fill or len(view) != len(fill) or (view and view[-1] != fill[-1]):
+            view = self._prefix = memoryview(pack_tokens(fill))
             self._prefix_of = fill
-        return memoryview(packed)[: min(n, len(fill))]
+        return view[: min(n, len(fill))]
 
     def get_fill_ids(self) -> list[int]:
         """:attr:`fill_ids` (SGLang's accessor)."""

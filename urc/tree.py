@@ -184,9 +184,7 @@ class Tree:
         :meth:`link`)."""
         self.clock += 1
         if type(key) is memoryview:  # a view of the caller's buffer: the node owns a copy
-            owned = array("q")
-            owned.frombytes(key.cast("B"))
-            key = owned
+            key = array("q", key.tobytes())
         untrack_key(key)  # the tree never mutates it (urc.gc_keys)
         return TreeNode(key, parent, self.new_data(), namespace, self.clock)
 
