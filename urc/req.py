@@ -68,9 +68,7 @@ class Req:
     kv_overallocated_freed: bool = False
     _fill_ids: list[int] | None = field(default=None, init=False, repr=False)
     # ``fill_prefix``'s packed ``fill_ids`` and the list it was packed from.
-    _prefix: memoryview = field(
-        default_factory=lambda: memoryview(array("q")), init=False, repr=False
-    )
+    _prefix: array[int] = field(default_factory=lambda: array("q"), init=False, repr=False)
     _prefix_of: list[int] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -106,11 +104,17 @@ class Req:
         out earlier keeps its bytes.  Views are the request's: callers must not keep them.
         Raises :class:`~urc.errors.InvalidInputError` for ids that are not int64."""
         fill = self.fill_ids
-        view = self._prefix
-        if self._prefix_of is not fill or len(view) != len(fill) or (view and view[-1] != fill[-1]):
-            view = self._prefix = memoryview(pack_tokens(fill))
+        packed = self._prefix
+        if (
+            self._prefix_of is not fill
+            or len(packed) != len(fill)
+            or (packed and packed[-1] != fill[-1])
+        ):
+            packed = self._prefix = pack_tokens(fill)
             self._prefix_of = fill
-        return view[: min(n, len(fill))]
+        # A view per call, not one kept on the request: a kept view would make the request
+        # impossible to deep-copy or pickle.
+        return memoryview(packed)[: min(n, len(fill))]
 
     def get_fill_ids(self) -> list[int]:
         """:attr:`fill_ids` (SGLang's accessor)."""

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 from cache_harness import Harness, running_request, seq
 
@@ -240,3 +243,10 @@ def test_chunk_commit_result_is_the_request_row_not_a_copy(ps: int) -> None:
         h.held = len(prompt) - end
         h.check()
     _finish(h, req)
+
+
+def test_a_request_with_a_packed_prompt_can_be_deep_copied_and_pickled() -> None:
+    req = Req("r0", list(range(64)))
+    assert req.fill_prefix(32).tolist() == list(range(32))
+    for twin in (copy.deepcopy(req), pickle.loads(pickle.dumps(req))):
+        assert twin.fill_prefix(48).tolist() == list(range(48))
