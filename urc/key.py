@@ -73,7 +73,8 @@ class RadixKey:
     ) -> None:
         self.token_ids: TokenIds = (
             token_ids
-            if (type(token_ids) is array and token_ids.typecode == "q") or _packed_view(token_ids)
+            if (type(token_ids) is array and token_ids.typecode == "q")
+            or (type(token_ids) is memoryview and _packed_view(token_ids))
             else pack_tokens(token_ids, is_bigram)
         )
         self.extra_key: ExtraKey | None = (extra_key,) if isinstance(extra_key, str) else extra_key
@@ -121,14 +122,9 @@ class RadixKey:
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
 
 
-def _packed_view(token_ids: object) -> bool:
-    """Whether ``token_ids`` is a contiguous 1-D view of int64s (held without a copy)."""
-    return (
-        type(token_ids) is memoryview
-        and token_ids.format == "q"
-        and token_ids.ndim == 1
-        and token_ids.c_contiguous
-    )
+def _packed_view(view: memoryview) -> bool:
+    """Whether ``view`` is a contiguous 1-D view of int64s (held without a copy)."""
+    return view.format == "q" and view.ndim == 1 and view.c_contiguous
 
 
 def pack_tokens(token_ids: object, is_bigram: bool = False) -> TokenIds:

@@ -91,8 +91,8 @@ class Req:
         self.kv_committed_len = len(tokens)
         self.kv_allocated_len = max(self.kv_allocated_len, len(tokens))
 
-    def fill_prefix(self, n: int) -> memoryview:
-        """The first ``n`` tokens of :attr:`fill_ids` (all of them when ``n`` is larger),
+    def fill_prefix(self, n: int | None = None) -> memoryview:
+        """The first ``n`` tokens of :attr:`fill_ids` (all of them when ``n`` is None or larger),
         packed: a view of int64s (format ``"q"``) that a :class:`~urc.key.RadixKey` holds
         without a copy.
 
@@ -114,7 +114,7 @@ class Req:
             self._prefix_of = fill
         # A view per call, not one kept on the request: a kept view would make the request
         # impossible to deep-copy or pickle.
-        return memoryview(packed)[: min(n, len(fill))]
+        return memoryview(packed) if n is None else memoryview(packed)[:n]
 
     def get_fill_ids(self) -> list[int]:
         """:attr:`fill_ids` (SGLang's accessor)."""

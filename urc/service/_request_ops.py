@@ -85,7 +85,7 @@ class PendingLoad:
 def _key(req: Req) -> RadixKey:
     """``req``'s whole :attr:`~urc.req.Req.fill_ids` as a key, packed once per request
     (:meth:`~urc.req.Req.fill_prefix`, which the chunk commits then reuse)."""
-    return RadixKey(req.fill_prefix(len(req.fill_ids)), req.extra_key)
+    return RadixKey(req.fill_prefix(), req.extra_key)
 
 
 def _lock(cache: UnifiedRadixCache, req: Req, res: MatchResult) -> int:
