@@ -207,9 +207,7 @@ class HostPool:
             )
         if n == 0:
             return None
-        host = host_indices.numpy()
-        ps = self.page_size
-        return host if ps == 1 else host[::ps] // ps
+        return _page_numbers(host_indices.numpy(), self.page_size)
 
     def _device_units(self, device_indices: torch.Tensor) -> torch.Tensor:
         """Device page numbers, on the pool's device (inside the work: on its stream)."""
@@ -217,42 +215,30 @@ class HostPool:
         ps = self.page_size
         return idx if ps == 1 else torch.div(idx[::ps], ps, rounding_mode="floor")
 
-    def _units_np(self, device_indices: torch.Tensor) -> np.ndarray:
-        """Device page numbers (numpy) of CPU indices."""
-        dn = device_indices.numpy()
-        ps = self.page_size
-        return dn if ps == 1 else dn[::ps] // ps
-
-    def _slots(self, device_indices: torch.Tensor, hu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Device and host slots (numpy) of whole pages, for pools on the CPU."""
-        dn = device_indices.numpy()
+    def _slots(self, units: np.ndarray) -> np.ndarray:
+        """The slots (numpy) of whole pages ``units``, page by page."""
         ps = self.page_size
         if ps == 1:
-            return dn, hu
-        offsets = np.arange(ps, dtype=np.int64)
-        du = dn[::ps] // ps
-        return (
-            (du[:, None] * ps + offsets).reshape(-1),
-            (hu[:, None] * ps + offsets).reshape(-1),
-        )
+            return units
+        return (units[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
 
     def _gather_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
         """Backup, pools on the CPU (:mod:`hicache._cpu_copy`)."""
+        du = _page_numbers(device_indices.numpy(), self.page_size)
         for m in self._mirrors:
             if m.rows is not None:  # a transposition: row copies
-                ds, hs = self._slots(device_indices, hu)
-                backup_rows(m.rows, ds, hs, 4 * self.page_size)
+                backup_rows(m.rows, self._slots(du), self._slots(hu), 4 * self.page_size)
             else:
-                copy_pages(m.device, self._units_np(device_indices), m.host, hu)
+                copy_pages(m.device, du, m.host, hu)
 
     def _scatter_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
         """Load, pools on the CPU (:mod:`hicache._cpu_copy`)."""
+        du = _page_numbers(device_indices.numpy(), self.page_size)
         for m in self._mirrors:
             if m.rows is not None:
-                ds, hs = self._slots(device_indices, hu)
-                load_rows(m.rows, hs, ds, 4 * self.page_size)
+                load_rows(m.rows, self._slots(hu), self._slots(du), 4 * self.page_size)
             else:
-                copy_pages(m.host, hu, m.device, self._units_np(device_indices))
+                copy_pages(m.host, hu, m.device, du)
 
     def _chunks(self, hu: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """The runs of ``hu`` grouped in chunks that fit the staging buffer:
@@ -310,6 +296,11 @@ class HostPool:
                         )
                     part = staging[s].view(count, *m.page_shape)
                     m.device[s].index_copy_(0, du[first : first + count], part)
+
+
+def _page_numbers(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The page numbers of page-aligned slot indices (numpy)."""
+    return slots if page_size == 1 else slots[::page_size] // page_size
 
 
 def _host_buffer(shape: list[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
