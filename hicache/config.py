@@ -55,6 +55,8 @@ class HiCacheConfig:
             )
         if self.load_back_threshold < 0 or self.max_in_flight <= 0 or self.backup_batch <= 0:
             raise ConfigError(f"invalid thresholds in {self}")
+        if self.host_layout is not None and not isinstance(self.host_layout, HostLayout):
+            raise ConfigError(f"host_layout must be a HostLayout, got {self.host_layout!r}")
 
     def host_size(self, device_size: int, page_size: int, unit: SizeUnit = SizeUnit.TOKENS) -> int:
         """Host slots for a device pool of ``device_size`` (rounded up to whole pages).

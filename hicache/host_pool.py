@@ -99,7 +99,8 @@ class HostPool:
     ``pin_memory``: pin the host buffers (default: when the device pool is on CUDA);
     ``engine``: where copies run (default: :func:`~hicache.transfer_engine.engine_for` the
     pool's device).  Raises :class:`~urc.errors.ConfigError` for no buffers, buffers of
-    several devices, or a buffer that is not contiguous.
+    several devices, a buffer that is not contiguous, or a ``layout`` that is not a
+    :class:`~hicache.host_layout.HostLayout`.
     """
 
     __slots__ = (
@@ -129,6 +130,8 @@ class HostPool:
         device = device_buffers[0][0].device
         if any(t.device != device for t, _ in device_buffers):
             raise ConfigError("a host pool mirrors buffers of one device")
+        if layout is not None and not isinstance(layout, HostLayout):
+            raise ConfigError(f"layout must be a HostLayout, got {layout!r}")
         self.size = size
         self.page_size = page_size
         self.device = device

@@ -13,6 +13,7 @@ from hicache import HiCacheConfig
 from hicache.host_layout import HostLayout
 from hicache.host_pool import HostPool
 from hicache.storage_worker import HostPageLayout
+from urc.errors import ConfigError
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.mamba import MambaPool
 
@@ -154,3 +155,13 @@ def test_page_first_cpu_copies_of_large_scattered_slots_move_exactly_the_named_s
     want = before.clone()
     want[:, :, back] = before[:, :, dev_idx]
     assert torch.equal(kv.kv, want)
+
+
+@pytest.mark.parametrize("layout", ["page_first", 1, HostLayout])
+def test_a_layout_that_is_not_a_host_layout_is_a_config_error(layout: object) -> None:
+    """A misspelt layout must not quietly fall back to ``LAYER_FIRST``."""
+    with pytest.raises(ConfigError, match="HostLayout"):
+        HiCacheConfig(host_layout=layout)  # type: ignore[arg-type]
+    kv = KVPool(8, KVShape(3, 2, 4, torch.float16))
+    with pytest.raises(ConfigError, match="HostLayout"):
+        HostPool(kv.slot_buffers(), 8, layout=layout)  # type: ignore[arg-type]
