@@ -6,7 +6,7 @@ The package is imported only by ``MooncakeStorage.open``, so this module imports
 
 Mooncake's Python client is synchronous, so every call runs in a worker thread under the
 backend's deadline.  On a timeout the caller gets a miss at once while the abandoned call
-finishes in its thread.  Values are ``encode_page(buffer)`` bytes moved with
+finishes in its thread.  Values are ``encode_page(buffer, key)`` bytes moved with
 ``put_batch``/``get_batch``; those stage data in the client's ``local_buffer_size`` buffer,
 so a batch is split into chunks that fit half of it.  Mooncake leaves eviction to the store's
 master (``eviction_high_watermark_ratio``): a full store makes ``put_batch`` fail, which reads
@@ -228,11 +228,12 @@ class MooncakeStorage(StorageBackend):
         for start, stop in _chunks(sizes, budget):
             names = [self._name(k) for k in keys[start:stop]]
             values: list[bytes] = await self._call(self._store.get_batch, names)
-            for name, value, buffer in zip(names, values, buffers[start:stop], strict=False):
+            chunk = zip(keys[start:stop], names, values, buffers[start:stop], strict=False)
+            for key, name, value, buffer in chunk:
                 if not value:  # b"": a missing key, or a read that failed
                     await self._check_missing(name)
                     return read
-                status = await decode_page_into_async(value, buffer)
+                status = await decode_page_into_async(value, buffer, key)
                 if status is PageStatus.CORRUPT:
                     self._counters.corrupt += 1
                     try:  # best effort: a damaged value is never useful
@@ -250,7 +251,10 @@ class MooncakeStorage(StorageBackend):
         sizes = [buffer.nbytes + HEADER_SIZE for buffer in buffers]
         stored = 0
         for start, stop in _chunks(sizes, budget):
-            values = [await encode_page_async(buffer) for buffer in buffers[start:stop]]
+            values = [
+                await encode_page_async(buffer, key)
+                for key, buffer in zip(keys[start:stop], buffers[start:stop], strict=True)
+            ]
             names = [self._name(k) for k in keys[start:stop]]
             code: int = await self._call(self._store.put_batch, names, values)
             if code in _STORED_FEWER:  # all or nothing per chunk (e.g. no space left)

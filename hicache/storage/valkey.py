@@ -1,6 +1,6 @@
 """``ValkeyStorage``: a shared L3 tier on Valkey or Redis (one node or a cluster).
 
-Each page is one string value ``<key_prefix><page key>`` holding ``encode_page(buffer)``.
+Each page is one string value ``<key_prefix><page key>`` holding ``encode_page(buffer, key)``.
 Every batch is one pipeline (``transaction=False``): a single round trip to a single node;
 on a cluster, redis-py's ``ClusterPipeline`` maps each key to its hash slot's node and sends
 one batch per node, so a batch costs one round trip per node, never one per key.  Keys carry
@@ -86,15 +86,17 @@ class ValkeyConfig:
             raise ConfigError("retries must be >= 0 and max_connections >= 1")
 
 
-def _encode_all(buffers: Sequence[torch.Tensor]) -> list[bytes]:
-    return [encode_page(buffer) for buffer in buffers]
+def _encode_all(keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> list[bytes]:
+    return [encode_page(buffer, key) for key, buffer in zip(keys, buffers, strict=True)]
 
 
-def _decode_leading(values: Sequence[Any], buffers: Sequence[torch.Tensor]) -> list[PageStatus]:
+def _decode_leading(
+    keys: Sequence[PageKey], values: Sequence[Any], buffers: Sequence[torch.Tensor]
+) -> list[PageStatus]:
     """Decode values into buffers in order, stopping after the first non-OK page."""
     statuses: list[PageStatus] = []
-    for value, buffer in zip(values, buffers, strict=False):
-        status = decode_page_into(value, buffer)
+    for key, value, buffer in zip(keys, values, buffers, strict=False):
+        status = decode_page_into(value, buffer, key)
         statuses.append(status)
         if status is not PageStatus.OK:
             break
@@ -184,7 +186,7 @@ class ValkeyStorage(StorageBackend):
         values = await self._batch(queue)
         present = values[: self._leading(values, lambda value: value is not None)]
         # Checksumming megabytes would stall the event loop; zlib releases the GIL.
-        statuses = await anyio.to_thread.run_sync(_decode_leading, present, buffers)
+        statuses = await anyio.to_thread.run_sync(_decode_leading, keys, present, buffers)
         read = 0
         for key, buffer, status in zip(keys, buffers, statuses, strict=False):
             if status is PageStatus.CORRUPT:
@@ -197,7 +199,7 @@ class ValkeyStorage(StorageBackend):
         return read
 
     async def _put(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
-        values = await anyio.to_thread.run_sync(_encode_all, buffers)
+        values = await anyio.to_thread.run_sync(_encode_all, keys, buffers)
 
         def queue(pipe: Any) -> None:
             for key, value in zip(keys, values, strict=True):

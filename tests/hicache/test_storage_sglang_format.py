@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import hicache
 from hicache.config import HiCacheConfig, StorageConfig
 from hicache.host_pool import HostPool
 from hicache.storage.errors import InvalidStorageKeyError
-from hicache.storage.file import FileStorage
+from hicache.storage.file import TEMP_GRACE_S, FileStorage
 from hicache.storage.keys import (
     KeyScheme,
     PageKey,
@@ -190,6 +191,9 @@ async def test_scan_removes_only_its_own_temp_files(tmp_path: Path) -> None:
     sglangs = tmp_path / f".{'c' * 32}.tmp"  # HiCacheFile's, maybe a write in flight
     ours.write_bytes(b"x")
     sglangs.write_bytes(b"y")
+    old = time.time() - TEMP_GRACE_S - 1  # only old temp files: a young one may be in flight
+    os.utime(ours, (old, old))
+    os.utime(sglangs, (old, old))
     FileStorage(tmp_path)
     assert not ours.exists() and sglangs.exists()
 
@@ -198,7 +202,7 @@ async def test_scan_removes_only_its_own_temp_files(tmp_path: Path) -> None:
 async def test_capacity_counts_and_evicts_sglang_pages(tmp_path: Path) -> None:
     keys = sglang_page_keys(tokens_of(12, 4), 4, NAMING)
     page_bytes = _page(0).nbytes
-    async with FileStorage(tmp_path, capacity_bytes=2 * page_bytes) as store:
+    async with FileStorage(tmp_path, capacity_bytes=2 * page_bytes, sglang_suffix=SUFFIX) as store:
         assert await store.put(keys[:2], [_page(0), _page(1)]) == 2
         assert await store.put(keys[2:], [_page(2)]) == 1
         assert store.used_bytes == 2 * page_bytes
@@ -331,3 +335,65 @@ async def test_two_replicas_share_pages_under_sglangs_scheme(
         assert got == 3 * ps and torch.equal(data, original[:, :, : 3 * ps])
     async with replica(FileStorage(tmp_path), ps, SGLangNaming("other/model")) as third:
         assert (await third.fetch(tokens, ns))[0] == 0  # another model's names
+
+
+# ---------------------------------------------------------------------- issue 50, items 6-7
+def _user_xattrs_kept(directory: Path) -> bool:
+    probe = directory / ".xattr-probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, "user.probe", b"1")
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+    return True
+
+
+@pytest.mark.asyncio
+async def test_an_sglang_page_linked_under_another_keys_name_is_not_served(tmp_path: Path) -> None:
+    """SGLang's raw page has no header to hold its key: a page this store wrote carries its
+    key tag in an extended attribute, so the same file under another key's name (a hard
+    link) is a miss, counted, and left alone; the file stays byte-for-byte SGLang's."""
+    if not _user_xattrs_kept(tmp_path):
+        pytest.skip("this file system keeps no user extended attributes")
+    keys = sglang_page_keys(tokens_of(8, 6), 4, NAMING)
+    page = _page(5)
+    async with FileStorage(tmp_path) as store:
+        assert await store.put(keys[:1], [page]) == 1
+        source = tmp_path / f"{parse_page_key(keys[0]).sglang_name}.bin"
+        target = tmp_path / f"{parse_page_key(keys[1]).sglang_name}.bin"
+        assert source.read_bytes() == page.numpy().tobytes()
+        os.link(source, target)
+        out = torch.zeros_like(page)
+        assert await store.get(keys[1:], [out]) == 0 and out.eq(0).all()
+        assert store.stats().corrupt == 1 and target.exists()
+        assert await store.get(keys[:1], [out]) == 1 and torch.equal(out, page)
+
+
+@pytest.mark.asyncio
+async def test_a_capacity_limited_store_never_deletes_other_deployments_pages(
+    tmp_path: Path,
+) -> None:
+    """A directory shared with SGLang replicas of another model: a capacity-limited store
+    counts and evicts only its own suffix's pages (at open and on put), never theirs."""
+    other = SGLangNaming("other/model")
+    theirs = sglang_page_keys(tokens_of(80, 7), 4, other)
+    for i, key in enumerate(theirs):
+        (tmp_path / f"{parse_page_key(key).sglang_name}.bin").write_bytes(
+            _page(100 + i).numpy().tobytes()
+        )
+    ours = sglang_page_keys(tokens_of(16, 8), 4, NAMING)
+    page_bytes = _page(0).nbytes
+    async with FileStorage(tmp_path, capacity_bytes=2 * page_bytes, sglang_suffix=SUFFIX) as store:
+        assert store.used_bytes == 0
+        assert await store.put(ours, [_page(i) for i in range(4)]) == 2
+        assert store.used_bytes == 2 * page_bytes
+        assert await store.exists(theirs) == len(theirs)  # read if asked, never adopted
+        assert store.used_bytes == 2 * page_bytes
+        with pytest.raises(InvalidStorageKeyError):
+            await store.put(theirs[:1], [_page(0)])
+    names = {p.name for p in tmp_path.iterdir()}
+    assert all(f"{parse_page_key(k).sglang_name}.bin" in names for k in theirs)
+    with pytest.raises(ConfigError):
+        FileStorage(tmp_path, sglang_suffix="not a suffix")

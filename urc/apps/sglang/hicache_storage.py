@@ -75,9 +75,13 @@ def _fields(config_type: type, settings: Mapping[str, Any]) -> dict[str, Any]:
     return dict(settings)
 
 
-async def build_store(extra_config: Mapping[str, Any]) -> StorageBackend:
+async def build_store(
+    extra_config: Mapping[str, Any], sglang_suffix: str | None = None
+) -> StorageBackend:
     """urc's backend for an SGLang extra config (see the module docstring); raises
-    :class:`~urc.errors.ConfigError` for an unknown store or setting."""
+    :class:`~urc.errors.ConfigError` for an unknown store or setting.  ``sglang_suffix``
+    (this rank's object-name suffix) is what a capacity-limited file store owns: it never
+    counts or evicts other models' or ranks' pages in a shared directory."""
     kind = extra_config.get("store", "file")
     settings = {k: v for k, v in extra_config.items() if k not in _SGLANG_KEYS}
     if kind == "file":
@@ -88,6 +92,7 @@ async def build_store(extra_config: Mapping[str, Any]) -> StorageBackend:
             Path(settings.get("path", "/tmp/hicache")),
             settings.get("capacity_bytes"),
             op_timeout_s=settings.get("op_timeout_s", 30.0),
+            sglang_suffix=sglang_suffix,
         )
     if kind == "valkey":
         from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
@@ -154,7 +159,7 @@ class UrcHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
         self._thread.start()
         try:
-            future = asyncio.run_coroutine_threadsafe(build_store(extra), self._loop)
+            future = asyncio.run_coroutine_threadsafe(build_store(extra, self._suffix), self._loop)
             self._backend = future.result()
         except BaseException:
             self._stop_loop()
