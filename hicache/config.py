@@ -95,7 +95,8 @@ class StorageConfig:
     the nodes waiting for a write-through put and ``max_pending_bytes`` the page bytes staged
     for puts on host eviction; work beyond either bound is dropped (and counted).
     ``flush_timeout_s`` bounds a flush of the queued writes (the worker's ``flush`` and
-    ``close``): what is still queued then is dropped and counted.
+    ``close``): what is still queued then is dropped and counted.  ``write_concurrency``
+    staged writes (on host eviction) are put at once.
 
     ``key_scheme``: urc's own versioned keys and page bytes (``KeyScheme.URC``, the default),
     or SGLang HiCache's (``KeyScheme.SGLANG``: its page hashes, named with ``sglang_naming``,
@@ -113,6 +114,7 @@ class StorageConfig:
     max_pending_writes: int = 1024
     max_pending_bytes: int = 64 << 20
     flush_timeout_s: float = 30.0
+    write_concurrency: int = 4
     key_scheme: KeyScheme = KeyScheme.URC
     sglang_naming: SGLangNaming = field(default_factory=SGLangNaming)
 
@@ -121,7 +123,13 @@ class StorageConfig:
             raise ConfigError(f"flush_timeout_s must be > 0, got {self.flush_timeout_s}")
         if self.timeout_base_s <= 0 or self.timeout_per_page_s < 0:
             raise ConfigError(f"invalid prefetch timeouts in {self}")
-        if min(self.prefetch_threshold_pages, self.batch_pages, self.max_pending_writes) < 1:
+        bounds = (
+            self.prefetch_threshold_pages,
+            self.batch_pages,
+            self.max_pending_writes,
+            self.write_concurrency,
+        )
+        if min(bounds) < 1:
             raise ConfigError(f"invalid storage bounds in {self}")
         if self.max_pending_bytes < 0:
             raise ConfigError(f"max_pending_bytes must be >= 0, got {self.max_pending_bytes}")

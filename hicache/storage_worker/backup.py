@@ -132,12 +132,29 @@ class BackupWriter(TierEvents):
             while self._due or self._staged:
                 await self.calls.backoff.wait()
                 if self._staged:
-                    job = self._staged.popleft()
-                    self._staged_bytes -= job.nbytes
-                    if not await self._put(job):
-                        self._retry_staged(job)
+                    await self._put_staged()
                 else:
                     await self._write_through(svc)
+
+    async def _put_staged(self) -> None:
+        """Put up to ``StorageConfig.write_concurrency`` staged jobs at once (a store's
+        calls overlap: one job's file or network I/O runs while the next is prepared)."""
+        jobs: list[WriteJob] = []
+        while self._staged and len(jobs) < self.config.write_concurrency:
+            job = self._staged.popleft()
+            self._staged_bytes -= job.nbytes
+            jobs.append(job)
+        done = [False] * len(jobs)
+
+        async def put(i: int) -> None:
+            done[i] = await self._put(jobs[i])
+
+        async with anyio.create_task_group() as group:
+            for i in range(len(jobs)):
+                group.start_soon(put, i)
+        for job, ok in zip(reversed(jobs), reversed(done), strict=True):
+            if not ok:
+                self._retry_staged(job)  # back at the front, in their order
 
     def _fail_fast(self) -> bool:
         """While a flush waits on a store known to be down: drop (and count) every queued

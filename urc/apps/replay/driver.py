@@ -368,9 +368,10 @@ def _check(cache: UnifiedRadixCache) -> str | None:
     return None
 
 
-async def _flush_storage(storage: StorageWorker, progress: bool) -> float:
+async def _flush_storage(storage: StorageWorker, progress: bool) -> tuple[float, int]:
     """Let queued L3 writes land (so a later run with the same ``--l3-dir`` sees them),
-    showing pages written while it waits; returns the seconds it took."""
+    showing pages written while it waits; returns the seconds it took and the writes it
+    dropped at its deadline."""
     t0 = perf_counter()
     written0 = storage.stats.pages_written
     with tqdm(
@@ -389,10 +390,10 @@ async def _flush_storage(storage: StorageWorker, progress: bool) -> float:
                     bar.refresh()
 
             tg.start_soon(show)
-            await storage.flush()
+            dropped = await storage.flush()
             tg.cancel_scope.cancel()
         bar.n = storage.stats.pages_written - written0
-    return perf_counter() - t0
+    return perf_counter() - t0, dropped
 
 
 async def run_replay(
@@ -475,6 +476,7 @@ async def run_replay(
         desc="replay",
     )
     flush_time = 0.0
+    flush_dropped = 0
     with bar:
         async with AsyncExitStack() as stack:
             url: str | None = None
@@ -501,7 +503,7 @@ async def run_replay(
             wall = perf_counter() - t0
             bar.close()
             if storage is not None:
-                flush_time = await _flush_storage(storage, progress)
+                flush_time, flush_dropped = await _flush_storage(storage, progress)
         # Closed: the service first (background work drained, pins released), then /metrics.
 
     error = _check(cache)
@@ -515,6 +517,12 @@ async def run_replay(
         warnings.append(
             f"{what} rejected: the device pool cannot hold the requests in flight "
             "(raise --device-tokens or lower --concurrency)"
+        )
+    if flush_dropped and storage is not None:
+        warnings.append(
+            f"the L3 flush hit its {storage.config.flush_timeout_s:g} s deadline and dropped "
+            f"{flush_dropped:,} queued writes: a later run over the same directory finds "
+            "fewer pages"
         )
     hit_total = sum(loop.hits.values())
     if storage is not None and hit_total > summary.ideal_hit_tokens:
