@@ -138,7 +138,7 @@ def test_bad_layouts_are_refused(tmp_path: Path, bad: dict[str, Any]) -> None:
 def _replay(d: Path, policy: EvictionPolicy, blocks: int) -> Any:
     cfg = ReplayConfig(
         trace=d, page_size=1, chunk_size=64, concurrency=1, prefill_only=True,
-        device_tokens=Capacity(tokens=blocks), host_tokens=Capacity(tokens=0),
+        device_tokens=Capacity(tokens=blocks * BS), host_tokens=Capacity(tokens=0),
         eviction_policy=policy, session_concurrency=3,
     )  # fmt: skip
     return anyio.run(run_replay, cfg)
@@ -150,6 +150,9 @@ def test_replay_caches_sessions_with_hints_under_every_policy(tmp_path: Path) ->
     for policy in (EvictionPolicy.LRU, EvictionPolicy.SESSION_AWARE, EvictionPolicy.BELADY):
         rep = _replay(d, policy, 40)
         assert rep.check_ok, rep.check_error
+        # Capacities are tokens: 40 blocks' worth of tokens is a pool of 40 cache tokens.
+        assert (rep.device_tokens, rep.token_unit) == (40, BS)
+        assert f"40 blocks of {BS} tokens ({40 * BS:,} tokens)" in rep.format()
         assert rep.requests_total == rep.requests_done == 38
         assert rep.recomputed_p50 <= rep.recomputed_p99
         assert any("Poisson" in n for n in rep.notes)

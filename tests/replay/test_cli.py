@@ -11,6 +11,7 @@ import pytest
 
 from urc.apps.cli import build_parser, main
 from urc.apps.replay import Capacity, ModelProfile, ReplayConfig
+from urc.apps.replay.arguments import resolved
 from urc.errors import ConfigError
 from urc.node import ComponentType
 
@@ -66,7 +67,9 @@ def test_model_profiles_pick_components() -> None:
 def test_defaults_are_documented_values() -> None:
     args = build_parser().parse_args(["replay"])
     assert args.workload == "multi-turn-chat" and args.model == "full"
-    assert args.block_size == 512 and args.write_policy == "write_back"
+    # Left unset unless given (a flag given where it has no effect is refused); what applies:
+    assert args.block_size is None and resolved(args, "block_size") == 512
+    assert args.write_policy is None and resolved(args, "write_policy") == "write_back"
     assert args.chunk_size == 8192 and args.eviction_policy == "lru"
     assert args.trace is None and args.metrics_port is None and not args.realtime
 
@@ -174,3 +177,12 @@ def test_belady_and_partial_leaf_eviction_from_the_command_line(tmp_path: Path) 
     report = json.loads(out.read_text())
     assert rc == 0 and report["config"]["eviction_policy"] == "belady+partial"
     assert report["check"]["ok"]
+
+
+def test_a_token_capacity_is_tokens_whatever_the_unit_of_the_cache() -> None:
+    """An agentic replay caches one token per 64-token block: a capacity given in tokens is
+    divided by the block size (rounded up, whole pages), a fraction is of the unique units."""
+    assert Capacity(tokens=1_000_000).resolve(10**9, 1, tokens_per_unit=64) == 15_625
+    assert Capacity(tokens=65).resolve(10**9, 1, tokens_per_unit=64) == 2
+    assert Capacity(tokens=1_000_000).resolve(10**9, 16) == 1_000_000
+    assert Capacity(fraction=0.5).resolve(1000, 1, tokens_per_unit=64) == 500

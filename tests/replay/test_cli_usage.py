@@ -62,7 +62,37 @@ USAGE_ERRORS = [
     (["--json", "{tmp}"], "--json"),
     (["--plot", "{tmp}/c.png"], "--plot"),
     (["--sweep", "0.5,x"], "--sweep"),
+    (["--sweep", "0,2"], "--sweep"),
+    (["--kv-events", "garbage"], "--kv-events"),
+    (["--kv-events", "tcp://127.0.0.1"], "--kv-events"),
+    (["--num-requests", "0"], "--num-requests"),
+    (["--json", "{tmp}/sessions"], "--json"),  # a directory, *.json files in it or not
+    (["--json", "{tmp}/empty"], "--json"),
+    (["--json", "{tmp}/file/x.json"], "--json"),  # a file where a directory should be
+    (["--json", "/proc/urc-report.json"], "--json"),  # refused to root as well
+    (["--json", "/sys/urc-report.json"], "--json"),
+    (["--l3-dir", "/proc"], "--l3-dir"),
+    # Flags that would have no effect (the one rule: refused).
+    (["--window", "128"], "--window"),
+    (["--mamba-states", "8"], "--mamba-states"),
+    (["--write-policy", "write_through", "--host-tokens", "0"], "--write-policy"),
+    (["--write-policy", "write_through", "--sweep", "0.5"], "--write-policy"),
+    (["--l3-backup", "write_through"], "--l3-backup"),
+    (["--block-size", "64"], "--block-size"),
+    (["--block-size", "64", "--trace", "{tmp}/sessions"], "--block-size"),
+    (["--session-concurrency", "5"], "--session-concurrency"),
+    (["--session-concurrency", "5", "--trace", "{tmp}/t.jsonl"], "--session-concurrency"),
+    (["--seed", "3", "--trace", "{tmp}/t.jsonl"], "--seed"),
 ]
+
+
+def _usage_fixture(tmp: Path) -> None:
+    """The files and directories USAGE_ERRORS name."""
+    (tmp / "file").write_text("")
+    (tmp / "t.jsonl").write_text("")
+    (tmp / "sessions").mkdir(exist_ok=True)
+    (tmp / "sessions" / "s.json").write_text("{}")
+    (tmp / "empty").mkdir(exist_ok=True)
 
 
 def _run_main(argv: list[str]) -> int:
@@ -76,7 +106,7 @@ def _run_main(argv: list[str]) -> int:
 def test_every_usage_error_is_one_line_naming_the_flag_with_exit_2(
     args: list[str], flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "file").write_text("")
+    _usage_fixture(tmp_path)
     argv = ["replay", "--no-progress", *(a.format(tmp=tmp_path) for a in args)]
     assert _run_main(argv) == 2
     out, err = capsys.readouterr()
@@ -87,6 +117,123 @@ def test_every_usage_error_is_one_line_naming_the_flag_with_exit_2(
     # The flag as the command line spells it; never a Python field name.
     assert f"argument {flag}" in lines[0] or f"arguments: {flag}" in lines[0], lines[0]
     assert "_" not in lines[0].split("error: ", 1)[1].split(":")[0]
+
+
+# (flags, the flag at issue): each is accepted where it has an effect (the counterpart of
+# the refusals above).
+FLAGS_WITH_AN_EFFECT = [
+    (["--window", "128", "--model", "swa"], "--window"),
+    (["--mamba-states", "8", "--model", "mamba"], "--mamba-states"),
+    (["--write-policy", "write_through"], "--write-policy"),
+    (["--write-policy", "write_through", "--sweep", "0.5", "--host-tokens", "0.1"], "--sweep"),
+    (["--l3-backup", "write_through", "--l3-dir", "{tmp}/l3"], "--l3-backup"),
+    (["--block-size", "64", "--trace", "{tmp}/t.jsonl"], "--block-size"),
+    (["--session-concurrency", "5", "--trace", "{tmp}/sessions"], "--session-concurrency"),
+    (["--seed", "3"], "--seed"),
+    (["--seed", "3", "--trace", "{tmp}/sessions"], "--seed"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag"), FLAGS_WITH_AN_EFFECT, ids=lambda v: " ".join(v))
+def test_a_flag_is_accepted_where_it_has_an_effect(
+    args: list[str], flag: str, tmp_path: Path
+) -> None:
+    from urc.apps.replay.arguments import check_replay_args
+
+    _usage_fixture(tmp_path)
+    parsed = build_parser().parse_args(["replay", *(a.format(tmp=tmp_path) for a in args)])
+    assert check_replay_args(parsed) is None, flag
+
+
+def test_flags_left_out_take_the_defaults_replay_config_has() -> None:
+    from urc.apps.cli import _config
+
+    parsed = build_parser().parse_args(["replay"])
+    assert _config(parsed) == ReplayConfig()
+
+
+def test_kv_events_without_pyzmq_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # not importable
+    assert _run_main(["replay", "--kv-events", "tcp://127.0.0.1:0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "argument --kv-events: needs pyzmq and msgspec (zmq not installed" in err
+
+
+# ``python -m urc.apps.replay.agentic_sweep``: (arguments, what the line names).
+SWEEP_USAGE_ERRORS = [
+    ([], "SESSIONS"),
+    (["{tmp}/missing"], "argument SESSIONS"),
+    (["{tmp}/empty"], "argument SESSIONS"),
+    (["{tmp}/t.jsonl"], "argument SESSIONS"),
+    (["{tmp}/sessions", "--capacities", "1X"], "argument --capacities"),
+    (["{tmp}/sessions", "--capacities", "0"], "argument --capacities"),
+    (["{tmp}/sessions", "--policies", "lru,nope"], "argument --policies"),
+    (["{tmp}/sessions", "--subset", "2/2"], "argument --subset"),
+    (["{tmp}/sessions", "--concurrency", "0"], "argument --concurrency"),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), SWEEP_USAGE_ERRORS, ids=lambda v: " ".join(v))
+def test_agentic_sweep_usage_errors_are_one_line_with_exit_2(
+    args: list[str], names: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from urc.apps.replay import agentic_sweep
+
+    _usage_fixture(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        agentic_sweep.main([a.format(tmp=tmp_path) for a in args])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("python -m urc.apps.replay.agentic_sweep: error: ") and names in err
+
+
+# Every usage error above, in one fresh interpreter whose ``torch`` cannot be imported: each
+# must answer (one line, exit 2) without importing it.
+_POISONED = """
+import contextlib, io, json, sys
+import urc.apps.cli
+from urc.apps.replay import agentic_sweep
+answers = []
+for prog, argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            status = (urc.apps.cli.main if prog == "urc" else agentic_sweep.main)(argv)
+        except SystemExit as exc:
+            status = exc.code
+    answers.append([status, err.getvalue()])
+print(json.dumps(answers))
+"""
+
+
+def test_every_usage_error_answers_without_importing_torch(tmp_path: Path) -> None:
+    import json as json_
+
+    _usage_fixture(tmp_path)
+    poison = tmp_path / "poison"
+    poison.mkdir()
+    (poison / "torch.py").write_text("raise ImportError('urc imported torch before answering')\n")
+    cases = [
+        ["urc", ["replay", *(a.format(tmp=tmp_path) for a in args)]] for args, _ in USAGE_ERRORS
+    ] + [["sweep", [a.format(tmp=tmp_path) for a in args]] for args, _ in SWEEP_USAGE_ERRORS]
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _POISONED, json_.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{poison}{os.pathsep}{root}"},
+        check=True,
+    )
+    answers = json_.loads(proc.stdout.splitlines()[-1])
+    for (_, argv), (status, err) in zip(cases, answers, strict=True):
+        assert status == 2 and len(err.splitlines()) == 1, (argv, status, err)
+        assert "imported torch" not in err, argv
 
 
 def test_option_errors_name_fields_for_python_callers_and_flags_for_the_cli() -> None:

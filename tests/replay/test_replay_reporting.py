@@ -105,9 +105,11 @@ def test_empty_trace_is_an_error_not_a_clean_report(
     assert "no request" in err and "check ok" not in out
 
 
-def test_zero_requests_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", "--no-progress", "--num-requests", "0"]) == 1
-    assert "no request" in capsys.readouterr().err
+def test_zero_requests_is_refused_before_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # argparse's type check
+        main(["replay", "--no-progress", "--num-requests", "0"])
+    assert exc.value.code == 2
+    assert "argument --num-requests: must be > 0, got 0" in capsys.readouterr().err
 
 
 def test_run_that_rejects_every_request_warns_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
@@ -266,3 +268,14 @@ def test_latency_table_says_that_it_includes_queueing(capsys: pytest.CaptureFixt
     assert note in capsys.readouterr().out
     assert main(["replay", "--no-progress", "--num-requests", "30", "--concurrency", "1"]) == 0
     assert "waits behind" not in capsys.readouterr().out
+
+
+def test_the_first_pass_progress_bar_ends_at_its_total(capsys: pytest.CaptureFixture[str]) -> None:
+    """600 requests: the bar moves every 256 (a checkpoint), and its last state is 600/600."""
+
+    from urc.apps.replay.source import summarize
+
+    summary = anyio.run(lambda: summarize(ReplayConfig(num_requests=600), progress=True))
+    assert summary.requests == 600
+    final = capsys.readouterr().err.rsplit("\r", 1)[-1]
+    assert "600/600" in final and "100%" in final, final

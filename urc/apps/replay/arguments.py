@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from urc.apps.replay.options import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_L3_BACKUP,
+    DEFAULT_SEED,
+    DEFAULT_SESSION_CONCURRENCY,
     DEFAULT_SWEEP,
+    DEFAULT_WINDOW,
+    DEFAULT_WRITE_POLICY,
     EVICTION_POLICY_VALUES,
     L3_BACKUP_VALUES,
     TRACE_BLOCK_SIZE,
@@ -42,6 +49,7 @@ __all__ = [
     "check_replay_args",
     "host_tokens",
     "output_path_problem",
+    "resolved",
 ]
 
 _CAPACITY_HELP = (
@@ -67,7 +75,28 @@ def _fractions(text: str) -> tuple[Capacity, ...]:
     caps = tuple(_capacity(t) for t in text.split(",") if t.strip())
     if not caps:
         raise argparse.ArgumentTypeError("give at least one capacity")
+    if any(c.is_zero for c in caps):
+        raise argparse.ArgumentTypeError(
+            f"every capacity must be > 0 (the device pool holds every request), got {text!r}"
+        )
     return caps
+
+
+# ZMQ's transports (zmq_bind(3)); an address is ``transport://where``.
+_ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "vmci", "ws", "wss")
+
+
+def _endpoint(text: str) -> str:
+    transport, sep, where = text.partition("://")
+    if not sep or transport not in _ZMQ_TRANSPORTS or not where:
+        raise argparse.ArgumentTypeError(
+            f"not a ZMQ address (tcp://127.0.0.1:5557, ipc:///tmp/kv.sock): {text!r}"
+        )
+    if transport == "tcp":
+        _, colon, port = where.rpartition(":")
+        if not colon or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+            raise argparse.ArgumentTypeError(f"a tcp address needs host:port, got {text!r}")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -80,13 +109,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _count(text: str) -> int:
+def _positive_float(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 
@@ -126,8 +155,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _choice_option(group: Any, flag: str, values: Sequence[str], default: str, help: str) -> None:
-    """An option whose choices are ``values`` (an enum's values)."""
+def _choice_option(
+    group: Any, flag: str, values: Sequence[str], default: str | None, help: str
+) -> None:
+    """An option whose choices are ``values`` (an enum's values); ``default=None``: the
+    option is not set unless given (its help text states the default that then applies)."""
     group.add_argument(flag, choices=list(values), default=default, help=help)
 
 
@@ -168,26 +200,32 @@ def add_replay_parser(sub: Any) -> None:
     src.add_argument(
         "--num-requests",
         metavar="N",
-        type=_count,
+        type=_positive_int,
         default=None,
         help="requests to replay (a trace: the first N; synthetic: its size, default 2000)",
     )
     src.add_argument(
-        "--seed", metavar="N", type=int, default=0, help="seed of the synthetic workload"
+        "--seed",
+        metavar="N",
+        type=int,
+        default=None,
+        help="seed of the synthetic workload, or of the agentic sessions' order and gaps "
+        f"(default: {DEFAULT_SEED})",
     )
     src.add_argument(
         "--session-concurrency",
         metavar="N",
-        type=float,
-        default=100.0,
-        help="agentic sessions: Poisson session arrivals at this mean number running",
+        type=_positive_float,
+        default=None,
+        help="agentic sessions (--trace DIR or .tar.xz): Poisson session arrivals at this "
+        f"mean number running (default: {DEFAULT_SESSION_CONCURRENCY:g})",
     )
     src.add_argument(
         "--block-size",
         metavar="TOKENS",
         type=_positive_int,
-        default=TRACE_BLOCK_SIZE,
-        help="tokens per trace hash id",
+        default=None,
+        help=f"tokens per hash id of a Mooncake-format --trace (default: {TRACE_BLOCK_SIZE})",
     )
 
     cache = p.add_argument_group("cache", _CAPACITY_HELP)
@@ -202,8 +240,8 @@ def add_replay_parser(sub: Any) -> None:
         "--window",
         metavar="TOKENS",
         type=_positive_int,
-        default=4096,
-        help="SWA window (tokens; --model swa)",
+        default=None,
+        help=f"SWA window (tokens; --model swa; default: {DEFAULT_WINDOW})",
     )
     cache.add_argument(
         "--swa-tokens",
@@ -239,11 +277,11 @@ def add_replay_parser(sub: Any) -> None:
         cache,
         "--write-policy",
         WRITE_POLICY_VALUES,
-        "write_back",
-        "when device KV is copied to host: write_back copies a device leaf when it is "
-        "evicted (device + host then act like one cache of their combined size); "
-        "write_through copies a node after its first hit (selective: second), so KV "
-        "evicted before it was hit again is lost",
+        None,
+        "when device KV is copied to the host tier (needs one): write_back (default) "
+        "copies a device leaf when it is evicted (device + host then act like one cache of "
+        "their combined size); write_through copies a node after its first hit (selective: "
+        "second), so KV evicted before it was hit again is lost",
     )
     _choice_option(
         cache,
@@ -272,8 +310,8 @@ def add_replay_parser(sub: Any) -> None:
         cache,
         "--l3-backup",
         L3_BACKUP_VALUES,
-        "on_host_eviction",
-        "when host pages are written to L3",
+        None,
+        f"with --l3-dir: when host pages are written to L3 (default: {DEFAULT_L3_BACKUP})",
     )
     cache.add_argument(
         "--page-size",
@@ -361,6 +399,7 @@ def add_replay_parser(sub: Any) -> None:
     out.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
+        type=_endpoint,
         default=None,
         help="publish KV events (SGLang 0.5.23's ZMQ format) on this PUB address during the "
         "run, e.g. tcp://127.0.0.1:5557 (needs pyzmq and msgspec)",
@@ -372,25 +411,62 @@ def add_replay_parser(sub: Any) -> None:
     )
 
 
+def _probe_write(directory: Path) -> str | None:
+    """Create and remove a file in ``directory``: the only test that holds for root (whom
+    ``os.access`` always allows) and for ``/proc`` or ``/sys``, which refuse new files."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".urc-write-probe-")
+    except OSError as exc:
+        return f"cannot create files in directory {directory}: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
 def output_path_problem(path: Path) -> str | None:
     """Why ``path`` cannot receive an output file, or ``None`` when it can (``-``: stdout).
 
-    Checked before a run starts, so a finished run is never lost to a bad path."""
+    Checked before a run starts, so a finished run is never lost to a bad path: an existing
+    file is opened for appending (nothing is written), a new one is probed by creating and
+    removing a file beside it."""
     if str(path) == "-":
         return None
     if path.is_dir():
-        if not any(path.glob("*.json")):
-            return f"{path} is a directory without session files (*.json)"
-        return None
+        return f"{path} is a directory (give a file name)"
     parent = path.parent
+    for above in (parent, *parent.parents):
+        if above.exists():
+            if not above.is_dir():
+                return f"{above} is not a directory"
+            break
     if not parent.is_dir():
         return f"directory {parent} does not exist"
     if path.exists():
-        if not os.access(path, os.W_OK):
-            return f"{path} is not writable"
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {parent} is not writable"
-    return None
+        try:
+            with path.open("ab"):
+                pass
+        except OSError as exc:
+            return f"cannot write {path}: {exc.strerror or exc}"
+        return None
+    return _probe_write(parent)
+
+
+_DEFAULTS: dict[str, object] = {
+    "seed": DEFAULT_SEED,
+    "session_concurrency": DEFAULT_SESSION_CONCURRENCY,
+    "block_size": TRACE_BLOCK_SIZE,
+    "window": DEFAULT_WINDOW,
+    "write_policy": DEFAULT_WRITE_POLICY,
+    "l3_backup": DEFAULT_L3_BACKUP,
+}
+"""The options parsed with ``default=None`` (so that a flag given where it has no effect can be
+told from one left out) and the value that applies when they are left out."""
+
+
+def resolved(args: argparse.Namespace, name: str) -> Any:
+    """The value of option ``name`` that applies: as given, else its default."""
+    value = getattr(args, name)
+    return _DEFAULTS[name] if value is None and name in _DEFAULTS else value
 
 
 def host_tokens(args: argparse.Namespace) -> Capacity:
@@ -422,8 +498,53 @@ def _l3_dir_problem(path: Path) -> str | None:
         return f"{path} exists and is not a directory"
     except OSError as exc:
         return f"cannot create directory {path}: {exc.strerror or exc}"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"directory {path} is not writable"
+    return _probe_write(path)
+
+
+def _no_effect_problem(args: argparse.Namespace) -> tuple[str, str] | None:
+    """A flag given where it would change nothing, as ``(flag, problem)``.
+
+    One rule for every such flag: it is refused (a flag that silently does nothing hides a
+    mistake in the command line), naming the flag and what it needs."""
+    model = ModelProfile(args.model)
+    sessions = mooncake = False
+    if args.trace is not None:
+        from urc.apps.workloads.agentic import is_session_archive  # asyncio, no torch
+
+        sessions = is_session_archive(args.trace)
+        mooncake = not sessions
+    needs = [
+        ("--window", args.window, model is ModelProfile.SWA, "without --model swa"),
+        (
+            "--write-policy",
+            args.write_policy,
+            not host_tokens(args).is_zero,
+            "without the host tier (--host-tokens is 0"
+            + (", the default with --sweep)" if args.sweep is not None else ")"),
+        ),
+        ("--l3-backup", args.l3_backup, args.l3_dir is not None, "without --l3-dir"),
+        (
+            "--block-size",
+            args.block_size,
+            mooncake,
+            "without a Mooncake-format --trace (session files carry their own)",
+        ),
+        (
+            "--session-concurrency",
+            args.session_concurrency,
+            sessions,
+            "without agentic session files (--trace DIR or .tar.xz)",
+        ),
+        (
+            "--seed",
+            args.seed,
+            not mooncake,
+            "with a Mooncake-format --trace (replayed as recorded)",
+        ),
+    ]
+    for flag, value, applies, problem in needs:
+        if value is not None and not applies:
+            return flag, f"has no effect {problem}"
     return None
 
 
@@ -437,8 +558,8 @@ def check_replay_args(args: argparse.Namespace) -> tuple[str, str] | None:
         check_options(
             model=ModelProfile(args.model),
             num_requests=args.num_requests,
-            block_size=args.block_size,
-            window=args.window,
+            block_size=resolved(args, "block_size"),
+            window=resolved(args, "window"),
             swa_tokens=args.swa_tokens,
             mamba_states=args.mamba_states,
             device_tokens=args.device_tokens,
@@ -451,6 +572,8 @@ def check_replay_args(args: argparse.Namespace) -> tuple[str, str] | None:
         )
     except OptionError as exc:
         return flag_name(exc.field), exc.describe(flag_name)
+    if (no_effect := _no_effect_problem(args)) is not None:
+        return no_effect
     if args.plot is not None:
         if args.sweep is None:
             return "--plot", "needs --sweep"
@@ -461,6 +584,13 @@ def check_replay_args(args: argparse.Namespace) -> tuple[str, str] | None:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None and (problem := output_path_problem(path)) is not None:
             return flag, problem
+    if args.kv_events is not None:
+        missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+        if missing:
+            return "--kv-events", (
+                f"needs pyzmq and msgspec ({', '.join(missing)} not installed: "
+                'pip install -e ".[events]")'
+            )
     if args.l3_dir is not None and (problem := _l3_dir_problem(args.l3_dir)) is not None:
         return "--l3-dir", problem
     return None

@@ -127,10 +127,13 @@ async def build_next_use(
         mininterval=0.5,
         desc="belady (reading the future)",
     ) as bar:
+        seen = 0
         async with aclosing(stream):
             async for r in stream:
                 table.add(r.index, r.input_ids, r.namespace)
-                if (r.index + 1) % CHECKPOINT_EVERY == 0:
+                seen = r.index + 1
+                if seen % CHECKPOINT_EVERY == 0:
                     bar.update(CHECKPOINT_EVERY)
                     await anyio.lowlevel.checkpoint()  # interruptible (nothing here suspends)
+        bar.update(seen - bar.n)  # ends at its total, not at the last checkpoint
     return table

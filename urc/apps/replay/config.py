@@ -24,7 +24,15 @@ from pathlib import Path
 import torch
 
 from hicache.config import StorageBackupPolicy
-from urc.apps.replay.options import DEFAULT_CHUNK_SIZE, Capacity, ModelProfile, check_options
+from urc.apps.replay.options import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_SEED,
+    DEFAULT_SESSION_CONCURRENCY,
+    DEFAULT_WINDOW,
+    Capacity,
+    ModelProfile,
+    check_options,
+)
 from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
 from urc.apps.workloads.agentic import AgenticConfig, is_session_archive
 from urc.config import CacheConfig
@@ -98,19 +106,19 @@ class ReplayConfig:
     trace: Path | None = None
     workload: WorkloadKind = WorkloadKind.MULTI_TURN_CHAT
     num_requests: int | None = None
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     block_size: int = DEFAULT_BLOCK_SIZE
     model: ModelProfile = ModelProfile.FULL
-    window: int = 4096
+    window: int = DEFAULT_WINDOW
     swa_tokens: Capacity | None = None
     mamba_states: int | None = None
     device_tokens: Capacity = field(default_factory=_default_device)
     host_tokens: Capacity = field(default_factory=_default_host)
-    write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    write_policy: WritePolicy = WritePolicy.WRITE_BACK  # DEFAULT_WRITE_POLICY (a test pins it)
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     partial_leaf_eviction: bool = False
     l3_dir: Path | None = None
-    l3_backup: StorageBackupPolicy = StorageBackupPolicy.ON_HOST_EVICTION
+    l3_backup: StorageBackupPolicy = StorageBackupPolicy.ON_HOST_EVICTION  # DEFAULT_L3_BACKUP
     page_size: int = 16
     chunk_size: int = DEFAULT_CHUNK_SIZE
     concurrency: int = 8
@@ -118,7 +126,7 @@ class ReplayConfig:
     speed: float = 0.0
     realtime: bool = False
     kv_shape: KVShape = REPLAY_KV_SHAPE
-    session_concurrency: float = 100.0
+    session_concurrency: float = DEFAULT_SESSION_CONCURRENCY
     session_subset: tuple[int, int] | None = None
     share_prefix: bool = True
     tlru_threshold: int = 0
@@ -170,14 +178,18 @@ class ReplayConfig:
         """Whether the same config gives the same report (see the class docstring)."""
         return not self.realtime and self.speed == 0 and self.l3_dir is None
 
-    def swa_pool_tokens(self, device_tokens: int, unique_tokens: int) -> int | None:
-        """The SWA pool size (whole pages) for a Full pool of ``device_tokens``; ``None``
-        when the model has no SWA component."""
+    def swa_pool_tokens(
+        self, device_tokens: int, unique_tokens: int, tokens_per_unit: int = 1
+    ) -> int | None:
+        """The SWA pool size (whole pages, cache units) for a Full pool of ``device_tokens``;
+        ``None`` when the model has no SWA component (``tokens_per_unit``: see
+        :meth:`Capacity.resolve`)."""
         if self.model is not ModelProfile.SWA:
             return None
         if self.swa_tokens is None:
             return device_tokens
-        return max(self.page_size, self.swa_tokens.resolve(unique_tokens, self.page_size))
+        pages = self.swa_tokens.resolve(unique_tokens, self.page_size, tokens_per_unit)
+        return max(self.page_size, pages)
 
     def cache_config(
         self,

@@ -347,8 +347,10 @@ def _agentic_notes(config: ReplayConfig) -> list[str]:
     wl = agentic_workload(config)
     return [
         f"agentic sessions: {wl.sessions} sessions, {wl.flows} flows (sub-agents are their "
-        f"own), {wl.requests:,} requests; one cache token per {wl.block_size}-token block "
-        f"(token counts here are blocks; a prompt's last partial block is left out)",
+        f"own), {wl.requests:,} requests; one cache token per {wl.block_size}-token block: "
+        f"the token counts of this report are blocks (capacities given as token counts were "
+        f"divided by {wl.block_size}; --window and --chunk-size count blocks); a prompt's last "
+        "partial block is left out",
         f"arrivals: Poisson, {config.session_concurrency:g} sessions running on average "
         f"(mean session {wl.mean_session_s:,.0f} s), order and gaps seeded by {config.seed}; "
         "recorded think and model times kept",
@@ -426,9 +428,11 @@ async def run_replay(
     if summary.requests == 0:
         raise EmptyWorkloadError(f"{config.source_name}: the workload holds no request")
     ps = config.page_size
-    device = max(ps, config.device_tokens.resolve(summary.unique_tokens, ps))
-    host = config.host_tokens.resolve(summary.unique_tokens, ps)
-    swa_pool = config.swa_pool_tokens(device, summary.unique_tokens)
+    # Capacities are prompt tokens; an agentic replay caches one token per block.
+    unit = (agentic_workload(config).block_size or 1) if config.agentic else 1
+    device = max(ps, config.device_tokens.resolve(summary.unique_tokens, ps, unit))
+    host = config.host_tokens.resolve(summary.unique_tokens, ps, unit)
+    swa_pool = config.swa_pool_tokens(device, summary.unique_tokens, unit)
     # Belady (measurement only) reads the whole workload first: it knows every next use.
     belady = config.eviction_policy is EvictionPolicy.BELADY
     future = (
@@ -550,6 +554,7 @@ async def run_replay(
         l3=f"{config.l3_dir} ({config.l3_backup.value})" if storage is not None else None,
         device_tokens=device,
         host_tokens=host,
+        token_unit=unit,
         swa_window=config.window if config.model is ModelProfile.SWA else None,
         swa_tokens=swa_pool,
         mamba_states=cache.config.mamba_size if config.model is ModelProfile.MAMBA else None,

@@ -9,10 +9,12 @@ construction, so the command line, tests and embedding programs share one set of
 mentions either as field names (``str(exc)``, for Python callers) or as command-line flags
 (:meth:`OptionError.render` with :func:`flag_name`, for ``urc replay``).
 
-Capacities (:class:`Capacity`) are either a token count or a fraction of the workload's
-*unique tokens*: the prompt tokens an unbounded prefix cache would have had to compute,
-``input tokens - ideal hit tokens`` at the replay's page size (prefill-only, unbounded,
-:mod:`urc.apps.workloads.ideal`).  ``--device-tokens 0.25`` is a device pool a quarter of that.
+Capacities (:class:`Capacity`) are either a token count (prompt tokens, whatever the workload:
+an agentic session replay, which caches one token per block, divides it by the block size) or
+a fraction of the workload's *unique tokens*: the prompt tokens an unbounded prefix cache
+would have had to compute, ``input tokens - ideal hit tokens`` at the replay's page size
+(prefill-only, unbounded, :mod:`urc.apps.workloads.ideal`).  ``--device-tokens 0.25`` is a
+device pool a quarter of that.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_L3_BACKUP",
+    "DEFAULT_SEED",
+    "DEFAULT_SESSION_CONCURRENCY",
     "DEFAULT_SWEEP",
+    "DEFAULT_WINDOW",
+    "DEFAULT_WRITE_POLICY",
     "EVICTION_POLICY_VALUES",
     "L3_BACKUP_VALUES",
     "TRACE_BLOCK_SIZE",
@@ -73,6 +80,14 @@ EVICTION_POLICY_VALUES = (
 )
 WRITE_POLICY_VALUES = ("write_through", "write_through_selective", "write_back")
 L3_BACKUP_VALUES = ("write_through", "on_host_eviction")
+
+# Defaults shared by ReplayConfig and ``urc replay`` (whose parser leaves these flags unset
+# unless given, so that one given where it has no effect is refused).
+DEFAULT_SEED = 0
+DEFAULT_WINDOW = 4096
+DEFAULT_SESSION_CONCURRENCY = 100.0
+DEFAULT_WRITE_POLICY = "write_back"
+DEFAULT_L3_BACKUP = "on_host_eviction"
 
 
 def flag_name(field: str) -> str:
@@ -169,10 +184,15 @@ class Capacity:
     def is_zero(self) -> bool:
         return self.tokens == 0 or self.fraction == 0
 
-    def resolve(self, unique_tokens: int, page_size: int) -> int:
-        """Tokens, rounded up to whole pages (0 stays 0)."""
+    def resolve(self, unique_tokens: int, page_size: int, tokens_per_unit: int = 1) -> int:
+        """The pool size in the cache's units, rounded up to whole pages (0 stays 0).
+
+        ``tokens_per_unit``: prompt tokens per cache token (an agentic session replay caches
+        one token per 64-token block): a token count is divided by it, rounded up, so a
+        capacity means tokens whatever the workload; a fraction is of ``unique_tokens``,
+        which is already in the cache's units."""
         if self.tokens is not None:
-            n = self.tokens
+            n = -(-self.tokens // tokens_per_unit)
         else:
             assert self.fraction is not None
             n = math.ceil(self.fraction * unique_tokens)
@@ -209,13 +229,16 @@ def check_options(
     Reads nothing but its arguments (no file system, no torch)."""
     if page_size <= 0 or page_size & (page_size - 1):
         raise OptionError("page_size", f"must be a power of two, got {page_size}")
-    if num_requests is not None and num_requests < 0:
-        raise OptionError("num_requests", f"must be >= 0, got {num_requests}")
+    if num_requests is not None and num_requests < 1:
+        raise OptionError("num_requests", f"must be > 0, got {num_requests}")
     for name, value in (("block_size", block_size), ("window", window)):
         if value <= 0:
             raise OptionError(name, f"must be > 0, got {value}")
-    if mamba_states is not None and mamba_states <= 0:
-        raise OptionError("mamba_states", f"must be > 0, got {mamba_states}")
+    if mamba_states is not None:
+        if model is not ModelProfile.MAMBA:
+            raise OptionError("mamba_states", "has no effect without {model} mamba")
+        if mamba_states <= 0:
+            raise OptionError("mamba_states", f"must be > 0, got {mamba_states}")
     if chunk_size <= 0 or chunk_size % page_size:
         raise OptionError(
             "chunk_size",
@@ -229,7 +252,7 @@ def check_options(
         raise OptionError("device_tokens", "must be > 0 (the device pool holds every request)")
     if swa_tokens is not None:
         if model is not ModelProfile.SWA:
-            raise OptionError("swa_tokens", "sizes the SWA pool: {model} swa only")
+            raise OptionError("swa_tokens", "has no effect without {model} swa")
         if swa_tokens.is_zero:
             raise OptionError("swa_tokens", "must be > 0")
     if l3_dir is not None:

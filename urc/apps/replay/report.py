@@ -140,6 +140,9 @@ class ReplayReport:
     # From ``urc``'s main to the start of setup: imports of torch, the cache, the service
     # (set by the command line; ``None`` for a run_replay call).
     startup_time_s: float | None = None
+    # Prompt tokens per cache token: 1, or an agentic replay's block size (its token counts
+    # are blocks; its capacities were given in tokens and divided by this).
+    token_unit: int = 1
 
     @property
     def served_nothing(self) -> bool:
@@ -169,6 +172,7 @@ class ReplayReport:
                 "eviction_policy": self.eviction_policy,
                 "device_tokens": self.device_tokens,
                 "host_tokens": self.host_tokens,
+                "token_unit": self.token_unit,
                 "swa_window": self.swa_window,
                 "swa_tokens": self.swa_tokens,
                 "mamba_states": self.mamba_states,
@@ -213,10 +217,16 @@ class ReplayReport:
             },
         }
 
+    def _size(self, units: int) -> str:
+        """A pool size in the report's units, and in tokens when those are blocks."""
+        if self.token_unit == 1:
+            return f"{units:,} tokens"
+        return f"{units:,} blocks of {self.token_unit} tokens ({units * self.token_unit:,} tokens)"
+
     def format(self) -> str:
         """The human-readable report."""
         pct = "{:6.2%}".format
-        host = f"{self.host_tokens:,} tokens" if self.host_tokens else "off"
+        host = self._size(self.host_tokens) if self.host_tokens else "off"
         model = self.model
         if self.swa_window is not None:
             model += f" (window {self.swa_window:,}, SWA pool {self.swa_tokens:,} tokens)"
@@ -226,7 +236,7 @@ class ReplayReport:
             f"urc replay: {self.source}",
             f"  model {model}, page {self.page_size}, chunk {self.chunk_size}, "
             f"concurrency {self.concurrency}" + (", prefill-only" if self.prefill_only else ""),
-            f"  device {self.device_tokens:,} tokens ({self.eviction_policy}), host {host}"
+            f"  device {self._size(self.device_tokens)} ({self.eviction_policy}), host {host}"
             + (f" ({self.write_policy})" if self.write_policy else "")
             + (f", L3 {self.l3}" if self.l3 else "")
             + f"; unique prompt tokens {self.unique_tokens:,}"

@@ -147,6 +147,7 @@ async def summarize(config: ReplayConfig, *, progress: bool = False) -> Workload
                     await anyio.lowlevel.checkpoint()
                 if limit is not None and config.agentic and count >= limit:
                     break
+            bar.update(count - bar.n)  # the bar ends at its total, not at the last checkpoint
             return WorkloadSummary(count, tokens_in, tokens_out, longest, hits)
         bs = config.block_size
         block_oracle = BlockPrefixOracle(bs, ps) if bs % ps == 0 else None
@@ -169,6 +170,7 @@ async def summarize(config: ReplayConfig, *, progress: bool = False) -> Workload
                 if count % CHECKPOINT_EVERY == 0:
                     bar.update(CHECKPOINT_EVERY)
                     await anyio.lowlevel.checkpoint()
+        bar.update(count - bar.n)
     return WorkloadSummary(count, tokens_in, tokens_out, longest, hits)
 
 
