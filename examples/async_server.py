@@ -47,7 +47,10 @@ async def respond(svc: AsyncUnifiedRadixCache, line: str) -> str | None:
                 f"OK nodes={s.num_nodes} cached_tokens={cached} "
                 f"match_requests={s.match_requests} hit_tokens={s.hit_tokens[Tier.DEVICE]}"
             )
-        tokens = [int(t) for t in rest.split()]
+        try:
+            tokens = [int(t) for t in rest.split()]
+        except ValueError as exc:  # int("x"); an id outside int64 is the cache's to refuse
+            return f"ERR token ids must be integers: {exc}"
         if not tokens:
             return f"ERR {verb or 'empty line'}: expected a verb and token ids"
         if verb == "MATCH":
@@ -58,8 +61,6 @@ async def respond(svc: AsyncUnifiedRadixCache, line: str) -> str | None:
             res = await svc.insert(tokens, slots)  # the tree takes the slots (frees duplicates)
             return f"OK {res.prefix_len} {res.total_len}"
         return f"ERR unknown verb {verb!r} (INSERT, MATCH, STATS, QUIT)"
-    except ValueError:
-        return "ERR token ids must be integers"
     except URCError as exc:  # e.g. OutOfMemoryError: the service keeps serving
         return f"ERR {type(exc).__name__}: {exc}"
 

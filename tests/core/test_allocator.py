@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from urc import ConfigError, DoubleFreeError, InvalidIndicesError
+from urc import ConfigError, DoubleFreeError, InvalidIndicesError, InvalidInputError
 from urc.pools.allocator import _CAT_SLOTS, MERGE_BATCH, TokenSlotAllocator, merged_groups
 
 
@@ -177,3 +177,26 @@ def test_a_full_queue_merges_at_merge_batch_spans() -> None:
     assert not a._pending
     assert a.available_size() == 2 * MERGE_BATCH
     a.check_consistency()
+
+
+def _allocators() -> list[tuple[str, object]]:
+    from urc.pools.mamba import MambaPool
+    from urc.pools.swa import SWATokenSlotAllocator
+
+    return [
+        ("full", TokenSlotAllocator(64, 16)),
+        ("full+swa", SWATokenSlotAllocator(64, 64, 16)),
+        ("mamba", MambaPool(8, (1,), (1,))),
+    ]
+
+
+@pytest.mark.parametrize("count", [2.5, "3", None])
+def test_a_count_that_is_not_an_int_is_named_as_given(count: object) -> None:
+    """``alloc(2.5)`` names 2.5 (it used to name the page count, 1.0), ``alloc("3")`` is an
+    InvalidInputError (it used to be a TypeError from a comparison); nothing is taken."""
+    for kind, alloc in _allocators():
+        before = alloc.available_size()  # type: ignore[attr-defined]
+        with pytest.raises(InvalidInputError, match=f"got {count!r} ") as exc:
+            alloc.alloc(count)  # type: ignore[attr-defined]
+        assert type(count).__name__ in str(exc.value), kind
+        assert alloc.available_size() == before, kind  # type: ignore[attr-defined]

@@ -4,6 +4,7 @@ says there is nothing to check and succeeds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,12 @@ def test_the_transfer_bench_reports_every_copy_against_its_baseline(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the whole check on a GPU")
 def test_the_gpu_check_without_cuda_says_so_and_succeeds(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    assert gpu_check.main([]) == 0
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--out", str(out)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == {"cuda": False, "skipped": "no CUDA device"}
 
 
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda v: v.value)

@@ -48,7 +48,10 @@ async def test_async_server_speaks_the_line_protocol() -> None:
                 stats = await ask("STATS")
                 assert stats.startswith("OK ") and "cached_tokens=6" in stats
                 assert (await ask("FOO 1")).startswith("ERR unknown verb")
-                assert (await ask("MATCH x")).startswith("ERR")
+                assert (await ask("MATCH x")).startswith("ERR token ids must be integers")
+                # An integer the cache cannot key (outside int64) is named as such.
+                too_big = await ask(f"MATCH {1 << 63}")
+                assert too_big.startswith("ERR InvalidInputError") and "int64" in too_big
                 assert (await ask("INSERT " + " 9" * 100)).startswith("ERR OutOfMemoryError")
                 await stream.send(b"QUIT\n")
                 with pytest.raises(anyio.EndOfStream):

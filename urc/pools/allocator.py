@@ -53,6 +53,7 @@ import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
 from urc.fastpath import WalkImpl
+from urc.pools.counts import slot_count
 from urc.pools.pageops import FREE, HELD, TREE, PageOps, select_page_ops
 
 __all__ = ["MERGE_BATCH", "TokenSlotAllocator", "check_page_size", "merged_groups"]
@@ -145,8 +146,7 @@ class TokenSlotAllocator:
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` slots (whole pages); ``None`` when not enough are free."""
-        if num_tokens < 0:
-            raise InvalidIndicesError(f"cannot allocate a negative number of slots: {num_tokens}")
+        num_tokens = slot_count(num_tokens, "num_tokens")
         ps = self.page_size
         need = -(-num_tokens // ps)
         if need > self._free_pages:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
+from urc.pools.counts import slot_count
 from urc.pools.indices import INDEX_DEVICE
 
 __all__ = ["MambaPool"]
@@ -99,8 +100,7 @@ class MambaPool:
 
     def alloc(self, num: int = 1) -> torch.Tensor | None:
         """Take ``num`` slots as a 1-D int64 tensor; ``None`` (nothing taken) if too few."""
-        if num < 0:
-            raise InvalidIndicesError(f"cannot allocate a negative number of slots: {num}")
+        num = slot_count(num, "num")
         free = self._free
         if num > len(free):
             return None

@@ -48,6 +48,7 @@ import torch
 
 from urc.errors import ConfigError
 from urc.pools.allocator import MERGE_BATCH, TokenSlotAllocator, merged_groups
+from urc.pools.counts import slot_count
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.pageops import FREE, Unmap
 
@@ -183,6 +184,7 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` Full slots (whole pages) plus as many SWA pages; ``None``
         (nothing taken) when either side is short."""
+        num_tokens = slot_count(num_tokens, "num_tokens")
         need = -(-num_tokens // self.page_size)
         if num_tokens > 0 and need > self.swa_pages.available():
             self.flush()

@@ -72,7 +72,9 @@ def _as_key(key: RadixKey | Sequence[int], extra_key: ExtraKey | str | None) -> 
         return key
     if isinstance(key, list | tuple | array):
         return RadixKey(key, extra_key)  # packed here, outside the actor
-    raise InvalidInputError(f"key must be a RadixKey or a list of token ids, got {type(key)}")
+    raise InvalidInputError(
+        f"key must be a RadixKey or a list of token ids, got {type(key).__name__}"
+    )
 
 
 class AsyncUnifiedRadixCache(Lifecycle):
@@ -119,7 +121,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         outcome is the final hit; ``host_loaded_len`` of it came from host.  Once the match
         started a load-back, the copy and the commit run shielded."""
         if not isinstance(req, Req):
-            raise InvalidInputError(f"match_req needs a Req, got {type(req)}")
+            raise InvalidInputError(f"match_req needs a Req, got {type(req).__name__}")
         threshold = self._load_back.threshold if load_back else None
         out: MatchOutcome = await self._submit(MatchReq(req, cow_mamba, threshold))
         if out.pending_load is None:
@@ -132,7 +134,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         prefetch), moving its lock to the longer hit, as ``match_req(load_back=True)`` does.
         The outcome is the request's hit afterwards (unchanged when nothing was loaded)."""
         if not isinstance(req, Req):
-            raise InvalidInputError(f"load_back_req needs a Req, got {type(req)}")
+            raise InvalidInputError(f"load_back_req needs a Req, got {type(req).__name__}")
         out: MatchOutcome = await self._submit(StartReqLoad(req, self._load_back.threshold))
         if out.pending_load is None:
             return out
@@ -200,7 +202,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         """Lock the node a match returned; raises :class:`~urc.errors.InvalidLockError` if it
         was evicted since."""
         if not isinstance(node, NodeHandle):
-            raise InvalidInputError(f"lock needs a NodeHandle, got {type(node)}")
+            raise InvalidInputError(f"lock needs a NodeHandle, got {type(node).__name__}")
         result: Lease = await self._submit(Lock(node))
         return result
 
@@ -244,14 +246,16 @@ class AsyncUnifiedRadixCache(Lifecycle):
         """Allocate ``num_tokens`` Full KV slots for the caller (evicting first when short);
         raises :class:`~urc.errors.OutOfMemoryError`.  The caller owns the slots."""
         if not isinstance(num_tokens, int):
-            raise InvalidInputError(f"num_tokens must be an int, got {type(num_tokens)}")
+            raise InvalidInputError(
+                f"num_tokens must be an int, got {num_tokens!r} ({type(num_tokens).__name__})"
+            )
         result: torch.Tensor = await self._submit(Alloc(num_tokens, evict))
         return result
 
     async def free(self, indices: torch.Tensor) -> None:
         """Give caller-owned slots back to the allocator."""
         if not isinstance(indices, torch.Tensor):
-            raise InvalidInputError(f"indices must be a tensor, got {type(indices)}")
+            raise InvalidInputError(f"indices must be a tensor, got {type(indices).__name__}")
         await self._submit(Free(indices))
 
     async def alloc_mamba(self, num: int = 1, *, evict: bool = True) -> torch.Tensor:
@@ -261,7 +265,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         :class:`~urc.errors.OutOfMemoryError`, and :class:`InvalidInputError` when the cache
         has no Mamba component."""
         if not isinstance(num, int):
-            raise InvalidInputError(f"num must be an int, got {type(num)}")
+            raise InvalidInputError(f"num must be an int, got {num!r} ({type(num).__name__})")
         result: torch.Tensor = await self._submit(AllocMamba(num, evict))
         return result
 
@@ -269,7 +273,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         """Give caller-owned Mamba state slots back (all or nothing: a slot the tree owns or
         that is not allocated raises and frees none)."""
         if not isinstance(indices, torch.Tensor):
-            raise InvalidInputError(f"indices must be a tensor, got {type(indices)}")
+            raise InvalidInputError(f"indices must be a tensor, got {type(indices).__name__}")
         await self._submit(FreeMamba(indices))
 
     async def alloc_req_row(self, req: Req) -> int:
@@ -277,7 +281,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         frees with the request); returns it.  Raises :class:`~urc.errors.OutOfMemoryError`
         when every row is taken."""
         if not isinstance(req, Req):
-            raise InvalidInputError(f"alloc_req_row needs a Req, got {type(req)}")
+            raise InvalidInputError(f"alloc_req_row needs a Req, got {type(req).__name__}")
         result: int = await self._submit(AllocReqRow(req))
         return result
 
@@ -287,7 +291,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         ``kv_committed_len`` to ``committed``; the first write also stores the matched
         prefix's indices at the row's start."""
         if not isinstance(slots, torch.Tensor):
-            raise InvalidInputError(f"slots must be a tensor, got {type(slots)}")
+            raise InvalidInputError(f"slots must be a tensor, got {type(slots).__name__}")
         await self._submit(WriteReqSlots(req, slots, committed))
 
     async def alloc_req_mamba(self, req: Req) -> torch.Tensor:
@@ -311,7 +315,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         """``UnifiedRadixCache.cache_finished_req`` through the actor (``hint``: the
         serving layer's view of the next use, ``urc.reuse_hint``)."""
         if not isinstance(req, Req):
-            raise InvalidInputError(f"cache_finished_req needs a Req, got {type(req)}")
+            raise InvalidInputError(f"cache_finished_req needs a Req, got {type(req).__name__}")
         if hint is not None and not isinstance(hint, ReuseHint):
             raise InvalidInputError(f"hint must be a ReuseHint, got {hint!r}")
         await self._submit(CacheFinishedReq(req, is_insert, hint))
@@ -319,7 +323,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
     async def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """``UnifiedRadixCache.cache_unfinished_req`` through the actor."""
         if not isinstance(req, Req):
-            raise InvalidInputError(f"cache_unfinished_req needs a Req, got {type(req)}")
+            raise InvalidInputError(f"cache_unfinished_req needs a Req, got {type(req).__name__}")
         await self._submit(CacheUnfinishedReq(req, chunked))
 
     async def stats(self) -> CacheStats:
