@@ -1,5 +1,6 @@
-"""Every Python example in the README runs as written, and every ``urc`` command line in it
-parses with the current options."""
+"""Every Python example in the README and the docs pages it leads to runs as written, every
+``urc`` command line in them parses with the current options, every figure comes with the
+command that produced it, and the README names every page under ``docs/``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,22 @@ import pytest
 
 from urc.apps.cli import build_parser
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-TEXT = README.read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The pages the README sends a newcomer to for what it no longer holds: held to the same rules.
+PAGES = [README] + [
+    ROOT / "docs" / name
+    for name in ("replay.md", "api.md", "hicache.md", "eviction.md", "benchmarks.md")
+]
+RUNNABLE = [README, ROOT / "docs" / "api.md", ROOT / "docs" / "hicache.md"]
+RUNNABLE.append(ROOT / "docs" / "kv_events.md")
+README_TEXT = README.read_text()
+TEXT = "\n\n".join(p.read_text() for p in PAGES)
+BLOCKS = [
+    (page, block)
+    for page in RUNNABLE
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+]
 BASH = re.findall(r"```bash\n(.*?)```", TEXT, re.S)
 COMMANDS = [
     part.strip()
@@ -24,21 +38,38 @@ COMMANDS = [
 ]
 
 
-def _block_id(block: str) -> str:
+def _block_id(item: tuple[Path, str]) -> str:
+    page, block = item
     line = next(ln for ln in reversed(block.splitlines()) if ln.strip())
-    return line.strip()[:40]
+    return f"{page.name}: {line.strip()[:40]}"
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=_block_id)
-def test_readme_python_example_runs_as_written(block: str) -> None:
-    exec(compile(block, str(README), "exec"), {"__name__": "__readme__"})
+@pytest.mark.parametrize("item", BLOCKS, ids=_block_id)
+def test_readme_python_example_runs_as_written(item: tuple[Path, str]) -> None:
+    page, block = item
+    exec(compile(block, str(page), "exec"), {"__name__": "__readme__"})
 
 
 def test_readme_has_the_documented_examples() -> None:
-    # The API, the async service, HiCache and Metrics snippets.
-    assert len(BLOCKS) >= 4
-    assert any("hicache.attach(" in b for b in BLOCKS)
-    assert any("MetricsServer" in b for b in BLOCKS)
+    # The README's tour (the core, the service with HiCache); the API, the async service,
+    # HiCache, attach/detach, Metrics and KV-event snippets in the pages.
+    readme = [b for page, b in BLOCKS if page == README]
+    assert len(readme) >= 2 and any("hicache.attach(" in b for b in readme)
+    assert len(BLOCKS) >= 6
+    assert any("MetricsServer" in b for _, b in BLOCKS)
+    assert any("attach_storage" in b for _, b in BLOCKS)
+
+
+def test_readme_lists_every_docs_page_and_links_only_pages_that_exist() -> None:
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    layout = README_TEXT[README_TEXT.index("## Layout") :]
+    assert [p for p in pages if p not in layout] == []
+    linked = set(re.findall(r"\]\(((?:docs/)?[\w.-]+\.md)(?:#[\w-]*)?\)", README_TEXT))
+    assert sorted(p for p in linked if not (ROOT / p).exists()) == []
+
+
+def test_readme_stays_a_front_door() -> None:
+    assert len(README_TEXT.splitlines()) <= 300
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -91,10 +122,11 @@ def _figures(unit: str) -> list[str]:
     return [m.group(0) for m in _FIGURE.finditer(cleaned)]
 
 
-def test_every_readme_figure_comes_with_the_command_that_produced_it() -> None:
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_readme_figure_comes_with_the_command_that_produced_it(page: Path) -> None:
     missing = [
         (unit[:120], figures[:3])
-        for unit in _units(TEXT)
+        for unit in _units(page.read_text())
         if (figures := _figures(unit)) and not (_COMMAND.search(unit) or _RUN_COMMAND.search(unit))
     ]
     assert missing == [], "\n".join(f"{f}: {u!r}" for u, f in missing)
@@ -147,10 +179,10 @@ def test_readme_inline_urc_commands_parse(command: str) -> None:
 
 
 def test_readme_async_service_example_runs_under_asyncio_run() -> None:
-    block = next(b for b in BLOCKS if "AsyncUnifiedRadixCache(build_cache" in b)
+    block = next(b for _, b in BLOCKS if "AsyncUnifiedRadixCache(build_cache" in b)
     assert "anyio.run(main)" in block
     code = block.replace("anyio.run(main)", "import asyncio\nasyncio.run(main())")
-    exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
+    exec(compile(code, "docs/api.md", "exec"), {"__name__": "__readme__"})
 
 
 def test_readme_json_section_names_every_report_field(tmp_path: Path) -> None:
@@ -160,8 +192,10 @@ def test_readme_json_section_names_every_report_field(tmp_path: Path) -> None:
     from hicache.storage_worker.stats import StorageWorkerStats
     from urc.apps.cli import main
 
-    section = TEXT[TEXT.index("#### The JSON report") :]
-    section = section[: section.index("\n## ")]
+    replay_page = (ROOT / "docs" / "replay.md").read_text()
+    section = replay_page[replay_page.index("### The JSON report") :]
+    end = section.find("\n## ")
+    section = section if end < 0 else section[:end]
     out = tmp_path / "r.json"
     assert main(["replay", "--no-progress", "--num-requests", "20", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())

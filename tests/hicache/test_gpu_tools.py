@@ -12,7 +12,7 @@ import torch
 
 from hicache.host_layout import HostLayout
 from urc.apps import gpu_check
-from urc.apps.bench.transfer import measure
+from urc.apps.bench.transfer import measure, significant
 from urc.apps.bench.transfer_compare import PHASES, compare, load_module
 from urc.pools.kv_pool import KVShape
 
@@ -27,6 +27,13 @@ def test_the_transfer_bench_reports_every_copy_against_its_baseline(
     assert out["layout"] == (layout or HostLayout.LAYER_FIRST).value
     for name in ("backup", "backup_scattered", "load_back", "load_back_scattered"):
         assert out[f"{name}_gb_s"] > 0 and out[f"{name}_fraction"] > 0
+
+
+def test_bandwidth_figures_keep_their_digits_however_small() -> None:
+    """A 4 KiB copy slowed to a millisecond by a loaded machine is 0.0041 GB/s, not 0.0 (the
+    rounding that failed the test above under load)."""
+    assert significant(4096 / 1e9 / 1e-3) == 0.0041
+    assert significant(16.789) == 16.8 and significant(0.9994) == 0.999
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the whole check on a GPU")

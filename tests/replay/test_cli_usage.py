@@ -392,3 +392,16 @@ def test_ctrl_c_during_setup_exits_promptly_with_status_130(tmp_path: Path) -> N
         os.close(master)
     assert proc.returncode == 130
     assert b"Traceback" not in rest
+
+
+def test_plot_writes_the_curve_as_a_png_with_the_plot_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip(
+        "matplotlib", reason='the plot extra is not installed: pip install -e ".[plot]"'
+    )
+    png = tmp_path / "curve.png"
+    argv = ["replay", "--no-progress", "--num-requests", "40", "--sweep", "0.5,1.0", "--plot"]
+    assert main([*argv, str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(png) in capsys.readouterr().err

@@ -578,7 +578,7 @@ def check_replay_args(args: argparse.Namespace) -> tuple[str, str] | None:
         if args.sweep is None:
             return "--plot", "needs --sweep"
         if importlib.util.find_spec("matplotlib") is None:
-            return "--plot", "needs matplotlib, which is not installed (pip install matplotlib)"
+            return "--plot", 'needs matplotlib, which is not installed (pip install -e ".[plot]")'
     if args.trace is not None and (problem := _trace_problem(args.trace)) is not None:
         return "--trace", problem
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
