@@ -66,6 +66,11 @@ class BackupWriter(TierEvents):
         self._closed = False
         self.pinning = 0  # write-through jobs holding host locks right now
 
+    @property
+    def pending(self) -> int:
+        """Backups queued (write-through nodes due, pages staged) or being written."""
+        return len(self._due) + len(self._staged) + self.pinning
+
     # ------------------------------------------------------------------ tier events (actor)
     def _signal(self) -> None:
         if self._wake is not None:

@@ -182,15 +182,25 @@ def test_an_unsupported_launch_option_fails_at_start_up_naming_it(
         create_tree_cache(ctx)
 
 
-def test_hicache_with_an_l3_storage_backend_fails_at_start_up_naming_the_flag() -> None:
+@pytest.mark.parametrize(
+    ("memory", "flag"),
+    [
+        ({"hicache_storage_backend": "hf3fs"}, "--hicache-storage-backend hf3fs"),
+        ({"hicache_mem_layout": "page_head"}, "--hicache-mem-layout page_head"),
+        ({"hicache_mem_layout": "page_first_direct"}, "--hicache-mem-layout page_first_direct"),
+    ],
+)
+def test_hicache_options_urc_does_not_serve_fail_at_start_up_naming_the_flag(
+    memory: dict[str, Any], flag: str
+) -> None:
     from scheduler_steps import Pools, make_context
     from sglang.srt.mem_cache.registry import create_tree_cache
 
     from urc.errors import ConfigError
 
     _register()
-    _publish(4, enable_hierarchical_cache=True, hicache_storage_backend="file")
-    with pytest.raises(ConfigError, match="hicache-storage-backend"):
+    _publish(4, enable_hierarchical_cache=True, **memory)
+    with pytest.raises(ConfigError, match=flag):
         create_tree_cache(make_context(Pools(4, 64, 2, 64), hicache=True))
 
 

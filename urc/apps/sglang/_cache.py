@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType as S
 
 from urc import params as urc_params
 from urc.apps.sglang._events import to_sglang_events
+from urc.apps.sglang._hicache import HiCacheSurface
 from urc.apps.sglang._keys import namespace, to_urc_key
 from urc.cache import UnifiedRadixCache
 from urc.key import RadixKey
@@ -47,7 +48,7 @@ from urc.node import ComponentType, TreeNode
 __all__ = ["SGLangRadixCache"]
 
 
-class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
+class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
     """urc's :class:`~urc.cache.UnifiedRadixCache` (``self.urc``) serving SGLang's
     scheduler.  Built by :func:`urc.apps.sglang.create_cache` from SGLang's
     ``TreeCacheBuildContext``; every method takes and returns SGLang's own objects."""
@@ -56,6 +57,7 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
         self.urc = core
         #: urc's host tier (HiCache L2, ``hicache.host_tier.HostMemoryTier``) or None.
         self.host = host
+        self.init_hicache_surface()
         self.req_to_token_pool = sglang_params.req_to_token_pool
         self.token_to_kv_pool_allocator = sglang_params.token_to_kv_pool_allocator
         self.page_size = core.page_size
@@ -373,52 +375,6 @@ class SGLangRadixCache(BasePrefixCache):  # type: ignore[misc]
             swa_num_tokens_evicted=result.swa_num_tokens_evicted,
             mamba_num_evicted=result.mamba_num_evicted,
         )
-
-    # ================================================================== HiCache (host tier)
-    # Copies between SGLang's device KV and urc's host pool are synchronous (torch copies on
-    # the scheduler thread): a load-back is complete when ``init_load_back`` returns, so no
-    # layer of the forward waits for it and ``ready_to_load_host_cache`` reports none.
-    def init_load_back(self, params: Any) -> tuple[int, TreeNode] | None:
-        """Load the host-only part of the path to ``params.best_match_node`` to device.
-        Returns ``(tokens loaded, the node the request's prefix now ends on)``: all the
-        promised host hit, or ``(0, req.last_node)`` when device memory could not be found
-        (SGLang then recomputes)."""
-        node = params.best_match_node
-        loaded = self.urc.load_back(node) if self.host is not None else 0
-        if loaded == 0:
-            return 0, params.req.last_node
-        return loaded, node
-
-    def ready_to_load_host_cache(self) -> int:
-        return -1  # no load in flight (see above)
-
-    def check_hicache_events(self) -> None:
-        """Run the write-through backups that came due (evicting unpinned host leaves
-        when the host pool is full)."""
-        self.flush_pending_backups()
-
-    def flush_pending_backups(self) -> None:
-        core = self.urc
-        if self.host is None:
-            return
-        while core.pending_backups:
-            _, node = core.pending_backups.popitem()
-            full = node.data[ComponentType.FULL]
-            if node.deleted or full is None or full.value is None or full.host_value is not None:
-                continue
-            if not core.write_backup(node) and self._free_host(node.key_len):
-                core.write_backup(node)
-
-    def _free_host(self, tokens: int) -> int:
-        """Evict unpinned host-only leaves for ``tokens`` host slots; returns tokens freed."""
-        return self.urc.evict_host(tokens) if self.host is not None else 0
-
-    def is_backuped(self, node: TreeNode) -> bool:
-        full = node.data[ComponentType.FULL]
-        return full is not None and full.host_value is not None
-
-    def has_pending_cache_operations(self) -> bool:
-        return False
 
     # ================================================================== sizes
     def evictable_size(self) -> int:

@@ -6,6 +6,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from urc.apps.sglang._hicache_options import (
+    hicache_config,
+    hicache_refusals,
+    start_storage,
+    storage_refusals,
+)
 from urc.cache import UnifiedRadixCache
 from urc.config import CacheConfig
 from urc.errors import ConfigError
@@ -126,30 +132,21 @@ def _unsupported_hicache(ctx: Any, memory: Any) -> list[str]:
             f"--enable-hierarchical-cache with a {type(kv).__name__}: urc mirrors "
             "per-layer K/V buffers (MHATokenToKVPool) only"
         )
-    if memory.hicache_storage_backend is not None:
-        out.append(
-            "--hicache-storage-backend: urc's tree does not drive SGLang's storage controller "
-            "(SGLang's own tree can use urc's stores: urc.apps.sglang.hicache_storage)"
-        )
     if memory.hicache_host_memory_mode != "cache":
         out.append(f"--hicache-host-memory-mode {memory.hicache_host_memory_mode}")
+    out.extend(hicache_refusals(memory))
+    out.extend(storage_refusals(ctx, memory))
     return out
 
 
 def _hicache_config(allocator: Any, memory: Any) -> Any:
-    """urc's ``HiCacheConfig`` for SGLang's ``--hicache-*`` options (write policy; host
-    size from ``--hicache-size`` in GB, else ``--hicache-ratio``, default 2)."""
-    from hicache import HiCacheConfig
+    """urc's ``HiCacheConfig`` for SGLang's ``--hicache-*`` options (see
+    :func:`urc.apps.sglang._hicache_options.hicache_config`)."""
     from urc.apps.sglang._pools import SGLangKVBuffers
-    from urc.host.protocol import WritePolicy
 
-    policy = WritePolicy(memory.hicache_write_policy)
-    if memory.hicache_size:
-        kvcache = allocator.get_kvcache()
-        per_slot = SGLangKVBuffers(getattr(kvcache, "full_kv_pool", kvcache)).bytes_per_slot()
-        tokens = int(memory.hicache_size * (1 << 30) // max(per_slot, 1))
-        return HiCacheConfig(write_policy=policy, host_tokens=tokens)
-    return HiCacheConfig(write_policy=policy, host_ratio=memory.hicache_ratio or 2.0)
+    kvcache = allocator.get_kvcache()
+    per_slot = SGLangKVBuffers(getattr(kvcache, "full_kv_pool", kvcache)).bytes_per_slot()
+    return hicache_config(memory, per_slot)
 
 
 def check_supported(ctx: Any) -> None:
@@ -239,4 +236,6 @@ def create_cache(ctx: Any) -> Any:
         from hicache.host_tier import attach_hicache
 
         host = attach_hicache(core, _hicache_config(allocator, _memory()))
-    return SGLangRadixCache(core, params, host)
+    cache = SGLangRadixCache(core, params, host)
+    start_storage(cache, _memory())
+    return cache

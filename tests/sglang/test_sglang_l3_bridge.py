@@ -1,0 +1,298 @@
+"""urc's L3 worker driven the way SGLang's scheduler drives it with urc as the tree
+(``urc.apps.sglang._l3``): the worker on a loop thread of its own, its tree steps run on the
+calling ("scheduler") thread at ``run_calls``, a real :class:`FileStorage` in SGLang's key
+scheme.  No SGLang process is needed: these are the bridge's contracts; the live server
+cases are in ``tests/live_sglang``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hicache_harness import FULL, check, insert, make, match, seq, zero_device
+
+from hicache.config import PrefetchStopPolicy
+from hicache.storage.file import FileStorage
+from hicache.storage.sglang_keys import SGLangNaming, sglang_page_keys
+from urc import EvictParams, UnifiedRadixCache
+from urc.apps.sglang._l3 import (
+    SchedulerActor,
+    SchedulerStorage,
+    attach_storage,
+    open_store,
+    parse_extra_config,
+    storage_config,
+)
+from urc.errors import ConfigError
+from urc.host.protocol import WritePolicy
+
+pytestmark = pytest.mark.timeout(120)
+
+NAMING = SGLangNaming("org/tiny")
+DEADLINE_S = 30.0
+
+
+def _until(cond: Any, l3: SchedulerStorage) -> None:
+    """Run the worker's tree steps on this thread until ``cond()``."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        l3.run_calls()
+        assert time.monotonic() < deadline, "the L3 worker did not finish in time"
+        time.sleep(0.002)
+
+
+def _bridge(cache: UnifiedRadixCache, root: Path, policy: str = "timeout") -> SchedulerStorage:
+    tier: Any = cache.host_tier
+    extra = f'{{"file_storage_path": "{root}", "prefetch_threshold": 1}}'
+    return attach_storage(cache, tier, "file", extra, NAMING.model_name, policy)
+
+
+# ---------------------------------------------------------------------- the actor
+def test_actor_runs_each_call_on_the_thread_that_runs_the_calls_and_returns_its_result() -> None:
+    cache: Any = object()
+    actor = SchedulerActor(cache)
+    seen: list[Any] = []
+    out: list[Any] = []
+
+    async def caller() -> None:
+        out.append(await actor.call(lambda c: (seen.append(threading.get_ident()), c)[1]))
+
+    t = threading.Thread(target=asyncio.run, args=(caller(),))
+    t.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while t.is_alive():
+        actor.run_calls()
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert seen == [threading.get_ident()] and out == [cache]
+
+
+def test_actor_hands_a_calls_exception_to_its_caller() -> None:
+    actor = SchedulerActor(object())  # type: ignore[arg-type]
+    errors: list[BaseException] = []
+
+    def boom(cache: Any) -> None:
+        raise KeyError("boom")
+
+    async def caller() -> None:
+        try:
+            await actor.call(boom)
+        except KeyError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=asyncio.run, args=(caller(),))
+    t.start()
+    while t.is_alive():
+        actor.run_calls()
+        time.sleep(0.001)
+    assert len(errors) == 1
+
+
+def test_actor_undoes_a_result_whose_caller_was_cancelled_and_skips_a_cancelled_call() -> None:
+    actor = SchedulerActor(object())  # type: ignore[arg-type]
+    ran: list[str] = []
+    undone: list[Any] = []
+
+    async def cancelled_caller(name: str) -> None:
+        task = asyncio.ensure_future(
+            actor.call(lambda c: ran.append(name) or name, undo=lambda c, r: undone.append(r))
+        )
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_caller("before"))  # cancelled before the call ran: it never runs
+    assert actor.run_calls() == 0 and ran == [] and undone == []
+
+
+# ---------------------------------------------------------------------- the store bridge
+@pytest.mark.parametrize("ps", [1, 4])
+def test_a_fresh_cache_prefetches_from_l3_what_another_wrote_and_loads_the_same_bytes(
+    ps: int, tmp_path: Path
+) -> None:
+    tokens = seq(1, 8, ps)
+    fill = [float(i % 97) for i in range(len(tokens))]
+    first = make((FULL,), ps, kv_pages=16, host_pages=32)
+    l3 = _bridge(first, tmp_path)
+    try:
+        assert insert(first, tokens, fill=fill)
+        node = match(first, tokens).last_device_node
+        assert first.write_backup(node) == len(tokens)  # host copy landed: a put is due
+        _until(lambda: l3.pending_writes() == 0, l3)
+        keys = sglang_page_keys(tokens, ps, NAMING)
+        assert all((tmp_path / f"{k.removeprefix('sglang:')}.bin").exists() for k in keys)
+        want = first.pools.kv_pool.kv[:, :, first.path_device_indices(node)].clone()  # type: ignore[union-attr]
+    finally:
+        l3.close()
+    check(first)
+
+    second = make((FULL,), ps, kv_pages=16, host_pages=32)
+    l3 = _bridge(second, tmp_path)
+    try:
+        assert l3.prefetch("req-1", _key(tokens))
+        assert not l3.prefetch("req-1", _key(tokens))  # one per attempt
+        _until(lambda: l3.progress("req-1"), l3)
+        assert l3.pop_loaded("req-1") == len(tokens)
+        assert "req-1" not in l3.prefetches
+        check(second)
+        hit = match(second, tokens)
+        assert hit.device_prefix_len == 0 and hit.host_hit_length == len(tokens)
+        zero_device(second)
+        assert second.load_back(hit.best_match_node) == len(tokens)
+        got = second.pools.kv_pool.kv[:, :, second.path_device_indices(hit.best_match_node)]  # type: ignore[union-attr]
+        assert torch.equal(got, want)
+        check(second)
+    finally:
+        l3.close()
+
+
+def test_a_prefetch_of_pages_no_store_holds_loads_nothing(tmp_path: Path) -> None:
+    cache = make((FULL,), 4, kv_pages=16, host_pages=32)
+    l3 = _bridge(cache, tmp_path)
+    try:
+        assert l3.prefetch("r", _key(seq(500, 4, 4)))
+        _until(lambda: l3.progress("r"), l3)
+        assert l3.pop_loaded("r") == 0
+        assert match(cache, seq(500, 4, 4)).host_hit_length == 0
+        assert l3.progress("unknown") and l3.pop_loaded("unknown") == 0
+    finally:
+        l3.close()
+    check(cache)
+
+
+def test_an_aborted_requests_prefetch_gives_back_its_host_slots_and_pins(tmp_path: Path) -> None:
+    ps = 4
+    tokens = seq(1, 6, ps)
+    writer = make((FULL,), ps, kv_pages=16, host_pages=32)
+    l3 = _bridge(writer, tmp_path)
+    try:
+        assert insert(writer, tokens)
+        writer.write_backup(match(writer, tokens).last_device_node)
+        _until(lambda: l3.pending_writes() == 0, l3)
+    finally:
+        l3.close()
+    cache = make((FULL,), ps, kv_pages=16, host_pages=32)
+    free = cache.host_tier.host_available(FULL)  # type: ignore[union-attr]
+    l3 = _bridge(cache, tmp_path)
+    try:
+        l3.prefetch("r", _key(tokens))
+        l3.release("r")
+        assert "r" not in l3.prefetches
+        # Whatever ran before the cancel is committed or given back at later turns.
+        _until(lambda: _host_settled(cache, tokens, free), l3)
+    finally:
+        l3.close()
+    check(cache)
+
+
+def _host_settled(cache: UnifiedRadixCache, tokens: list[int], free: int) -> bool:
+    used = free - cache.host_tier.host_available(FULL)  # type: ignore[union-attr]
+    return used == match(cache, tokens).host_hit_length
+
+
+def test_best_effort_commits_what_arrived_when_the_request_is_scheduled(tmp_path: Path) -> None:
+    ps = 4
+    tokens = seq(1, 6, ps)
+    writer = make((FULL,), ps, kv_pages=16, host_pages=32)
+    l3 = _bridge(writer, tmp_path)
+    try:
+        assert insert(writer, tokens)
+        writer.write_backup(match(writer, tokens).last_device_node)
+        _until(lambda: l3.pending_writes() == 0, l3)
+    finally:
+        l3.close()
+    cache = make((FULL,), ps, kv_pages=16, host_pages=32)
+    l3 = _bridge(cache, tmp_path, "best_effort")
+    try:
+        assert l3.config.prefetch_policy is PrefetchStopPolicy.BEST_EFFORT
+        l3.prefetch("r", _key(tokens))
+        assert l3.progress("r")  # returns once the prefetch has stopped and committed
+        got = l3.pop_loaded("r")
+        assert got % ps == 0 and match(cache, tokens).host_hit_length == got
+    finally:
+        l3.close()
+    check(cache)
+
+
+def test_host_eviction_under_an_l3_keeps_the_tree_whole(tmp_path: Path) -> None:
+    """Write-back: a host copy lands at device eviction; the put follows (the event hops to
+    the worker's loop), then host pressure evicts host leaves while puts are in flight."""
+    ps = 4
+    cache = make((FULL,), ps, WritePolicy.WRITE_BACK, kv_pages=8, host_pages=8)
+    l3 = _bridge(cache, tmp_path)
+    try:
+        for i in range(6):
+            assert insert(cache, seq(1000 * (i + 1), 4, ps))
+            cache.evict(EvictParams(num_tokens=4 * ps))
+            l3.run_calls()
+            check(cache)
+        _until(lambda: l3.pending_writes() == 0, l3)
+        assert len(list(tmp_path.glob("*.bin"))) > 0
+    finally:
+        l3.close()
+    check(cache)
+
+
+# ---------------------------------------------------------------------- configuration
+def test_sglangs_storage_options_map_to_the_workers_configuration() -> None:
+    config = storage_config(
+        "wait_complete",
+        NAMING,
+        16,
+        {"prefetch_threshold": 64, "prefetch_timeout_base": 2, "prefetch_timeout_per_ki_token": 1},
+    )
+    assert config.prefetch_policy is PrefetchStopPolicy.WAIT_COMPLETE
+    assert config.prefetch_threshold_pages == 4
+    assert config.timeout_base_s == 2.0 and config.timeout_per_page_s == 16 / 1024
+    assert config.sglang_naming == NAMING
+    with pytest.raises(ConfigError, match="prefetch-policy"):
+        storage_config("eager", NAMING, 16, {})
+
+
+@pytest.mark.parametrize(
+    ("backend", "extra", "match_"),
+    [
+        ("hf3fs", {}, "--hicache-storage-backend hf3fs"),
+        ("mooncake", {}, "master"),
+        ("dynamic", {"module_path": "other.module"}, "module_path"),
+    ],
+)
+def test_storage_backends_urc_cannot_open_are_config_errors_naming_the_flag(
+    backend: str, extra: dict[str, Any], match_: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    with pytest.raises(ConfigError, match=match_):
+        open_store(backend, extra)
+
+
+def test_the_extra_config_is_json_or_a_json_file(tmp_path: Path) -> None:
+    assert parse_extra_config(None) == {}
+    assert parse_extra_config('{"a": 1}') == {"a": 1}
+    path = tmp_path / "c.json"
+    path.write_text('{"b": 2}')
+    assert parse_extra_config(f"@{path}") == {"b": 2}
+    for bad in ("[1]", "{", f"@{tmp_path / 'missing.json'}"):
+        with pytest.raises(ConfigError, match="extra-config"):
+            parse_extra_config(bad)
+
+
+def test_the_file_backend_uses_sglangs_directory_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "env"))
+    store = asyncio.run(open_store("file", {"file_storage_path": str(tmp_path / "x")})())
+    assert isinstance(store, FileStorage) and store.root == (tmp_path / "env").resolve()
+    asyncio.run(store.close())
+
+
+def _key(tokens: list[int]) -> Any:
+    from urc import RadixKey
+
+    return RadixKey(tokens)

@@ -1,0 +1,276 @@
+"""The HiCache surface SGLang 0.5.23's scheduler reads of its tree cache, served by urc's
+host tier (``--enable-hierarchical-cache`` with ``--radix-cache-backend urc``).
+
+What the scheduler reads, and where (``managers/scheduler.py`` unless named):
+
+- ``is_fully_idle`` (every idle turn, ``/flush_cache``, storage attach/detach):
+  ``ongoing_write_through``, ``ongoing_load_back``, ``enable_storage`` and, with storage,
+  ``ongoing_prefetch`` and ``ongoing_backup``: the transfers in flight.  urc's copies are
+  synchronous (they complete inside the call that starts them), so these stay empty between
+  scheduler turns;
+- ``_process_hicache_events`` / ``process_batch_result``: ``check_hicache_events`` and
+  ``flush_pending_backups`` (the write-through backups that came due);
+- ``schedule_policy.add_one_req``: ``init_load_back`` and ``load_back_is_cache_owned`` for a
+  request whose match ends on host-only nodes; ``get_next_batch_to_run``:
+  ``ready_to_load_host_cache`` (the forward's layer-wise wait: -1, nothing in flight);
+- ``cache_controller``: SGLang's registry logs ``hicache_attached`` from it, and the
+  scheduler sets fence streams on it and reads ``storage_backend`` / ``write_policy``
+  (:class:`HostTierController`);
+- ``/hicache/storage-backend`` (``attach_storage_backend``, ``detach_storage_backend``)
+  and ``/clear_hicache_storage_backend`` (``clear_storage_backend``).
+
+This module imports no SGLang: :class:`HiCacheSurface` is a mixin of
+:class:`~urc.apps.sglang._cache.SGLangRadixCache`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from urc.node import ComponentType, TreeNode
+
+if TYPE_CHECKING:
+    from hicache.host_tier import HostMemoryTier
+    from urc.apps.sglang._l3 import SchedulerStorage
+    from urc.cache import UnifiedRadixCache
+
+__all__ = ["HiCacheSurface", "HostTierController"]
+
+
+class HostTierController:
+    """What SGLang reads of ``tree_cache.cache_controller`` with urc's host tier as the
+    controller: the write policy, no L3 backend, no layer-wise transfer counter (a
+    load-back has landed when ``init_load_back`` returns), no device transfer in flight.
+
+    The scheduler assigns ``load_fence_stream`` / ``write_fence_stream`` (the forward
+    stream); urc's copies do not fence on them (they complete before the forward starts).
+    """
+
+    def __init__(self, write_policy: str, host: HostMemoryTier) -> None:
+        self.write_policy = write_policy
+        self.host = host
+        self.storage_backend: Any = None
+        self.storage_backend_type: str | None = None
+        self.layer_done_counter: Any = None
+        self.load_fence_stream: Any = None
+        self.write_fence_stream: Any = None
+
+    def has_inflight_device_transfers(self) -> bool:
+        return False
+
+
+class HiCacheSurface:
+    """HiCache methods and attributes of :class:`~urc.apps.sglang._cache.SGLangRadixCache`
+    (see the module docstring).  ``self.urc`` is the core and ``self.host`` urc's host tier
+    (``None`` without ``--enable-hierarchical-cache``: every method is then a no-op)."""
+
+    urc: UnifiedRadixCache
+    host: HostMemoryTier | None
+    cache_controller: Any
+
+    def init_hicache_surface(self) -> None:
+        """Set the surface's state: empty in-flight tables, no L3, and a
+        :class:`HostTierController` when the host tier is attached (else ``None``, as
+        SGLang's own cache without HiCache)."""
+        # In flight between scheduler turns (see the module docstring): never anything.
+        self.ongoing_write_through: dict[int, Any] = {}
+        self.ongoing_load_back: dict[int, Any] = {}
+        #: urc's L3 store inside the scheduler (``--hicache-storage-backend``), or None.
+        self.l3: SchedulerStorage | None = None
+        self.hicache_storage_pass_prefix_keys = False
+        self.storage_prefetch_retries = None
+        self.buffer_pipeline = None
+        policy = self.urc.write_policy
+        self.cache_controller = (
+            HostTierController(policy.value, self.host)
+            if self.host is not None and policy is not None
+            else None
+        )
+
+    # ------------------------------------------------------------------ load-back
+    def init_load_back(self, params: Any) -> tuple[int, TreeNode] | None:
+        """Load the host-only part of the path to ``params.best_match_node`` to device.
+        Returns ``(tokens loaded, the node the request's prefix now ends on)``: all the
+        promised host hit, or ``(0, req.last_node)`` when device memory could not be found
+        (SGLang then recomputes).  The copy has completed when this returns."""
+        node = params.best_match_node
+        loaded = self.urc.load_back(node) if self.host is not None else 0
+        if loaded == 0:
+            return 0, params.req.last_node
+        return loaded, node
+
+    def load_back_is_cache_owned(self) -> bool:
+        """The loaded slots belong to the tree (``cache_protected_len`` covers them)."""
+        return True
+
+    def ready_to_load_host_cache(self) -> int:
+        """The forward's layer-wise wait index: -1, no load-back is in flight."""
+        return -1
+
+    # ------------------------------------------------------------------ backups
+    def check_hicache_events(self) -> None:
+        """Run the write-through backups that came due (evicting unpinned host leaves
+        when the host pool is full), and the tree steps the L3 worker queued."""
+        self.flush_pending_backups()
+        if self.l3 is not None:
+            self.l3.run_calls()
+
+    def flush_pending_backups(self) -> None:
+        """Back up every node due for a write-through backup now (synchronous copies)."""
+        core = self.urc
+        if self.host is None:
+            return
+        while core.pending_backups:
+            _, node = core.pending_backups.popitem()
+            full = node.data[ComponentType.FULL]
+            if node.deleted or full is None or full.value is None or full.host_value is not None:
+                continue
+            if not core.write_backup(node) and self._free_host(node.key_len):
+                core.write_backup(node)
+
+    def _free_host(self, tokens: int) -> int:
+        """Evict unpinned host-only leaves for ``tokens`` host slots; returns tokens freed."""
+        return self.urc.evict_host(tokens) if self.host is not None else 0
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free ``num_tokens`` host slots from unpinned host-only leaves; returns tokens
+        freed (SGLang's ``evict_host``)."""
+        return self._free_host(num_tokens)
+
+    def is_backuped(self, node: TreeNode) -> bool:
+        """Whether ``node``'s Full data has a host copy."""
+        full = node.data[ComponentType.FULL]
+        return full is not None and full.host_value is not None
+
+    def has_pending_cache_operations(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ storage (L3)
+    @property
+    def enable_storage(self) -> bool:
+        """Whether an L3 store is attached."""
+        return self.l3 is not None
+
+    @property
+    def ongoing_prefetch(self) -> dict[Any, Any]:
+        """Prefetches from L3 in flight or not yet popped, by request attempt."""
+        return self.l3.prefetches if self.l3 is not None else {}
+
+    @property
+    def ongoing_backup(self) -> range:
+        """One entry per L3 write queued or in flight (SGLang reads only its length)."""
+        return range(self.l3.pending_writes() if self.l3 is not None else 0)
+
+    def attach_l3(self, l3: SchedulerStorage) -> None:
+        """Serve SGLang's storage calls from ``l3`` from now on."""
+        self.l3 = l3
+        if self.cache_controller is not None:
+            self.cache_controller.storage_backend = l3.store
+            self.cache_controller.storage_backend_type = l3.backend_type
+
+    def prefetch_from_storage(
+        self,
+        request: Any,
+        last_host_node: TreeNode,
+        new_input_tokens: Any,
+        last_hash: Any = None,
+        prefix_keys: Any = None,
+        *,
+        matched_prefix_tokens: Any = None,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        storage_hit_end: int | None = None,
+    ) -> bool:
+        """Start reading from L3 the pages of the request's tokens (``matched_prefix_tokens``
+        then ``new_input_tokens``) that are not on host, for attempt ``request``; returns
+        whether a prefetch was started.  The pages land as host-only nodes, which the
+        request's next match reports as a host hit."""
+        if self.l3 is None:
+            return False
+        from urc.apps.sglang._keys import namespace
+        from urc.key import RadixKey
+
+        tokens = [*(matched_prefix_tokens or ()), *new_input_tokens]
+        return self.l3.prefetch(request, RadixKey(tokens, namespace(extra_key, cache_salt)))
+
+    def check_prefetch_progress(self, request: Any) -> bool:
+        """Whether attempt ``request``'s prefetch is over (SGLang's prefetch stop policy:
+        see :meth:`~urc.apps.sglang._l3.SchedulerStorage.progress`)."""
+        return self.l3.progress(request) if self.l3 is not None else True
+
+    def has_ongoing_prefetch(self, request: Any) -> bool:
+        return self.l3 is not None and request in self.l3.prefetches
+
+    def pop_prefetch_loaded_tokens(self, request: Any) -> int:
+        """Tokens attempt ``request``'s finished prefetch brought from L3 (then forgotten)."""
+        return self.l3.pop_loaded(request) if self.l3 is not None else 0
+
+    def pop_prefetch_loaded_span(self, request: Any) -> tuple[int, int | None]:
+        return self.pop_prefetch_loaded_tokens(request), None
+
+    def release_aborted_request(self, request: Any) -> None:
+        """An aborted attempt: cancel its prefetch."""
+        if self.l3 is not None:
+            self.l3.release(request)
+
+    def get_last_hash_value(self, node: TreeNode) -> None:
+        """No page hash is kept on nodes (urc hashes the request's tokens itself)."""
+        return None
+
+    def get_prefix_hash_values(self, node: TreeNode) -> list[str]:
+        return []
+
+    def attach_storage_backend(
+        self,
+        storage_backend: str,
+        storage_backend_extra_config_json: str | None = None,
+        served_model_name: str | None = None,
+        hicache_storage_prefetch_policy: str | None = None,
+        hicache_write_policy: str | None = None,
+    ) -> tuple[bool, str]:
+        """``/hicache/storage-backend`` (PUT): attach urc's store for ``storage_backend``
+        (``file``, ``mooncake``, ``dynamic``); ``(False, why)`` changes nothing."""
+        from hicache.storage.errors import StorageError
+        from urc.apps.sglang._l3 import attach_storage
+        from urc.errors import URCError
+
+        if self.host is None:
+            return False, "HiCache is not enabled (--enable-hierarchical-cache)"
+        if self.l3 is not None:
+            return False, f"a storage backend ({self.l3.backend_type}) is attached already"
+        policy = self.urc.write_policy
+        if hicache_write_policy not in (None, policy.value if policy else None):
+            return False, (
+                f"hicache_write_policy {hicache_write_policy}: urc keeps the launch's write "
+                "policy while running"
+            )
+        try:
+            l3 = attach_storage(
+                self.urc,
+                self.host,
+                storage_backend,
+                storage_backend_extra_config_json,
+                served_model_name,
+                hicache_storage_prefetch_policy or "timeout",
+            )
+        except (URCError, StorageError, OSError, ValueError) as e:
+            return False, f"{type(e).__name__}: {e}"
+        self.attach_l3(l3)
+        return True, f"attached urc's {storage_backend} store"
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        """``/hicache/storage-backend`` (DELETE): flush the queued writes, detach the store
+        and close it; idempotent."""
+        if self.l3 is None:
+            return True, "no HiCache storage backend is attached"
+        l3, self.l3 = self.l3, None
+        l3.close()
+        if self.cache_controller is not None:
+            self.cache_controller.storage_backend = None
+            self.cache_controller.storage_backend_type = None
+        return True, f"detached urc's {l3.backend_type} store"
+
+    def clear_storage_backend(self) -> bool:
+        """``/clear_hicache_storage_backend``: not served (urc's stores have no bulk delete):
+        False, the store unchanged."""
+        return False

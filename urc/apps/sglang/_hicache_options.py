@@ -1,0 +1,96 @@
+"""SGLang's ``--hicache-*`` launch options as urc's host-tier configuration, and the ones
+urc refuses at start-up (each as one ``"--flag: why"`` line)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache.config import HiCacheConfig
+from hicache.host_layout import HostLayout
+from urc.host.protocol import WritePolicy
+
+# ``--hicache-storage-backend`` values urc serves as the tree (used by urc.apps.sglang._l3).
+STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
+
+__all__ = [
+    "HOST_LAYOUTS",
+    "STORAGE_BACKENDS",
+    "hicache_config",
+    "hicache_refusals",
+    "start_storage",
+    "storage_refusals",
+]
+
+#: ``--hicache-mem-layout`` values urc's host pools hold, as urc's layouts.
+HOST_LAYOUTS = {"layer_first": HostLayout.LAYER_FIRST, "page_first": HostLayout.PAGE_FIRST}
+
+
+def hicache_refusals(memory: Any) -> list[str]:
+    """The ``--hicache-*`` options of SGLang's published memory args (``memory``) that urc's
+    host tier does not serve, one ``"--flag value: why"`` line each (empty: all served)."""
+    out: list[str] = []
+    if memory.hicache_mem_layout not in HOST_LAYOUTS:
+        out.append(
+            f"--hicache-mem-layout {memory.hicache_mem_layout}: urc's host pools hold "
+            f"{' or '.join(HOST_LAYOUTS)}"
+        )
+    backend = memory.hicache_storage_backend
+    if backend is not None and backend not in STORAGE_BACKENDS:
+        out.append(
+            f"--hicache-storage-backend {backend}: with urc as the tree the L3 is one of "
+            f"urc's stores ({', '.join(STORAGE_BACKENDS)})"
+        )
+    return out
+
+
+def storage_refusals(ctx: Any, memory: Any) -> list[str]:
+    """What of ``--hicache-storage-backend`` urc cannot serve for this model."""
+    if memory.hicache_storage_backend is None:
+        return []
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        return [
+            "--hicache-storage-backend with a hybrid (sliding-window or Mamba) model: "
+            "SGLang's page names cover Full KV pages only"
+        ]
+    return []
+
+
+def start_storage(cache: Any, memory: Any) -> None:
+    """Attach urc's L3 store for ``--hicache-storage-backend`` to the plug-in ``cache``
+    (nothing when the option is unset or HiCache is off), named for this rank and model
+    as SGLang names its pages."""
+    if memory.hicache_storage_backend is None or cache.host is None:
+        return
+    from sglang.srt.runtime_context import get_parallel, get_serving
+
+    from urc.apps.sglang._l3 import attach_storage
+
+    parallel = get_parallel()
+    cache.attach_l3(
+        attach_storage(
+            cache.urc,
+            cache.host,
+            memory.hicache_storage_backend,
+            memory.hicache_storage_backend_extra_config,
+            get_serving().served_model_name,
+            memory.hicache_storage_prefetch_policy,
+            parallel.tp_rank,
+            parallel.tp_size,
+        )
+    )
+
+
+def hicache_config(memory: Any, bytes_per_slot: int) -> HiCacheConfig:
+    """urc's host-tier configuration for SGLang's options: ``--hicache-write-policy``;
+    the host pool's size from ``--hicache-size`` (GB, over ``bytes_per_slot`` bytes per
+    token of the device's Full KV), else ``--hicache-ratio`` (SGLang resolves its default,
+    2.0; unset: 2.0); ``--hicache-mem-layout`` (:data:`HOST_LAYOUTS`).  Call it after
+    :func:`hicache_refusals` found nothing."""
+    policy = WritePolicy(memory.hicache_write_policy)
+    layout = HOST_LAYOUTS[memory.hicache_mem_layout]
+    if memory.hicache_size:
+        tokens = int(memory.hicache_size * (1 << 30) // max(bytes_per_slot, 1))
+        return HiCacheConfig(write_policy=policy, host_tokens=tokens, host_layout=layout)
+    return HiCacheConfig(
+        write_policy=policy, host_ratio=memory.hicache_ratio or 2.0, host_layout=layout
+    )
