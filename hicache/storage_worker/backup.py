@@ -65,11 +65,12 @@ class BackupWriter(TierEvents):
         self._flushing = 0  # flushes waiting: a store known to be down drops the queue
         self._closed = False
         self.pinning = 0  # write-through jobs holding host locks right now
+        self._putting = 0  # staged jobs being put right now
 
     @property
     def pending(self) -> int:
         """Backups queued (write-through nodes due, pages staged) or being written."""
-        return len(self._due) + len(self._staged) + self.pinning
+        return len(self._due) + len(self._staged) + self.pinning + self._putting
 
     # ------------------------------------------------------------------ tier events (actor)
     def _signal(self) -> None:
@@ -154,9 +155,13 @@ class BackupWriter(TierEvents):
         async def put(i: int) -> None:
             done[i] = await self._put(jobs[i])
 
-        async with anyio.create_task_group() as group:
-            for i in range(len(jobs)):
-                group.start_soon(put, i)
+        self._putting += len(jobs)
+        try:
+            async with anyio.create_task_group() as group:
+                for i in range(len(jobs)):
+                    group.start_soon(put, i)
+        finally:
+            self._putting -= len(jobs)
         for job, ok in zip(reversed(jobs), reversed(done), strict=True):
             if not ok:
                 self._retry_staged(job)  # back at the front, in their order
