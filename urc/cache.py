@@ -20,7 +20,7 @@ import torch
 
 from urc import checks, eviction, insertion, locking, matching, request_caching
 from urc.config import CacheConfig, build_pools
-from urc.errors import InvalidLockError
+from urc.errors import InvalidLockError, OutOfMemoryError
 from urc.hooks import ComponentHooks
 from urc.host import transfers as host_transfers
 from urc.host.protocol import HostTier, TierEvents, WritePolicy
@@ -141,7 +141,15 @@ class UnifiedRadixCache(CacheState):
     def alloc_tokens(self, num_tokens: int, evict: bool = True) -> torch.Tensor | None:
         """Full slots for ``num_tokens`` tokens, evicting what every pool lacks first when
         short and ``evict`` (see :func:`urc.eviction.alloc_tokens`); None when they cannot
-        be had."""
+        be had.
+
+        Raises :class:`~urc.errors.OutOfMemoryError` (nothing evicted) when ``num_tokens``
+        exceeds the whole Full pool: no eviction could make room."""
+        if eviction.exceeds_pool(self, num_tokens):
+            raise OutOfMemoryError(
+                f"cannot allocate {num_tokens} slots: larger than the whole pool "
+                f"({self.token_to_kv_pool_allocator.size} slots); nothing was evicted"
+            )
         return eviction.alloc_tokens(self, num_tokens, evict)
 
     # ================================================================== host tier (HiCache)

@@ -37,6 +37,7 @@ __all__ = [
     "evict_device_leaf",
     "evict_host",
     "evict_host_leaf",
+    "exceeds_pool",
 ]
 
 # The bench's evict phase: the tier as a module constant (an Enum attribute load costs
@@ -172,10 +173,11 @@ def alloc_tokens(state: CacheState, num_tokens: int, evict_if_short: bool = True
     ``add_alloc_shortfall``, e.g. the SWA side of a paired allocator) and try once more.
 
     Returns the slots (the caller's), or None when they cannot be had; an eviction it made
-    stays made (invisible to callers)."""
+    stays made (invisible to callers).  A request larger than the whole pool (see
+    :func:`exceeds_pool`) evicts nothing: no eviction could make it fit."""
     allocator = state.token_to_kv_pool_allocator
     out = allocator.alloc(num_tokens)
-    if out is None and evict_if_short:
+    if out is None and evict_if_short and not exceeds_pool(state, num_tokens):
         ps = state.page_size
         need = -(-num_tokens // ps) * ps
         params = EvictParams(num_tokens=max(0, need - allocator.available_size()))
@@ -184,6 +186,13 @@ def alloc_tokens(state: CacheState, num_tokens: int, evict_if_short: bool = True
         evict(state, params)
         out = allocator.alloc(num_tokens)
     return out
+
+
+def exceeds_pool(state: CacheState, num_tokens: int) -> bool:
+    """True when ``num_tokens`` tokens (page-rounded) exceed the Full pool's whole size:
+    the allocation cannot succeed even with the tree empty."""
+    ps = state.page_size
+    return -(-num_tokens // ps) * ps > state.token_to_kv_pool_allocator.size
 
 
 def evict_host(state: CacheState, num_tokens: int) -> int:
