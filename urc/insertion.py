@@ -122,8 +122,13 @@ def insert(
     prev = params.prev_prefix_len
     if not prev >= 0:
         raise InvalidInputError(f"prev_prefix_len must be >= 0, got {prev}")
-    if params.reuse_hint is not None and type(params.reuse_hint) is not ReuseHint:
-        raise InvalidInputError(f"reuse_hint must be a ReuseHint, got {params.reuse_hint!r}")
+    if params.reuse_hint is not None:
+        if type(params.reuse_hint) is not ReuseHint:
+            raise InvalidInputError(f"reuse_hint must be a ReuseHint, got {params.reuse_hint!r}")
+        # The hint takes this session when it names none (after the insert: check it now).
+        sid = params.session_id
+        if sid is not None and not isinstance(sid, str):
+            raise InvalidInputError(f"session_id must be a str or None, got {type(sid)}")
     resumed: list[TreeNode] = []
     if resume_from is not None:
         resumed = state.tree.path_to(resume_from)

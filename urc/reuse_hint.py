@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from numbers import Real
 
 from urc.errors import InvalidInputError
 
@@ -46,8 +47,10 @@ class ReuseHint:
             policy reads ``time.monotonic()``.
 
     Raises:
-        InvalidInputError: a negative or non-finite ``expected_gap_s`` or a non-finite
-            ``finished_at_s``.
+        InvalidInputError: a ``session_id`` that is not a ``str``, a ``stop`` that is not a
+            :class:`StopReason`, times that are not real numbers, a negative or non-finite
+            ``expected_gap_s`` or a non-finite ``finished_at_s``.  A hint that constructs is
+            one every policy accepts: nothing in it can fail inside the cache.
     """
 
     session_id: str | None = None
@@ -56,6 +59,13 @@ class ReuseHint:
     finished_at_s: float | None = None
 
     def __post_init__(self) -> None:
+        sid = self.session_id
+        if sid is not None and not isinstance(sid, str):
+            raise InvalidInputError(f"session_id must be a str or None, got {type(sid)}")
+        for name in ("expected_gap_s", "finished_at_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, Real)):
+                raise InvalidInputError(f"{name} must be a real number or None, got {v!r}")
         gap = self.expected_gap_s
         if gap is not None and not (math.isfinite(gap) and gap >= 0):
             raise InvalidInputError(f"expected_gap_s must be finite and >= 0, got {gap}")

@@ -26,7 +26,8 @@ them (a finish earlier than the previous one's, or a tool loop that now waits fo
 the nodes whose key dropped get a fresh heap entry then (``FullComponent.note_hint``), so
 releases cost what they cost under LRU and every operation stays O(log n).  Host leaves
 are evicted in the same order (the host heap uses the same key); the SWA and Mamba LRUs
-are untouched.  The session table (first-seen order) keeps the latest 65,536 sessions.
+are untouched.  The session table (first-seen order) keeps the latest 65,536 sessions, by
+their ids' hashes: its size does not grow with the ids' length.
 
 The defaults (``window_s`` 600, ``hot_gap_s`` 60, ``quantum_s`` 20) were chosen on one half of
 the agentic sessions and checked on the other (README, "Agentic workloads").
@@ -92,8 +93,10 @@ class SessionAwareStrategy(EvictionStrategy):
         self._window = float(window_s)
         self._hot_gap = float(hot_gap_s)
         self._quantum = float(quantum_s)
-        # Session id -> the order the cache first saw it in (oldest forgotten past the cap).
-        self._ranks: OrderedDict[str, int] = OrderedDict()
+        # Session id's hash -> the order the cache first saw it in (oldest forgotten past the
+        # cap).  Hashes, not the ids: the table's bytes are bounded by its count whatever the
+        # ids' length (a collision only shares a rank: an ordering within one quantum).
+        self._ranks: OrderedDict[int, int] = OrderedDict()
         self._next_rank = 0
 
     def key_function(self) -> HeapKey:
@@ -133,9 +136,10 @@ class SessionAwareStrategy(EvictionStrategy):
         ranks = self._ranks
         if session_id is None:
             return self._next_rank
-        r = ranks.get(session_id)
+        h = hash(session_id)
+        r = ranks.get(h)
         if r is None:
-            r = ranks[session_id] = self._next_rank
+            r = ranks[h] = self._next_rank
             self._next_rank = min(r + 1, (1 << _RANK_BITS) - 1)
             if len(ranks) > _MAX_SESSIONS:
                 ranks.popitem(last=False)

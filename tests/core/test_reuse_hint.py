@@ -133,7 +133,7 @@ def test_insert_params_session_id_names_the_hints_session() -> None:
     )
     strategy = cache.full.strategy
     assert isinstance(strategy, SessionAwareStrategy)
-    assert "abc" in strategy._ranks
+    assert hash("abc") in strategy._ranks
     cache.sanity_check()
 
 
@@ -165,6 +165,80 @@ def test_a_hint_of_the_wrong_type_is_refused_and_changes_nothing(bad: object) ->
 def test_hint_fields_are_checked(kwargs: dict[str, float]) -> None:
     with pytest.raises(InvalidInputError):
         ReuseHint("s", StopReason.TOOL_USE, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"session_id": ["a"]},
+        {"session_id": {"a": 1}},
+        {"session_id": 5},
+        {"session_id": b"a"},
+        {"expected_gap_s": "5"},
+        {"expected_gap_s": True},
+        {"finished_at_s": [1.0]},
+    ],
+)
+def test_hint_fields_of_the_wrong_type_are_refused_at_construction(kwargs: dict[str, Any]) -> None:
+    """Issue 50 item 4: such a hint used to construct and then raise TypeError in the actor."""
+    with pytest.raises(InvalidInputError):
+        ReuseHint(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [["a"], {"a": 1}, 7])
+def test_insert_session_id_of_the_wrong_type_is_refused_and_changes_nothing(bad: object) -> None:
+    cache = _cache()
+    before = cache.num_nodes
+    own = cache.token_to_kv_pool_allocator.alloc(2 * PS)
+    assert own is not None
+    params = InsertParams(
+        key=RadixKey(_session(1)),
+        value=own,
+        session_id=bad,
+        reuse_hint=ReuseHint(),  # type: ignore[arg-type]
+    )
+    with pytest.raises(InvalidInputError):
+        cache.insert(params)
+    assert cache.num_nodes == before
+    cache.token_to_kv_pool_allocator.free(own)
+    cache.sanity_check()
+    cache.check_pools({ComponentType.FULL: 0})
+
+
+def test_a_bad_session_id_does_not_fail_the_service() -> None:
+    """A caller's bad session id is the caller's typed error (it used to raise TypeError in
+    the actor: every client got ServiceFailedError); the service keeps serving."""
+
+    async def main() -> None:
+        async with AsyncUnifiedRadixCache(_cache()) as svc:
+            with anyio.fail_after(10):
+                req = await svc.call(lambda c: start_request(c, _session(1), 0))
+                assert req is not None
+                req.kv_committed_len = req.kv_allocated_len = 2 * PS
+                with pytest.raises(InvalidInputError):
+                    hint = ReuseHint(["a"], StopReason.TOOL_USE)  # type: ignore[arg-type]
+                    await svc.cache_finished_req(req, hint=hint)
+                await svc.cache_finished_req(req, hint=ReuseHint("a", StopReason.TOOL_USE))
+                assert (await svc.match(_session(1))).prefix_len == 2 * PS
+                await svc.sanity_check({ComponentType.FULL: 0})
+
+    anyio.run(main)
+
+
+def test_session_table_bytes_do_not_grow_with_session_id_length() -> None:
+    """300 one-MiB session ids used to keep ~300 MB in the table; it keeps their hashes."""
+    import sys
+
+    cache = _cache(kv_size=1024 * PS)
+    strategy = cache.full.strategy
+    assert isinstance(strategy, SessionAwareStrategy)
+    for i in range(300):
+        sid = f"{i:08d}" + "x" * (1 << 20)
+        _insert(cache, _session(i), ReuseHint(sid, StopReason.TOOL_USE, finished_at_s=float(i)))
+        del sid
+    assert len(strategy._ranks) == 300
+    table_bytes = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in strategy._ranks.items())
+    assert table_bytes < 64 * 300, table_bytes
 
 
 @pytest.mark.parametrize(
