@@ -25,6 +25,7 @@ What lives here (set once by ``__init__`` unless noted):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +96,9 @@ class CacheState:
         #: Back a node (and its ancestors without a copy) up to host now; returns the tokens
         #: backed up, 0 when impossible.  Set with the host tier (eviction under write-back).
         self.write_back: Callable[[TreeNode], int] | None = None
-        # Nodes whose hit count reached the write-through threshold, waiting for a backup.
-        self.pending_backups: dict[int, TreeNode] = {}
+        # Nodes whose hit count reached the write-through threshold, waiting for a backup,
+        # oldest first (``urc.host.transfers``: served in that order, evicted ones pruned).
+        self.pending_backups: OrderedDict[int, TreeNode] = OrderedDict()
         self.backups_in_flight: set[int] = set()
         # The tiers below device that listen (``subscribe``): see ``urc.host.protocol.TierEvents``.
         self.tier_events: tuple[TierEvents, ...] = ()

@@ -118,6 +118,37 @@ def test_write_through_backs_up_on_first_hit() -> None:
     assert len(due) == 1 and list(due[0].key) == [1, 2, 3, 4]
 
 
+def test_pending_backups_are_served_oldest_first() -> None:
+    """Issue 50 item 3: the queue was taken newest-first, so old entries starved."""
+    cache = make(1)
+    for i in range(5):
+        insert(cache, [100 * i + j for j in range(4)])
+    firsts = [n.key[0] for n in host_transfers.take_pending_backups(cache, 2)]
+    assert firsts == [0, 100]
+    assert [n.key[0] for n in host_transfers.take_pending_backups(cache, 10)] == [200, 300, 400]
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_pending_backups_stay_bounded_when_nothing_serves_them(ps: int) -> None:
+    """Issue 50 item 3: evicted nodes stayed queued (and alive) until taken; with a backup
+    worker slower than the hits the queue grew without bound.  It now stays within twice
+    the tree's nodes plus a margin, and holds no evicted node past a prune."""
+    cache = make(ps, kv_size=32)
+    for i in range(2000):
+        value = cache.alloc_tokens(4 * ps)  # evicts older sequences
+        assert value is not None
+        cache.insert(
+            InsertParams(key=RadixKey([10_000 * i + j for j in range(4 * ps)]), value=value)
+        )
+        check(cache)
+        assert len(cache.pending_backups) <= 2 * cache.num_nodes + 64, (i, cache.num_nodes)
+    deleted = sum(n.deleted for n in cache.pending_backups.values())
+    assert deleted <= cache.num_nodes + 64
+    live = host_transfers.take_pending_backups(cache, 10_000)
+    assert live and all(not n.deleted for n in live)
+    check(cache)
+
+
 def test_write_through_selective_backs_up_on_second_hit() -> None:
     # A hit is an insert that reaches the node (SGLang counts hits on insert only).
     cache = make(1, WritePolicy.WRITE_THROUGH_SELECTIVE)

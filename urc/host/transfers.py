@@ -96,7 +96,11 @@ def host_alloc(state: CacheState, ct: ComponentType, n: int) -> torch.Tensor | N
 def note_hit(state: CacheState, node: TreeNode) -> None:
     """Write-through: an insert hit ``node``; at the policy's hit threshold a node on device
     without a host copy becomes due for backup (``pending_backups``; subscribers get
-    ``backup_due``)."""
+    ``backup_due``).
+
+    The queue stays bounded: past twice the tree's nodes (plus a margin) the entries that
+    no longer need a backup (evicted, deleted, backed up) are pruned, so a backup worker
+    slower than the hits never keeps evicted nodes alive (amortized O(1) per hit)."""
     threshold = state.backup_threshold
     cd = node.data[FULL_INDEX]
     if (
@@ -106,20 +110,37 @@ def note_hit(state: CacheState, node: TreeNode) -> None:
         and cd.host_value is None
         and cd.value is not None
     ):
-        state.pending_backups[node.id] = node
+        pending = state.pending_backups
+        pending[node.id] = node
+        if len(pending) > 2 * state.tree.num_nodes + _PENDING_MARGIN:
+            _prune_pending(pending)
         for events in state.tier_events:
             events.backup_due()
 
 
+_PENDING_MARGIN = 64  # entries allowed past twice the tree's nodes before a prune
+
+
+def _needs_backup(node: TreeNode) -> bool:
+    cd = node.data[FULL_INDEX]
+    assert cd is not None
+    return not node.deleted and cd.value is not None and cd.host_value is None
+
+
+def _prune_pending(pending: dict[int, TreeNode]) -> None:
+    """Drop the entries that no longer need a backup, keeping the others' order."""
+    for nid in [nid for nid, n in pending.items() if not _needs_backup(n)]:
+        del pending[nid]
+
+
 def take_pending_backups(state: CacheState, limit: int) -> list[TreeNode]:
-    """Up to ``limit`` nodes due for backup that still need one (removed from the queue)."""
+    """Up to ``limit`` nodes due for backup that still need one, oldest first (removed
+    from the queue): a node due long ago is not starved by newer ones."""
     out: list[TreeNode] = []
     pending = state.pending_backups
     while pending and len(out) < limit:
-        _, node = pending.popitem()
-        cd = node.data[FULL_INDEX]
-        assert cd is not None
-        if not node.deleted and cd.value is not None and cd.host_value is None:
+        _, node = pending.popitem(last=False)
+        if _needs_backup(node):
             out.append(node)
     return out
 
