@@ -7,7 +7,8 @@ Read at scrape time from the publisher's ``stats`` (never written by the publish
 
 Names: ``urc_kv_event_batches_published_total``, ``urc_kv_events_published_total``,
 ``urc_kv_event_batches_dropped_total``, ``urc_kv_events_dropped_total``,
-``urc_kv_event_replay_requests_total``.
+``urc_kv_event_replay_requests_total``, ``urc_kv_event_replay_requests_refused_total``,
+``urc_kv_event_replays_abandoned_total``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,28 @@ __all__ = ["KVPublisherMetrics"]
 _COUNTERS = (
     ("kv_event_batches_published", "batches_published", "KV event batches sent on the PUB socket"),
     ("kv_events_published", "events_published", "KV events sent on the PUB socket"),
-    ("kv_event_batches_dropped", "batches_dropped", "KV event batches dropped: queue full"),
-    ("kv_events_dropped", "events_dropped", "KV events dropped: the publisher's queue was full"),
-    ("kv_event_replay_requests", "replay_requests", "KV event replay requests answered"),
+    (
+        "kv_event_batches_dropped",
+        "batches_dropped",
+        "KV event batches dropped: the queue was full, or a subscriber's queue at the HWM",
+    ),
+    (
+        "kv_events_dropped",
+        "events_dropped",
+        "KV events dropped: the queue was full, or a subscriber's queue at the HWM",
+    ),
+    ("kv_event_replay_requests", "replay_requests", "KV event replay requests read"),
+    (
+        "kv_event_replay_requests_refused",
+        "replay_requests_refused",
+        "KV event replay requests refused: a repeat while the client's replay runs, or too "
+        "many clients",
+    ),
+    (
+        "kv_event_replays_abandoned",
+        "replays_abandoned",
+        "KV event replays dropped: the client stopped reading or left",
+    ),
 )
 
 

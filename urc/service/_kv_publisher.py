@@ -8,8 +8,14 @@ schedules a drain (``loop.call_soon``), which runs once the actor yields, at the
 batch: the batch's events become one ``EventBatch`` in a bounded queue -- or, when the queue
 is full, are dropped and counted (:class:`KVPublisherStats`).  The actor never waits for the
 publisher; the publisher's task encodes and sends (a PUB send never blocks: ZMQ drops at the
-high-water mark) and keeps the last ``buffer_steps`` batches for replay.  At close the events
-still queued are sent, the sockets closed and the cache's events turned off.
+high-water mark) and keeps the last ``buffer_steps`` batches for replay, yielding every
+``_SEND_SLICE`` batches so that a burst never holds the loop the actor shares.  Replay
+requests are served by :class:`~urc.service._kv_replay.ReplayServer` (bounded in frame size,
+per client and per round of the loop).  At close the events still queued are sent, the
+sockets closed and the cache's events turned off.
+
+The PUB socket binds ``tcp://127.0.0.1:5557`` by default, like the metrics server and the
+CLI: publishing to other hosts is an explicit ``tcp://*:PORT`` (or an interface address).
 
 Wire format: :mod:`urc.service._kv_wire`.  Needs the ``events`` extra (pyzmq, msgspec).
 """
@@ -20,29 +26,35 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from urc.errors import ConfigError, InvalidInputError
 from urc.kv_events import KVEvent
-from urc.service._kv_wire import END_SEQ, batch_to_wire, seq_bytes
+from urc.service._kv_replay import ReplayServer
+from urc.service._kv_wire import batch_to_wire, seq_bytes
 
 __all__ = ["KVEventPublisher", "KVEventsConfig", "KVPublisherStats"]
+
+_SEND_SLICE = 64  # batches sent between two yields to the loop
 
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
     """Where and how KV events are published (SGLang's ``KVEventsConfig`` fields).
 
-    ``endpoint``: the PUB address, bound when ``bind`` (``tcp://127.0.0.1:5557``,
-    ``tcp://*:5557``; port 0 picks a free one: see :attr:`KVEventPublisher.endpoint`), else
-    connected to.  ``replay_endpoint``: the ROUTER address for replay requests (bound), or
-    None.  ``topic``: the first frame of every message.  ``buffer_steps``: batches kept for
-    replay.  ``max_queued``: batches waiting to be sent; a batch beyond that is dropped and
-    counted.  ``hwm``: the PUB socket's send high-water mark.  ``attn_dp_rank``: the rank
-    stamped on every batch."""
+    ``endpoint``: the PUB address, bound when ``bind`` (default ``tcp://127.0.0.1:5557``,
+    loopback only; ``tcp://*:5557`` for every interface; port 0 picks a free one: see
+    :attr:`KVEventPublisher.endpoint`), else connected to. ``replay_endpoint``: the ROUTER
+    address for replay requests (bound), or None. ``topic``: the first frame of every
+    message. ``buffer_steps``: batches kept for replay. ``max_queued``: batches waiting to
+    be sent; a batch beyond that is dropped and counted. ``hwm``: the PUB socket's send
+    high-water mark. ``attn_dp_rank``: the rank stamped on every batch.
+    ``replay_max_clients``: replays sent at once (a request beyond is refused and counted);
+    ``replay_stall_s``: how long a replay waits on a client that does not read before it is
+    abandoned (counted)."""
 
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
@@ -50,8 +62,15 @@ class KVEventsConfig:
     hwm: int = 100_000
     bind: bool = True
     attn_dp_rank: int = 0
+    replay_max_clients: int = 64
+    replay_stall_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.replay_max_clients < 1 or not self.replay_stall_s > 0:
+            raise ConfigError(
+                f"replay_max_clients >= 1 and replay_stall_s > 0 needed: "
+                f"{self.replay_max_clients}, {self.replay_stall_s}"
+            )
         if self.buffer_steps < 0 or self.max_queued < 1 or self.hwm < 0:
             raise ConfigError(
                 f"buffer_steps >= 0, max_queued >= 1, hwm >= 0 needed: {self.buffer_steps}, "
@@ -64,13 +83,18 @@ class KVEventsConfig:
 @dataclass(frozen=True, slots=True)
 class KVPublisherStats:
     """What a publisher did so far: batches and events sent and dropped (its queue was
-    full), replay requests answered."""
+    full: nobody got them; or a subscriber's queue was at the high-water mark: that
+    subscriber missed them, the others got them), replay requests read, refused (a repeat
+    from a client whose replay is still being sent, or too many clients at once) and
+    replays abandoned (the client stopped reading or left)."""
 
     batches_published: int = 0
     events_published: int = 0
     batches_dropped: int = 0
     events_dropped: int = 0
     replay_requests: int = 0
+    replay_requests_refused: int = 0
+    replays_abandoned: int = 0
 
 
 class KVEventPublisher:
@@ -93,7 +117,7 @@ class KVEventPublisher:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: Any = None
-        self._stats = [0, 0, 0, 0, 0]
+        self._stats = [0] * len(fields(KVPublisherStats))
         self.endpoint: str | None = None  #: the PUB socket's address once started
         self.replay_endpoint: str | None = None  #: the ROUTER's address once started
         #: Set once the sockets are bound and the cache's events are on.
@@ -167,9 +191,13 @@ class KVEventPublisher:
             raise InvalidInputError("this KVEventPublisher already runs for a service")
         cfg = self.config
         ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
+        # XPUB (a PUB to its subscribers) so that a drop at a subscriber's high-water mark
+        # can be seen and counted: see _send.
+        pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, cfg.hwm)
         pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
+        raw_pub = zmq.Socket.shadow(pub.underlying)  # NOBLOCK sends, no future each
         replay = None
         replay_task: asyncio.Task[None] | None = None
         encode = msgspec.msgpack.Encoder().encode
@@ -186,9 +214,18 @@ class KVEventPublisher:
             if cfg.replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
+                server = ReplayServer(
+                    replay,
+                    self._buffer,
+                    topic,
+                    self._stats,
+                    (4, 5, 6),
+                    max_clients=cfg.replay_max_clients,
+                    stall_s=cfg.replay_stall_s,
+                )
                 replay.bind(cfg.replay_endpoint)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
-                replay_task = asyncio.ensure_future(self._serve_replay(replay, topic))
+                replay_task = asyncio.ensure_future(server.run())
             self._cache = cache
             cache.enable_kv_events(self._notify)
             self.started.set()
@@ -197,12 +234,12 @@ class KVEventPublisher:
             while True:
                 await wake.wait()
                 wake.clear()
-                await self._send_queued(pub, topic, encode)
+                await self._send_queued(raw_pub, topic, encode)
         finally:
             # Closing: what the cache recorded and we hold goes out now (non-blocking sends).
             with contextlib.suppress(Exception):
                 self._collect()
-                self._send_queued_nowait(pub, topic, encode)
+                self._send_queued_nowait(raw_pub, topic, encode)
             cache.disable_kv_events()
             self._cache = None
             if replay_task is not None:
@@ -223,28 +260,47 @@ class KVEventPublisher:
         s[1] += len(events)
         return topic, seq_bytes(seq), payload
 
-    async def _send_queued(self, pub: Any, topic: bytes, encode: Any) -> None:
-        while self._queue:
-            await pub.send_multipart(self._next(topic, encode))
-            self._sent.set()
-
-    def _send_queued_nowait(self, pub: Any, topic: bytes, encode: Any) -> None:
+    def _send(self, pub: Any, frames: tuple[bytes, bytes, bytes], n_events: int) -> None:
+        """Send one batch without waiting.  Under ``XPUB_NODROP`` a send that would drop at
+        some subscriber's high-water mark fails instead: the batch is counted as dropped (that
+        subscriber misses it) and sent to the others with the drop allowed."""
         import zmq
 
-        while self._queue:
-            pub.send_multipart(self._next(topic, encode), flags=zmq.NOBLOCK)
+        try:
+            pub.send_multipart(frames, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass
+        s = self._stats
+        s[2] += 1
+        s[3] += n_events
+        pub.setsockopt(zmq.XPUB_NODROP, 0)
+        try:
+            pub.send_multipart(frames, zmq.NOBLOCK)
+        finally:
+            pub.setsockopt(zmq.XPUB_NODROP, 1)
 
-    async def _serve_replay(self, replay: Any, topic: bytes) -> None:
-        """Answer replay requests: ``[identity, b"", start_seq]`` -> every buffered batch
-        from ``start_seq`` on, then the end marker."""
-        while True:
-            frames = await replay.recv_multipart()
-            if len(frames) != 3:
-                continue  # SGLang logs and ignores a malformed request
-            ident, _, start = frames
-            self._stats[4] += 1
-            first = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= first:
-                    await replay.send_multipart((ident, b"", topic, seq_bytes(seq), payload))
-            await replay.send_multipart((ident, b"", b"", END_SEQ, b""))
+    @staticmethod
+    def _drain_subscriptions(pub: Any) -> None:
+        """Read the (un)subscribe messages an XPUB receives, so that none pile up."""
+        import zmq
+
+        with contextlib.suppress(zmq.Again):
+            while True:
+                pub.recv(zmq.NOBLOCK)
+
+    async def _send_queued(self, pub: Any, topic: bytes, encode: Any) -> None:
+        self._drain_subscriptions(pub)
+        n = 0
+        while self._queue:
+            n_events = len(self._queue[0][1])
+            self._send(pub, self._next(topic, encode), n_events)
+            self._sent.set()
+            n += 1
+            if n % _SEND_SLICE == 0:
+                await asyncio.sleep(0)  # a send returns at once: yield to the actor
+
+    def _send_queued_nowait(self, pub: Any, topic: bytes, encode: Any) -> None:
+        while self._queue:
+            n_events = len(self._queue[0][1])
+            self._send(pub, self._next(topic, encode), n_events)
