@@ -197,7 +197,7 @@ class KVEventPublisher:
         pub.setsockopt(zmq.SNDHWM, cfg.hwm)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.XPUB_NODROP, 1)
-        raw_pub = zmq.Socket.shadow(pub.underlying)  # NOBLOCK sends, no future each
+        raw_pub: Any = zmq.Socket.shadow(pub.underlying)  # NOBLOCK sends, no future each
         replay = None
         replay_task: asyncio.Task[None] | None = None
         encode = msgspec.msgpack.Encoder().encode

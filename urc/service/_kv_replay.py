@@ -60,7 +60,7 @@ class ReplayServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock = sock
         # The same socket, synchronous: NOBLOCK sends and receives without a future each.
-        self._raw = zmq.Socket.shadow(sock.underlying)
+        self._raw: Any = zmq.Socket.shadow(sock.underlying)
         self._buffer = buffer
         self._topic = topic
         self._stats = stats
