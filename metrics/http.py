@@ -3,7 +3,8 @@
 :class:`MetricsServer` is a minimal HTTP/1.1 server built on ``anyio.create_tcp_listener``.  It
 answers ``GET``/``HEAD`` on :attr:`MetricsServerConfig.path` with the registry in the text
 exposition format (or OpenMetrics when the scraper's ``Accept`` header asks for it), closes
-the connection after each response, and never lets a bad request take the server down.  It
+the connection after each response, and never lets a bad request, or running out of file
+descriptors, take the server down.  It
 binds to ``127.0.0.1`` unless told otherwise: exposing metrics beyond the host is a
 deployment decision, not a default.
 
@@ -43,6 +44,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+_ACCEPT_BACKOFF_MIN_S = 0.01  # first wait after an accept failed (EMFILE, ...)
+_ACCEPT_BACKOFF_MAX_S = 1.0
 
 _REASONS = {
     200: "OK",
@@ -166,9 +170,40 @@ class MetricsServer:
             self._port = int(listener.extra(SocketAttribute.local_port))
             try:
                 task_status.started(self._port)
-                await listener.serve(self._handle)
+                async with anyio.create_task_group() as tg:
+                    for one in listener.listeners:  # one per address the host resolved to
+                        tg.start_soon(self._accept_loop, one, tg)
             finally:
                 self._port = None
+
+    async def _accept_loop(
+        self, listener: anyio.abc.SocketListener, tg: anyio.abc.TaskGroup
+    ) -> None:
+        """Accept connections on ``listener`` and serve each in a task of ``tg``, until
+        cancelled.
+
+        An ``accept`` that fails for lack of resources (EMFILE when the process is out of
+        file descriptors, ENFILE, ENOBUFS, ENOMEM) never ends the server, whose failure
+        would cancel its host program's task group: it is logged (once per episode), the
+        loop backs off (10 ms doubling to 1 s: the pending connection keeps the listener
+        readable) and accepting resumes once descriptors are free again."""
+        backoff = 0.0
+        failures = 0
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if failures == 0:
+                    _log.warning("metrics endpoint cannot accept (%s): backing off", exc)
+                failures += 1
+                backoff = min(max(2 * backoff, _ACCEPT_BACKOFF_MIN_S), _ACCEPT_BACKOFF_MAX_S)
+                await anyio.sleep(backoff)
+                continue
+            if failures:
+                _log.warning("metrics endpoint accepts again after %d failures", failures)
+                failures = 0
+                backoff = 0.0
+            tg.start_soon(self._handle, stream)
 
     async def __aenter__(self) -> MetricsServer:
         tg = anyio.create_task_group()

@@ -3,8 +3,12 @@ back by ``prometheus_client``'s parsers; bad requests never take the server down
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import anyio
 import pytest
@@ -186,3 +190,67 @@ def test_sync_server_on_loopback() -> None:
         server.close()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(server.url, timeout=TIMEOUT_S)
+
+
+_EMFILE_CHILD = """
+import os, resource, sys
+import anyio
+from prometheus_client import CollectorRegistry
+from metrics import MetricsServer, MetricsServerConfig
+
+async def main():
+    config = MetricsServerConfig(read_timeout_s=1.0, render_in_thread=False)
+    async with MetricsServer(CollectorRegistry(), config) as server:
+        # Few descriptors left: idle connections exhaust them (accept fails with EMFILE).
+        used = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (used + 16, resource.getrlimit(
+            resource.RLIMIT_NOFILE)[1]))
+        print(server.port, flush=True)
+        await anyio.sleep(3600)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+async def test_running_out_of_file_descriptors_does_not_stop_the_server(tmp_path: Path) -> None:
+    """Issue 50 item 2: with the process out of descriptors, ``accept()`` failed with EMFILE,
+    the error escaped ``MetricsServer`` and ended its host program.  Now it logs, backs off,
+    and serves again once descriptors are free."""
+    err = tmp_path / "stderr"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(err, "wb") as err_file:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _EMFILE_CHILD],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=err_file,
+        )
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        idle = []
+        with anyio.fail_after(TIMEOUT_S):
+            for _ in range(64):
+                idle.append(await anyio.connect_tcp("127.0.0.1", port))
+            while b"cannot accept" not in err.read_bytes():
+                assert child.poll() is None, err.read_text()
+                await anyio.sleep(0.05)
+            for stream in idle:
+                await stream.aclose()
+            while True:  # the held connections time out; then scrapes are answered again
+                assert child.poll() is None, err.read_text()
+                with anyio.move_on_after(2):
+                    try:
+                        status, _, _ = await _request(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+                    except (OSError, ValueError, anyio.BrokenResourceError):
+                        continue  # reset while the server could not accept it
+                    break
+        assert status == 200
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
