@@ -110,6 +110,10 @@ class CacheConfig:
             raise ConfigError("next_use is required by, and only by, the belady policy")
         if self.mamba_size < 0:
             raise ConfigError(f"mamba_size must not be negative, got {self.mamba_size}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ConfigError(f"device {self.device!r} is not a torch device: {exc}") from None
 
     @property
     def specs(self) -> tuple[ComponentSpec, ...]:
@@ -127,8 +131,15 @@ class CacheConfig:
 
 def build_pools(config: CacheConfig) -> CachePools:
     """Allocate the pools ``config`` describes: data tensors on ``config.device``, index
-    bookkeeping (allocators, request rows) on the host (:mod:`urc.pools.indices`)."""
+    bookkeeping (allocators, request rows) on the host (:mod:`urc.pools.indices`).
+
+    Raises :class:`ConfigError` when this torch cannot use ``config.device`` (``"cuda"`` on
+    a CPU-only build, a GPU index that does not exist)."""
     device = torch.device(config.device)
+    try:
+        torch.empty(0, device=device)
+    except (AssertionError, RuntimeError) as exc:  # torch's own "not compiled with CUDA"
+        raise ConfigError(f"device {config.device!r} is not usable here: {exc}") from None
     pools = CachePools(
         token_allocator=TokenSlotAllocator(config.kv_size, config.page_size, INDEX_DEVICE),
         req_to_token_pool=ReqToTokenPool(config.max_num_reqs, config.max_context_len, INDEX_DEVICE),

@@ -106,3 +106,16 @@ def test_negative_evict_amounts_are_rejected() -> None:
     h = Harness(page_size=1, kv_size=64)
     with pytest.raises(InvalidInputError):
         h.cache.evict(EvictParams(num_tokens=-1))
+
+
+def test_a_device_this_torch_cannot_use_is_a_config_error() -> None:
+    """Issue 50 item 9: ``device="cuda"`` on a CPU-only torch raised a bare AssertionError."""
+    device = "cuda:99" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(ConfigError, match="not usable"):
+        build_cache(CacheConfig(kv_size=64, device=device))
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:x"])
+def test_a_device_that_is_not_a_torch_device_is_a_config_error(device: object) -> None:
+    with pytest.raises(ConfigError):
+        CacheConfig(kv_size=64, device=device)  # type: ignore[arg-type]
