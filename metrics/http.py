@@ -177,7 +177,7 @@ class MetricsServer:
                 self._port = None
 
     async def _accept_loop(
-        self, listener: anyio.abc.SocketListener, tg: anyio.abc.TaskGroup
+        self, listener: anyio.abc.Listener[anyio.abc.SocketStream], tg: anyio.abc.TaskGroup
     ) -> None:
         """Accept connections on ``listener`` and serve each in a task of ``tg``, until
         cancelled.

@@ -17,6 +17,7 @@ synchronous API.  A detached worker is not attached again: build a new one over 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
 
 import anyio
 
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from urc.service import AsyncUnifiedRadixCache
 
 __all__ = ["StorageWorker"]
+
+# The storage worker attached to each cache (one at most; see StorageWorker.attach).
+_ATTACHED: WeakKeyDictionary[UnifiedRadixCache, StorageWorker] = WeakKeyDictionary()
 
 
 class StorageWorker:
@@ -113,16 +117,25 @@ class StorageWorker:
     def attach(self, cache: UnifiedRadixCache) -> None:
         """Subscribe the writer to ``cache``'s tier events (inside the actor, or on a cache
         no service owns); a no-op when attached.  Raises :class:`~urc.errors.ConfigError`
-        for another cache than the worker's, or a worker that was detached."""
+        for another cache than the worker's, a worker that was detached, or a cache that has
+        another storage worker attached (one cache, one L3 worker: e.g. ``attach_storage``
+        through a ``HiCache`` handle older than the one that attached the first)."""
         if cache is not self.cache:
             raise ConfigError("a storage worker attaches to the cache it was built for")
         if self._detached:
             raise ConfigError("a detached storage worker is not attached again: build a new one")
         if self._subscribed:
             return
+        other = _ATTACHED.get(cache)
+        if other is not None and other is not self:
+            raise ConfigError(
+                "the cache has another storage worker attached (an older HiCache handle?): "
+                "detach it first"
+            )
         if self.config.backup_policy is not StorageBackupPolicy.OFF:
             cache.subscribe(self.writer)  # its tier events queue the backups
         self._subscribed = True
+        _ATTACHED[cache] = self
 
     def detach(self, cache: UnifiedRadixCache) -> None:
         """Unsubscribe from ``cache``, drop (and count) the queued backups and take no more
@@ -139,6 +152,8 @@ class StorageWorker:
             )
         cache.unsubscribe(self.writer)
         self.writer.drop_queued()
+        if _ATTACHED.get(cache) is self:
+            del _ATTACHED[cache]
         self._subscribed = False
         self._draining = True
         self._detached = True

@@ -364,6 +364,29 @@ async def test_attach_and_detach_refuse_bad_calls_without_changing_anything(
     s.check_closed()
 
 
+@pytest.mark.asyncio
+async def test_an_attach_through_an_older_handle_is_refused(tmp_path: Path) -> None:
+    """Issue 50 item 9: the ``HiCache`` handle from before an attach has no storage, so an
+    attach through it used to add a second storage worker to the cache silently."""
+    s = Stack(4)
+    store = FileStorage(tmp_path / "pages")
+    other = FileStorage(tmp_path / "other")
+    async with store, other, s.svc:
+        with anyio.fail_after(30):
+            old = s.hc
+            worker = await s.attach(store)
+            with pytest.raises(ConfigError, match="another storage worker"):
+                await hicache.attach_storage(s.svc, old, other)
+            assert s.cache.tier_events == (s.hc.controller, worker.writer)
+            await s.detach()
+            again = await hicache.attach_storage(s.svc, old, other)  # none attached now: fine
+            assert again.storage is not None and again.storage.attached
+            s.hc = again
+            await s.detach()
+            await s.check()
+    s.check_closed()
+
+
 def test_the_synchronous_api_attaches_and_detaches_without_a_service(tmp_path: Path) -> None:
     """``StorageWorker.attach`` / ``detach`` on a cache no service owns: attached, host
     backups queue writes; detached, the queue is dropped and counted, later backups reach
