@@ -172,12 +172,13 @@ class MetricsServer:
                 task_status.started(self._port)
                 async with anyio.create_task_group() as tg:
                     for one in listener.listeners:  # one per address the host resolved to
+                        assert isinstance(one, anyio.abc.SocketListener), f"{one!r}"
                         tg.start_soon(self._accept_loop, one, tg)
             finally:
                 self._port = None
 
     async def _accept_loop(
-        self, listener: anyio.abc.Listener[anyio.abc.SocketStream], tg: anyio.abc.TaskGroup
+        self, listener: anyio.abc.SocketListener, tg: anyio.abc.TaskGroup
     ) -> None:
         """Accept connections on ``listener`` and serve each in a task of ``tg``, until
         cancelled.
