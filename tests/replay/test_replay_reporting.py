@@ -200,7 +200,7 @@ def test_sweep_prints_the_hit_rate_curve_as_a_table_and_ascii_chart(
 
 def test_plot_needs_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--plot", "x.png"]) == 2
-    assert "argument --plot: needs --sweep" in capsys.readouterr().err
+    assert "argument --plot: has no effect without --sweep" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- chunk-cost benchmark

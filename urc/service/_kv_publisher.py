@@ -106,8 +106,8 @@ class KVEventPublisher:
             import zmq  # noqa: F401
         except ImportError as exc:  # pragma: no cover - the extra is installed in CI
             raise ConfigError(
-                "KV event publishing needs pyzmq and msgspec: pip install "
-                "'unified-radix-cache[events]'"
+                "KV event publishing needs pyzmq and msgspec: pip install -e "
+                "'.[events]' from the checkout (or pip install pyzmq msgspec)"
             ) from exc
         self.config = config if config is not None else KVEventsConfig()
         self._queue: deque[tuple[float, list[KVEvent]]] = deque()

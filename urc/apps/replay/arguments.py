@@ -55,7 +55,9 @@ __all__ = [
 _CAPACITY_HELP = (
     "A CAPACITY is a token count (65536) or, written with a '.', a fraction of the "
     "workload's unique prompt tokens (input tokens minus the ideal prefix hits of an "
-    "unbounded cache at this page size; computed by a first pass over the trace or workload)."
+    "unbounded cache at this page size; computed by a first pass over the trace or workload). "
+    "Token counts are prompt tokens for every workload: agentic session files, cached one "
+    "token per block, divide them by the block size."
 )
 
 REPLAY_HELP = "replay a request trace or a synthetic workload through the cache"
@@ -576,7 +578,7 @@ def check_replay_args(args: argparse.Namespace) -> tuple[str, str] | None:
         return no_effect
     if args.plot is not None:
         if args.sweep is None:
-            return "--plot", "needs --sweep"
+            return "--plot", "has no effect without --sweep"
         if importlib.util.find_spec("matplotlib") is None:
             return "--plot", 'needs matplotlib, which is not installed (pip install -e ".[plot]")'
     if args.trace is not None and (problem := _trace_problem(args.trace)) is not None:
