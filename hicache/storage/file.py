@@ -36,7 +36,10 @@ deployment suffix (``sglang_suffix``): other models' or ranks' pages in a shared
 are read if asked for but never counted, evicted or deleted, and a capacity-limited store
 refuses to write SGLang keys of another suffix (``InvalidStorageKeyError``).  Without a
 capacity nothing is ever evicted.  A page that cannot fit, or a failed write (``ENOSPC``,
-``EIO``), ends the put early: it degrades to "stored fewer", never to an exception.
+``EIO``), ends the put early: it degrades to "stored fewer"; a put that stored nothing
+because the directory or disk failed, a failed read or lookup, raise
+``StorageUnavailableError`` inside (a miss, counted, at the public boundary; raised with
+``raise_errors``, so the storage worker backs off), as the network stores do.
 """
 
 from __future__ import annotations
@@ -402,9 +405,8 @@ class FileStorage(StorageBackend):
                 page_files.read_pages, self._root, pages, sizes, HEADER_SIZE, tags
             )
         except OSError as exc:
-            self._counters.errors += 1
-            _log.warning("could not read pages under %s: %s", self._root, exc)
-            return 0
+            # The directory or the disk failed, not one page: the store is unavailable.
+            raise StorageUnavailableError(f"cannot read pages under {self._root}: {exc}") from exc
         read = 0
         adopt: list[tuple[PageKey, int]] = []
         for key, buffer, result in zip(leading, buffers, results, strict=False):
@@ -501,7 +503,12 @@ class FileStorage(StorageBackend):
                 progress=progress,
             )
         except OSError as exc:
-            self._counters.errors += 1
+            if progress.done == 0 and plan[0] is not None:
+                # Not a page stored: the directory or the disk failed (ENOSPC, EIO, gone).
+                raise StorageUnavailableError(
+                    f"cannot store pages under {self._root}: {exc}"
+                ) from exc
+            self._counters.errors += 1  # stored fewer: the rest failed
             _log.warning("could not store a page under %s: %s", self._root, exc)
             failures = []
         finally:

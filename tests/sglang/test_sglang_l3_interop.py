@@ -302,7 +302,7 @@ def test_bad_settings_raise_typed_errors(tmp_path: Path) -> None:
         dynamic(store="file", path=str(tmp_path), colour="red")
     with pytest.raises(ConfigError, match="interface_v1"):
         dynamic(store="file", path=str(tmp_path), interface_v1=1)
-    with pytest.raises(ConfigError, match="unknown MooncakeConfig settings"):
+    with pytest.raises(ConfigError, match="unknown mooncake store settings"):
         dynamic(store="mooncake", master_address="127.0.0.1:1", colour="red")
     backend = dynamic(store="file", path=str(tmp_path))
     try:

@@ -39,17 +39,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 from collections.abc import Coroutine, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from hicache.storage import FileStorage, InvalidBufferError, StorageBackend, StorageStats
+from hicache.storage import InvalidBufferError, StorageBackend, StorageStats
+from hicache.storage.registry import open_backend
 from hicache.storage.sglang_keys import SGLangNaming
 from urc.errors import ConfigError
 
@@ -65,60 +64,19 @@ _SGLANG_KEYS = frozenset(
 _SLACK_S = 5.0
 
 
-def _fields(config_type: type, settings: Mapping[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(config_type)}
-    unknown = sorted(set(settings) - names)
-    if unknown:
-        raise ConfigError(
-            f"unknown {config_type.__name__} settings {unknown} (it takes {sorted(names)})"
-        )
-    return dict(settings)
-
-
 async def build_store(
     extra_config: Mapping[str, Any], sglang_suffix: str | None = None
 ) -> StorageBackend:
-    """urc's backend for an SGLang extra config (see the module docstring); raises
+    """urc's backend for an SGLang extra config (see the module docstring), opened through
+    the backend registry (``hicache.storage.registry``); raises
     :class:`~urc.errors.ConfigError` for an unknown store or setting.  ``sglang_suffix``
     (this rank's object-name suffix) is what a capacity-limited file store owns: it never
     counts or evicts other models' or ranks' pages in a shared directory."""
     kind = extra_config.get("store", "file")
     settings = {k: v for k, v in extra_config.items() if k not in _SGLANG_KEYS}
-    if kind == "file":
-        unknown = sorted(set(settings) - {"path", "capacity_bytes", "op_timeout_s"})
-        if unknown:
-            raise ConfigError(f"unknown file store settings {unknown}")
-        return await FileStorage.open(
-            Path(settings.get("path", "/tmp/hicache")),
-            settings.get("capacity_bytes"),
-            op_timeout_s=settings.get("op_timeout_s", 30.0),
-            sglang_suffix=sglang_suffix,
-        )
-    if kind == "valkey":
-        from hicache.storage.valkey import ValkeyConfig, ValkeyStorage
-
-        fields = _fields(ValkeyConfig, settings)
-        if "addresses" in fields:
-            fields["addresses"] = tuple(_address(a) for a in fields["addresses"])
-        return ValkeyStorage(ValkeyConfig(**fields))
-    if kind == "mooncake":
-        from hicache.storage.mooncake import MooncakeConfig, MooncakeProtocol, MooncakeStorage
-
-        fields = _fields(MooncakeConfig, settings)
-        if "protocol" in fields:
-            fields["protocol"] = MooncakeProtocol(fields["protocol"])
-        return await MooncakeStorage.open(MooncakeConfig(**fields))
-    raise ConfigError(f"unknown urc store {kind!r}: file, valkey or mooncake")
-
-
-def _address(value: Any) -> tuple[str, int]:
-    if isinstance(value, str):
-        host, sep, port = value.rpartition(":")
-        if sep and port.isdigit():
-            return host, int(port)
-    elif isinstance(value, list | tuple) and len(value) == 2:
-        return str(value[0]), int(value[1])
-    raise ConfigError(f"a store address is 'host:port' or [host, port], not {value!r}")
+    if kind == "file" and sglang_suffix is not None:
+        settings["sglang_suffix"] = sglang_suffix
+    return await open_backend(kind, settings)
 
 
 def _naming(storage_config: Any) -> SGLangNaming:
