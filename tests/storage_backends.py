@@ -18,8 +18,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib.util
+import os
 import secrets
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -93,6 +95,19 @@ class BackendUnderTest(abc.ABC):
         """Make it reachable again and wait until ``store`` takes writes (a restarted
         service may have lost every value)."""
 
+    def stall(self) -> None:
+        """Make the store stop answering while connections stay open (``SIGSTOP``); only
+        for backends whose ``stall_reason()`` is ``None``."""
+        raise NotImplementedError
+
+    def unstall(self) -> None:
+        """Let a stalled store answer again (``SIGCONT``); its values are kept."""
+        raise NotImplementedError
+
+    def stall_reason(self) -> str | None:
+        """Why this backend cannot be stalled here, or ``None``."""
+        return None
+
 
 class _Files(BackendUnderTest):
     registry_name = "file"
@@ -129,6 +144,12 @@ class _Files(BackendUnderTest):
         assert self.current is not None
         self.current.unlink()
         self.current.with_suffix(".away").rename(self.current)
+
+    def stall_reason(self) -> str | None:
+        return (
+            "a local directory cannot be made to hang here (that takes a FUSE or NFS mount); "
+            "test_storage_file's hung-read test blocks a real open() instead"
+        )
 
 
 class LocalFiles(_Files):
@@ -233,6 +254,12 @@ class Valkey(_Valkey):
     def restart(self) -> None:
         self.node.start()
 
+    def stall(self) -> None:
+        self.node.pause()
+
+    def unstall(self) -> None:
+        self.node.resume()
+
 
 class ValkeyCluster(_Valkey):
     id = "valkey-cluster"
@@ -258,6 +285,14 @@ class ValkeyCluster(_Valkey):
 
     def restart(self) -> None:
         self.servers.restart_all()
+
+    def stall(self) -> None:
+        for node in self.servers.nodes:
+            node.pause()
+
+    def unstall(self) -> None:
+        for node in self.servers.nodes:
+            node.resume()
 
 
 class Mooncake(BackendUnderTest):
@@ -316,6 +351,17 @@ class Mooncake(BackendUnderTest):
 
     def take_away(self) -> None:
         self.master.kill()
+
+    def stall(self) -> None:
+        os.kill(self._master_pid(), signal.SIGSTOP)
+
+    def unstall(self) -> None:
+        os.kill(self._master_pid(), signal.SIGCONT)
+
+    def _master_pid(self) -> int:
+        process = self.master._process
+        assert process is not None and process.poll() is None, "the master is not running"
+        return process.pid
 
     async def bring_back(self, store: StorageBackend) -> None:
         self.master.start()

@@ -210,6 +210,36 @@ async def test_an_outage_reads_as_counted_misses_or_typed_errors_until_it_is_bac
 
 
 @pytest.mark.asyncio
+async def test_a_stalled_store_hits_the_deadline_and_serves_again(
+    backend: BackendUnderTest,
+) -> None:
+    """The store stops answering with its connections open (a hung server or mount): every
+    call ends at ``op_timeout_s`` as a counted miss, or a typed error with
+    ``raise_errors``; once it answers again its values are served."""
+    reason = backend.stall_reason()
+    if reason is not None:
+        pytest.skip(f"{backend.id}: {reason}")
+    pages = make_pages(2, 8)
+    keys = backend.keys(2, "stall")
+    async with await backend.open(op_timeout_s=0.5) as store:
+        assert await store.put(keys, pages) == 2
+        backend.stall()
+        try:
+            with anyio.fail_after(20):
+                assert await store.get(keys, zeros(pages)) == 0
+                with pytest.raises((StorageTimeout, StorageUnavailableError)):
+                    await store.exists(keys, raise_errors=True)
+            assert store.stats().timeouts >= 1 and store.stats().reads == 0
+        finally:
+            backend.unstall()
+        out = zeros(pages)
+        with anyio.fail_after(30):
+            while await store.get(keys, out) != 2:
+                await anyio.sleep(0.1)  # the client reconnects on its own schedule
+        assert all(same_bytes(a, b) for a, b in zip(pages, out, strict=True))
+
+
+@pytest.mark.asyncio
 async def test_the_storage_worker_rides_out_an_outage(backend: BackendUnderTest) -> None:
     """The whole stack (service, HiCache controller, storage worker, write-through) over the
     backend: during an outage a fetch is a miss and failures are counted (worker stats and
