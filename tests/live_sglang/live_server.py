@@ -1,0 +1,400 @@
+"""A real SGLang 0.5.23 server on 127.0.0.1, run from the side environment, and its client.
+
+``LiveServer(side, config, checkout, scratch)`` starts ``python -m sglang.launch_server`` from
+the side environment (:mod:`side_env`) with a tiny dummy-weight model (:class:`TinyModel`),
+the CPU flags of issue 45 and ``--radix-cache-backend urc`` or SGLang's default cache; it
+runs in its own session (process group), is waited for within ``START_TIMEOUT`` seconds, and
+``stop()`` kills that group by its PID (TERM, then KILL).  The server's output goes to
+``log_path``; :meth:`LiveServer.leak_reports` reads SGLang's idle leak check from it and
+:meth:`LiveServer.tree_cache_line` the line naming the tree cache.
+
+The client is plain ``urllib`` on ``/generate`` with ``input_ids`` (no tokenizer), one
+thread per concurrent request.  :func:`compare` sets two servers' results side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from side_env import SideEnv, server_env
+
+__all__ = [
+    "LLAMA",
+    "START_TIMEOUT",
+    "Comparison",
+    "GenRequest",
+    "GenResult",
+    "LiveServer",
+    "ServerConfig",
+    "ServerDied",
+    "TinyModel",
+    "compare",
+    "free_port",
+]
+
+START_TIMEOUT = 300.0  # seconds: a cold start on 2 busy cores imports all of SGLang
+REQUEST_TIMEOUT = 180.0
+_LEAK = re.compile(r"memory leak detected!.*")
+_TREE = re.compile(r"Tree cache initialized: .*")
+_MISSING_OP = re.compile(r"sgl_kernel fixture: missing op (\w+)")
+
+
+class ServerDied(RuntimeError):
+    """The server exited (or never answered) before it served; the message has its log tail."""
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A dummy-weight model: only a ``config.json`` (``--load-format dummy``)."""
+
+    name: str
+    config: Mapping[str, Any]
+
+    def write(self, folder: Path) -> Path:
+        path = folder / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(dict(self.config), indent=1))
+        return path
+
+
+LLAMA = TinyModel(
+    "llama",
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 2048,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server's configuration; ``backend`` is ``"default"`` or ``"urc"``."""
+
+    backend: str
+    model: TinyModel = LLAMA
+    page_size: int = 1
+    max_total_tokens: int = 8192
+    chunked_prefill_size: int = 1024
+    kv_events: bool = False
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    def with_backend(self, backend: str) -> ServerConfig:
+        return ServerConfig(
+            backend,
+            self.model,
+            self.page_size,
+            self.max_total_tokens,
+            self.chunked_prefill_size,
+            self.kv_events,
+            self.extra_args,
+            self.env,
+        )
+
+    @property
+    def label(self) -> str:
+        return f"{self.model.name} page {self.page_size} pool {self.max_total_tokens}"
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One ``/generate`` call: greedy, ``max_new_tokens`` tokens after ``input_ids``."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int = 8
+    rid: str | None = None
+    ignore_eos: bool = True
+
+
+@dataclass(frozen=True)
+class GenResult:
+    """What the server answered; ``error`` is set (and the rest empty) when it failed."""
+
+    output_ids: tuple[int, ...] = ()
+    cached_tokens: int = -1
+    finish: str = ""
+    retractions: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """A started SGLang server (see the module docstring); use as a context manager."""
+
+    def __init__(self, side: SideEnv, config: ServerConfig, checkout: Path, scratch: Path) -> None:
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.scratch = scratch
+        scratch.mkdir(parents=True, exist_ok=True)
+        self.log_path = scratch / f"server-{config.backend}-{self.port}.log"
+        self.replay: str | None = None
+        self._event_seq = 0
+        self.side = side
+        model = config.model.write(scratch / "models")
+        args = [
+            str(side.python), "-m", "sglang.launch_server",
+            "--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
+            "--device", "cpu", "--attention-backend", "torch_native",
+            "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--disable-cuda-graph", "--dtype", "bfloat16",
+            "--host", "127.0.0.1", "--port", str(self.port), "--random-seed", "0",
+            "--max-total-tokens", str(config.max_total_tokens),
+            "--chunked-prefill-size", str(config.chunked_prefill_size),
+            "--mem-fraction-static", "0.05", "--page-size", str(config.page_size),
+            "--log-level", "info",
+        ]  # fmt: skip
+        if config.backend == "urc":
+            args += ["--radix-cache-backend", "urc"]
+        elif config.backend != "default":
+            raise ValueError(f"backend {config.backend!r}: 'default' or 'urc'")
+        if config.kv_events:
+            self.replay = f"ipc://{scratch}/kv-replay-{self.port}"
+            events = {
+                "publisher": "zmq",
+                "endpoint": f"ipc://{scratch}/kv-pub-{self.port}",
+                "replay_endpoint": self.replay,
+                "topic": "kv",
+            }
+            args += ["--kv-events-config", json.dumps(events)]
+        args += list(config.extra_args)
+        env = server_env(checkout, scratch, dict(config.env))
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=scratch,
+            start_new_session=True,  # its own process group: stop() kills all of it by PID
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerDied(f"exited {self.proc.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/model_info", timeout=5) as r:
+                    if r.status == 200 and "fired up" in self.log():
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise ServerDied(f"not ready after {START_TIMEOUT:.0f}s: {self.log_tail()}")
+
+    def stop(self) -> None:
+        """Kill the server's process group by its PID (TERM, 10 s grace, then KILL)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        # children that outlived the leader (scheduler, detokenizer)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> LiveServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- the server's log ----------------------------------------------------------------
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 15) -> str:
+        return " | ".join(self.log().strip().splitlines()[-lines:])
+
+    def tree_cache_line(self) -> str:
+        m = _TREE.search(self.log())
+        return m.group(0) if m else ""
+
+    def leak_reports(self) -> list[str]:
+        """SGLang's idle leak-check reports in the log so far (it logs the first of a kind)."""
+        return _LEAK.findall(self.log())
+
+    def missing_ops(self) -> list[str]:
+        """``sgl_kernel`` ops the server called that the fixture does not provide."""
+        return sorted(set(_MISSING_OP.findall(self.log())))
+
+    def settle(self, seconds: float = 1.0) -> None:
+        """Wait while the scheduler turns idle (its leak check runs on every idle turn) before
+        the log is read; the server answers nothing that says it has."""
+        time.sleep(seconds)
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    def _post(
+        self, path: str, body: Any, *, method: str = "POST", timeout: float = REQUEST_TIMEOUT
+    ) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return int(r.status), r.read()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            return 0, str(e).encode()
+
+    def generate(self, request: GenRequest) -> GenResult:
+        body: dict[str, Any] = {
+            "input_ids": list(request.input_ids),
+            "sampling_params": {
+                "max_new_tokens": request.max_new_tokens,
+                "temperature": 0.0,
+                "ignore_eos": request.ignore_eos,
+            },
+        }
+        if request.rid is not None:
+            body["rid"] = request.rid
+        status, raw = self._post("/generate", body)
+        if status != 200:
+            return GenResult(error=f"HTTP {status}: {raw[:300].decode(errors='replace')}")
+        out = json.loads(raw)
+        meta = out["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        return GenResult(
+            output_ids=tuple(out["output_ids"]),
+            cached_tokens=int(meta["cached_tokens"]),
+            finish=str(finish.get("type", "")),
+            retractions=int(meta.get("num_retractions", 0)),
+        )
+
+    def generate_many(
+        self, requests: Sequence[GenRequest], concurrency: int = 1
+    ) -> list[GenResult]:
+        """Results in the order of ``requests``; ``concurrency`` requests in flight at once."""
+        if concurrency <= 1:
+            return [self.generate(r) for r in requests]
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(self.generate, requests))
+
+    def abort(self, rid: str) -> int:
+        return self._post("/abort_request", {"rid": rid})[0]
+
+    def flush_cache(self) -> bool:
+        return self._post("/flush_cache", None)[0] == 200
+
+    # -- KV events ------------------------------------------------------------------------
+
+    def take_events(self) -> list[tuple[str, int]]:
+        """The KV events published since the last call, as ``(type, blocks)``, decoded with
+        SGLang's own ``KVEventBatch`` (in the side environment) from the replay socket."""
+        if self.replay is None:
+            raise ValueError("this server was started without kv_events")
+        reader = Path(__file__).resolve().parent / "kv_event_reader.py"
+        done = subprocess.run(
+            [str(self.side.python), str(reader), self.replay, str(self._event_seq)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
+        if done.returncode != 0:
+            raise ServerDied(f"kv_event_reader: {done.stderr.strip()[-400:]}")
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        self._event_seq = int(out["next"])
+        return [(str(t), int(n)) for t, n in out["events"]]
+
+
+@dataclass
+class Comparison:
+    """Two servers' results on one workload, and what differs."""
+
+    case: str
+    default: list[GenResult]
+    urc: list[GenResult]
+    extra: dict[str, tuple[object, object]] = field(default_factory=dict)
+
+    @property
+    def requests_ok(self) -> tuple[int, int]:
+        return sum(r.ok for r in self.default), sum(r.ok for r in self.urc)
+
+    @property
+    def outputs_equal(self) -> bool:
+        return [r.output_ids for r in self.default] == [r.output_ids for r in self.urc]
+
+    @property
+    def cached_equal(self) -> bool:
+        return [r.cached_tokens for r in self.default] == [r.cached_tokens for r in self.urc]
+
+    def mismatches(self, limit: int = 5) -> list[str]:
+        out = []
+        for i, (d, u) in enumerate(zip(self.default, self.urc, strict=True)):
+            if d != u:
+                out.append(f"#{i}: default {d} urc {u}")
+        return out[:limit]
+
+    def summary(self) -> str:
+        d_ok, u_ok = self.requests_ok
+        n = len(self.default)
+        parts = [
+            f"{self.case}: requests ok {d_ok}/{n} vs {u_ok}/{n}",
+            f"outputs equal {self.outputs_equal}",
+            f"cached_tokens equal {self.cached_equal} "
+            f"(sum {sum(r.cached_tokens for r in self.default)} vs "
+            f"{sum(r.cached_tokens for r in self.urc)})",
+        ]
+        parts += [f"{k} {d} vs {u}" for k, (d, u) in self.extra.items()]
+        return "; ".join(parts)
+
+
+def compare(case: str, default: list[GenResult], urc: list[GenResult]) -> Comparison:
+    if len(default) != len(urc):
+        raise ValueError(f"{case}: {len(default)} default results, {len(urc)} urc results")
+    return Comparison(case, default, urc)
