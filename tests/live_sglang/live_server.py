@@ -15,6 +15,7 @@ thread per concurrent request.  :func:`compare` sets two servers' results side b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -34,6 +35,7 @@ from side_env import SideEnv, server_env
 
 __all__ = [
     "LLAMA",
+    "MELLUM_SWA",
     "START_TIMEOUT",
     "Comparison",
     "GenRequest",
@@ -93,6 +95,37 @@ LLAMA = TinyModel(
     },
 )
 
+# A model class SGLang 0.5.23 treats as hybrid sliding-window (``is_hybrid_swa_model``):
+# Mellum with one sliding-window layer (window 64) and one full-attention layer, both with
+# dense MLPs (``num_experts`` must still be positive: SGLang sizes its expert map from it).
+MELLUM_SWA = TinyModel(
+    "mellum-swa",
+    {
+        "architectures": ["MellumForCausalLM"],
+        "model_type": "mellum",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "dense"],
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": 64,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -106,18 +139,11 @@ class ServerConfig:
     kv_events: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    # extra SGLang plug-ins from modules beside this one: (name, "module:function")
+    plugins: tuple[tuple[str, str], ...] = ()
 
     def with_backend(self, backend: str) -> ServerConfig:
-        return ServerConfig(
-            backend,
-            self.model,
-            self.page_size,
-            self.max_total_tokens,
-            self.chunked_prefill_size,
-            self.kv_events,
-            self.extra_args,
-            self.env,
-        )
+        return dataclasses.replace(self, backend=backend)
 
     @property
     def label(self) -> str:
@@ -195,7 +221,7 @@ class LiveServer:
             }
             args += ["--kv-events-config", json.dumps(events)]
         args += list(config.extra_args)
-        env = server_env(checkout, scratch, dict(config.env))
+        env = server_env(checkout, scratch, dict(config.env), dict(config.plugins))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(
             args,

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,18 +251,21 @@ def ensure() -> SideEnv:
     return SideEnv(root=root, python=python)
 
 
-def _entry_point_dist(checkout: Path, dest: Path) -> Path:
-    """A ``dist-info`` folder holding the checkout's ``sglang.srt.plugins`` entry points."""
+def _entry_point_dist(checkout: Path, dest: Path, extra: Mapping[str, str]) -> Path:
+    """A ``dist-info`` folder holding the checkout's ``sglang.srt.plugins`` entry points (and
+    ``extra`` ones, name to ``module:function``)."""
     meta = tomllib.loads((checkout / "pyproject.toml").read_text())
     project = meta["project"]
-    plugins = project.get("entry-points", {}).get("sglang.srt.plugins", {})
+    plugins = dict(project.get("entry-points", {}).get("sglang.srt.plugins", {}))
     if not plugins:
         raise SideEnvUnavailable(f"{checkout}/pyproject.toml declares no sglang.srt.plugins")
+    plugins.update(extra)
     name = str(project["name"]).replace("-", "_")
-    info = dest / f"{name}-{project.get('version', '0')}.dist-info"
+    version = project.get("version", "0")
+    info = dest / f"{name}-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project.get('version', '0')}\n"
+        f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {version}\n"
     )
     lines = ["[sglang.srt.plugins]", *(f"{k} = {v}" for k, v in plugins.items())]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
@@ -269,18 +273,26 @@ def _entry_point_dist(checkout: Path, dest: Path) -> Path:
 
 
 def server_env(
-    checkout: Path, scratch: Path, extra: dict[str, str] | None = None
+    checkout: Path,
+    scratch: Path,
+    extra: Mapping[str, str] | None = None,
+    plugins: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment a server process of ``checkout``'s code runs with.
 
     ``checkout`` goes first on ``PYTHONPATH`` (its C extensions built in place), then a
-    generated folder in ``scratch`` holding the project's plug-in entry point; the CPU engine
-    is switched on.  ``extra`` adds or overrides variables.
+    generated folder under ``scratch`` holding the project's plug-in entry point; the CPU
+    engine is switched on.  ``extra`` adds or overrides variables; ``plugins`` adds SGLang
+    plug-ins (name to ``module:function``) from modules beside this one.
     """
-    eps = _entry_point_dist(checkout, scratch / "entry_points")
+    tag = hashlib.sha256(repr(sorted((plugins or {}).items())).encode()).hexdigest()[:8]
+    eps = _entry_point_dist(checkout, scratch / f"entry_points-{tag}", plugins or {})
+    path = [str(checkout), str(eps)]
+    if plugins:
+        path.append(str(Path(__file__).resolve().parent))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "URC_"))}
     env.update(
-        PYTHONPATH=f"{checkout}{os.pathsep}{eps}",
+        PYTHONPATH=os.pathsep.join(path),
         SGLANG_USE_CPU_ENGINE="1",
         PYTHONUNBUFFERED="1",
     )

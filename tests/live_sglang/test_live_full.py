@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from conftest import ServerPair, ServerPool
-from live_server import Comparison, GenRequest, GenResult, LiveServer, ServerConfig, compare
+from live_server import GenRequest, GenResult, LiveServer, ServerConfig, compare
+from pairs import ServerPair, ServerPool, assert_same, event_counts, finish_case, run_both
 from workloads import chunked_prompts, concurrent_suffixes, shared_prefix, tokens
 
 pytestmark = [pytest.mark.live_sglang, pytest.mark.timeout(900)]
@@ -40,48 +39,6 @@ def pair(request: pytest.FixtureRequest, server_pool: ServerPool) -> ServerPair:
     return server_pool.pair(config)
 
 
-def _event_counts(events: list[tuple[str, int]]) -> dict[str, int]:
-    counts: Counter[str] = Counter()
-    for kind, blocks in events:
-        counts[kind] += 1
-        counts[f"{kind} blocks"] += blocks
-    return dict(sorted(counts.items()))
-
-
-def _finish(
-    pair: ServerPair, cmp: Comparison, report: Callable[[str], None]
-) -> tuple[dict[str, int], dict[str, int]]:
-    """Settle both servers, add leak reports and KV event counts to ``cmp``, report it."""
-    for server in (pair.default, pair.urc):
-        server.settle()
-    leaks = (pair.default.leak_reports(), pair.urc.leak_reports())
-    cmp.extra["leak reports"] = (len(leaks[0]), len(leaks[1]))
-    counts: tuple[dict[str, int], dict[str, int]] = ({}, {})
-    if pair.config.kv_events:
-        counts = (
-            _event_counts(pair.default.take_events()),
-            _event_counts(pair.urc.take_events()),
-        )
-        cmp.extra["events"] = counts
-    report(f"[{pair.config.label}] {cmp.summary()}")
-    assert leaks == ([], []), f"leak reports: {leaks}"
-    return counts
-
-
-def _both(
-    pair: ServerPair, run: Callable[[LiveServer], list[GenResult]]
-) -> tuple[list[GenResult], list[GenResult]]:
-    return run(pair.default), run(pair.urc)
-
-
-def _assert_equal(cmp: Comparison, *, cached: bool = True) -> None:
-    d_ok, u_ok = cmp.requests_ok
-    assert d_ok == u_ok == len(cmp.default), cmp.mismatches()
-    assert cmp.outputs_equal, cmp.mismatches()
-    if cached:
-        assert cmp.cached_equal, cmp.mismatches()
-
-
 def test_the_servers_name_their_tree_caches(
     pair: ServerPair, report: Callable[[str], None]
 ) -> None:
@@ -96,9 +53,9 @@ def test_a_shared_prefix_workload_gets_the_same_outputs_and_cached_tokens(
     pair: ServerPair, report: Callable[[str], None]
 ) -> None:
     requests = shared_prefix(seed=45)
-    cmp = compare("shared prefix x48", *_both(pair, lambda s: s.generate_many(requests)))
-    counts = _finish(pair, cmp, report)
-    _assert_equal(cmp)
+    cmp = compare("shared prefix x48", *run_both(pair, lambda s: s.generate_many(requests)))
+    counts = finish_case(pair, cmp, report)
+    assert_same(cmp)
     assert sum(r.cached_tokens for r in cmp.default) > 0
     assert counts[0] == counts[1]
 
@@ -108,9 +65,11 @@ def test_chunked_prefill_of_prompts_several_chunks_long_agrees(
 ) -> None:
     requests = chunked_prompts(seed=7, chunk=CHUNK)
     assert min(len(r.input_ids) for r in requests) > 3 * CHUNK
-    cmp = compare("chunked prefill 3.3x chunk", *_both(pair, lambda s: s.generate_many(requests)))
-    counts = _finish(pair, cmp, report)
-    _assert_equal(cmp)
+    cmp = compare(
+        "chunked prefill 3.3x chunk", *run_both(pair, lambda s: s.generate_many(requests))
+    )
+    counts = finish_case(pair, cmp, report)
+    assert_same(cmp)
     assert counts[0] == counts[1]
 
 
@@ -120,9 +79,9 @@ def test_concurrent_requests_agree(pair: ServerPair, report: Callable[[str], Non
     def run(server: LiveServer) -> list[GenResult]:
         return [server.generate(warm), *server.generate_many(requests, concurrency=len(requests))]
 
-    cmp = compare(f"concurrent x{len(requests)}", *_both(pair, run))
-    counts = _finish(pair, cmp, report)
-    _assert_equal(cmp)
+    cmp = compare(f"concurrent x{len(requests)}", *run_both(pair, run))
+    counts = finish_case(pair, cmp, report)
+    assert_same(cmp)
     # Batching depends on arrival times, so event batches may split differently; what was
     # stored and removed may not.
     assert {k: v for k, v in counts[0].items() if "blocks" in k} == {
@@ -154,14 +113,14 @@ def test_an_abort_in_the_middle_of_a_generation_frees_everything(
         after = server.generate(GenRequest(prompt + tokens(random.Random(4), 5), 4))
         return [*got, after]
 
-    default, urc = _both(pair, run)
+    default, urc = run_both(pair, run)
     aborted = (default[0].finish, urc[0].finish)
     cmp = compare("abort mid-generation", default[1:], urc[1:])
     cmp.extra["aborted request finish"] = aborted
-    _finish(pair, cmp, report)
+    finish_case(pair, cmp, report)
     assert aborted == ("abort", "abort"), (default[0], urc[0])
     assert len(default[0].output_ids) < 4000 and len(urc[0].output_ids) < 4000
-    _assert_equal(cmp)
+    assert_same(cmp)
 
 
 def test_retraction_under_memory_pressure_agrees(
@@ -172,14 +131,14 @@ def test_retraction_under_memory_pressure_agrees(
     rng = random.Random(5)
     common = tokens(rng, 48)
     requests = [GenRequest(common + tokens(rng, 16), max_new_tokens=220) for _ in range(12)]
-    default, urc = _both(pair, lambda s: s.generate_many(requests, concurrency=len(requests)))
+    default, urc = run_both(pair, lambda s: s.generate_many(requests, concurrency=len(requests)))
     cmp = compare(f"retraction x{len(requests)}", default, urc)
     retractions = (sum(r.retractions for r in default), sum(r.retractions for r in urc))
     cmp.extra["retractions"] = retractions
-    _finish(pair, cmp, report)
+    finish_case(pair, cmp, report)
     assert retractions[0] > 0 and retractions[1] > 0, retractions
     # When a request is retracted depends on timing; what it generates may not.
-    _assert_equal(cmp, cached=False)
+    assert_same(cmp, cached=False)
 
 
 def test_flush_cache_empties_both_caches(pair: ServerPair, report: Callable[[str], None]) -> None:
@@ -194,9 +153,9 @@ def test_flush_cache_empties_both_caches(pair: ServerPair, report: Callable[[str
         assert server.flush_cache()
         return [first, again, server.generate(request)]
 
-    cmp = compare("/flush_cache", *_both(pair, run))
-    counts = _finish(pair, cmp, report)
-    _assert_equal(cmp)
+    cmp = compare("/flush_cache", *run_both(pair, run))
+    counts = finish_case(pair, cmp, report)
+    assert_same(cmp)
     assert cmp.default[1].cached_tokens > 0 and cmp.default[2].cached_tokens == 0
     assert counts[0].get("AllBlocksCleared", 0) >= 1
     assert counts[0] == counts[1]
@@ -209,8 +168,8 @@ def test_flush_cache_empties_both_caches(pair: ServerPair, report: Callable[[str
 def test_the_start_up_publishes_all_blocks_cleared_as_the_default_does(
     pair: ServerPair, report: Callable[[str], None]
 ) -> None:
-    default = _event_counts(pair.startup_events["default"])
-    urc = _event_counts(pair.startup_events["urc"])
+    default = event_counts(pair.startup_events["default"])
+    urc = event_counts(pair.startup_events["urc"])
     report(f"[{pair.config.label}] start-up (with warm-up request) events: {default} vs {urc}")
     cleared = (default.get("AllBlocksCleared", 0), urc.get("AllBlocksCleared", 0))
     assert cleared[0] >= 1 and cleared[0] == cleared[1], cleared
