@@ -30,6 +30,7 @@ from pairs import ServerPool  # noqa: E402
 from side_env import SideEnv, SideEnvUnavailable, ensure  # noqa: E402
 
 _REPORT: list[str] = []
+_POOL_CPU = [0.0, 0]  # CPU seconds of the servers, how many
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -48,6 +49,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("live SGLang: default vs urc")
         for line in _REPORT:
             terminalreporter.write_line(line)
+        # CPU time says what the stage costs on an idle machine better than the wall time
+        # on a shared one does.
+        terminalreporter.write_line(
+            f"{_POOL_CPU[0]:.0f} s of CPU in {_POOL_CPU[1]} servers (their processes, at stop)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -80,3 +86,4 @@ def server_pool(side_env: SideEnv) -> Iterator[ServerPool]:
             yield pool
         finally:
             pool.close()
+            _POOL_CPU[:] = [pool.cpu_used, pool.started]

@@ -192,6 +192,7 @@ class LiveServer:
         scratch.mkdir(parents=True, exist_ok=True)
         self.log_path = scratch / f"server-{config.backend}-{self.port}.log"
         self.replay: str | None = None
+        self.cpu_used = 0.0  # CPU seconds, read when stopped
         self._event_seq = 0
         self.side = side
         model = config.model.write(scratch / "models")
@@ -254,9 +255,23 @@ class LiveServer:
             time.sleep(0.5)
         raise ServerDied(f"not ready after {START_TIMEOUT:.0f}s: {self.log_tail()}")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) its live processes have used so far (from ``/proc``)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) == self.proc.pid:  # its process group
+                total += int(fields[11]) + int(fields[12])
+        return total / tick
+
     def stop(self) -> None:
         """Kill the server's process group by its PID (TERM, 10 s grace, then KILL)."""
         if self.proc.poll() is None:
+            self.cpu_used = self.cpu_seconds()
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=10)

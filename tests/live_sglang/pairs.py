@@ -53,6 +53,8 @@ class ServerPool:
         self.side = side
         self.scratch = scratch
         self.current: ServerPair | None = None
+        self.cpu_used = 0.0  # CPU seconds of the servers stopped so far
+        self.started = 0
 
     def pair(self, config: ServerConfig) -> ServerPair:
         if self.current is not None and self.current.config == config:
@@ -71,6 +73,7 @@ class ServerPool:
                     s.stop()
             raise failed[0]
         default, urc = started
+        self.started += 2
         assert isinstance(default, LiveServer) and isinstance(urc, LiveServer)
         pair = ServerPair(config, default, urc)
         if config.kv_events:
@@ -81,6 +84,7 @@ class ServerPool:
     def close(self) -> None:
         if self.current is not None:
             self.current.stop()
+            self.cpu_used += self.current.default.cpu_used + self.current.urc.cpu_used
             self.current = None
 
 
