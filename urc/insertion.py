@@ -128,7 +128,9 @@ def insert(
         # The hint takes this session when it names none (after the insert: check it now).
         sid = params.session_id
         if sid is not None and not isinstance(sid, str):
-            raise InvalidInputError(f"session_id must be a str or None, got {type(sid)}")
+            raise InvalidInputError(
+                f"session_id must be a str or None, got {sid!r} ({type(sid).__name__})"
+            )
     resumed: list[TreeNode] = []
     if resume_from is not None:
         resumed = state.tree.path_to(resume_from)

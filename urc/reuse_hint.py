@@ -61,7 +61,9 @@ class ReuseHint:
     def __post_init__(self) -> None:
         sid = self.session_id
         if sid is not None and not isinstance(sid, str):
-            raise InvalidInputError(f"session_id must be a str or None, got {type(sid)}")
+            raise InvalidInputError(
+                f"session_id must be a str or None, got {sid!r} ({type(sid).__name__})"
+            )
         for name in ("expected_gap_s", "finished_at_s"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, Real)):

@@ -80,7 +80,9 @@ class PageStatus(Enum):
 def check_buffer(buffer: torch.Tensor) -> None:
     """Raise ``InvalidBufferError`` unless ``buffer`` is a contiguous CPU tensor."""
     if not isinstance(buffer, torch.Tensor):
-        raise InvalidBufferError(f"a page buffer must be a torch.Tensor, not {type(buffer)!r}")
+        raise InvalidBufferError(
+            f"a page buffer must be a torch.Tensor, not {type(buffer).__name__}"
+        )
     if buffer.device.type != "cpu":
         raise InvalidBufferError(f"a page buffer must be on the CPU, not {buffer.device}")
     if not buffer.is_contiguous():

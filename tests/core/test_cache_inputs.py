@@ -119,3 +119,24 @@ def test_a_device_this_torch_cannot_use_is_a_config_error() -> None:
 def test_a_device_that_is_not_a_torch_device_is_a_config_error(device: object) -> None:
     with pytest.raises(ConfigError):
         CacheConfig(kv_size=64, device=device)  # type: ignore[arg-type]
+
+
+def test_a_bad_session_id_is_named_with_its_type_by_name() -> None:
+    """The message says ``got 7 (int)``, never ``<class 'int'>``; nothing is inserted."""
+    from urc.reuse_hint import ReuseHint
+
+    with pytest.raises(InvalidInputError, match=r"got 7 \(int\)$"):
+        ReuseHint(session_id=7)  # type: ignore[arg-type]
+    cache = build_cache(CacheConfig(page_size=1, kv_size=64))
+    slots = cache.token_to_kv_pool_allocator.alloc(2)
+    # With a hint (which takes the params' session when it names none), the id is checked.
+    params = InsertParams(
+        key=RadixKey([1, 2]),
+        value=slots,
+        session_id=7,
+        reuse_hint=ReuseHint(),  # type: ignore[arg-type]
+    )
+    with pytest.raises(InvalidInputError, match=r"got 7 \(int\)$"):
+        cache.insert(params)
+    assert cache.total_size() == 0
+    cache.sanity_check()

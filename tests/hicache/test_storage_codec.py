@@ -62,3 +62,12 @@ def test_a_page_of_another_format_version_is_corrupt_and_leaves_the_buffer_untou
 
 def test_the_format_is_version_3_since_headers_carry_the_key_tag() -> None:
     assert PAGE_FORMAT_VERSION == 3
+
+
+def test_a_page_buffer_that_is_not_a_tensor_is_named_by_its_type() -> None:
+    """``not list``, never ``<class 'list'>``."""
+    from hicache.storage.codec import check_buffer
+    from hicache.storage.errors import InvalidBufferError
+
+    with pytest.raises(InvalidBufferError, match=r"not list$"):
+        check_buffer([1, 2])  # type: ignore[arg-type]
