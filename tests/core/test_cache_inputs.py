@@ -133,8 +133,8 @@ def test_a_bad_session_id_is_named_with_its_type_by_name() -> None:
     params = InsertParams(
         key=RadixKey([1, 2]),
         value=slots,
-        session_id=7,
-        reuse_hint=ReuseHint(),  # type: ignore[arg-type]
+        session_id=7,  # type: ignore[arg-type]
+        reuse_hint=ReuseHint(),
     )
     with pytest.raises(InvalidInputError, match=r"got 7 \(int\)$"):
         cache.insert(params)
