@@ -12,6 +12,10 @@ stream wait (:meth:`Completion.wait_stream`), without blocking the host.
   thread's current stream; completion is a ``torch.cuda.Event`` recorded after the copies.
 - :class:`HostTransferEngine`: the same path for pools on the CPU: the work runs at
   submission (a null stream) and its completion is already done.
+- :class:`ThreadTransferEngine`: pools on the CPU, copies off the submitting thread: one
+  worker thread per lane runs the work in submission order; completion is the work's
+  future (a caller that does not need the bytes yet goes on meanwhile: torch's copies
+  release the GIL).
 
 :func:`engine_for` picks the engine for a device.  The work closure runs inside the stream
 context, so every device tensor it makes (a device copy of its indices, a staging buffer)
@@ -21,6 +25,7 @@ belongs to the transfer stream.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from typing import Any
 
@@ -32,6 +37,7 @@ __all__ = [
     "CudaTransferEngine",
     "HostTransferEngine",
     "Lane",
+    "ThreadTransferEngine",
     "TransferEngine",
     "engine_for",
 ]
@@ -110,6 +116,43 @@ class HostTransferEngine(TransferEngine):
     def submit(self, lane: Lane, work: Callable[[], Any]) -> Completion:
         work()
         return DONE
+
+
+class _FutureCompletion(Completion):
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[Any]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()  # re-raises the work's exception
+
+
+class ThreadTransferEngine(TransferEngine):
+    """Pools on the CPU, copies on a worker thread per lane (see the module docstring).
+
+    Transfers of one lane run one at a time, in submission order; the two lanes run
+    concurrently.  A work's exception is raised by its completion's ``wait``.  The threads
+    exit with the interpreter once idle (``close`` stops them earlier)."""
+
+    __slots__ = ("_lanes",)
+
+    def __init__(self) -> None:
+        self._lanes = {
+            lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"urc-hicache-{lane.value}")
+            for lane in Lane
+        }
+
+    def submit(self, lane: Lane, work: Callable[[], Any]) -> Completion:
+        return _FutureCompletion(self._lanes[lane].submit(work))
+
+    def close(self) -> None:
+        """Wait for the submitted work, then stop the worker threads."""
+        for pool in self._lanes.values():
+            pool.shutdown(wait=True)
 
 
 class CudaTransferEngine(TransferEngine):

@@ -19,7 +19,13 @@ import hicache
 from hicache import HiCacheConfig
 from hicache.host_layout import HostLayout
 from hicache.host_pool import HostPool
-from hicache.transfer_engine import DONE, HostTransferEngine, Lane, engine_for
+from hicache.transfer_engine import (
+    DONE,
+    HostTransferEngine,
+    Lane,
+    ThreadTransferEngine,
+    engine_for,
+)
 from urc import CacheConfig, ComponentType, RadixKey, build_cache
 from urc.host import transfers as host_transfers
 from urc.pools.kv_pool import KVPool, KVShape
@@ -142,3 +148,43 @@ async def test_the_service_waits_for_deferred_copies(copy_in_thread: bool) -> No
             assert torch.equal(kv.kv[:, :, m.device_indices], original)
             await svc.sanity_check()
     assert engine.submitted and engine.pending() == 0
+
+
+# ---------------------------------------------------------------------- ThreadTransferEngine
+def test_thread_engine_runs_each_lanes_work_off_the_caller_in_submission_order() -> None:
+    import threading
+
+    engine = ThreadTransferEngine()
+    try:
+        order: list[int] = []
+        threads: set[int] = set()
+        gate = threading.Event()
+
+        def work(i: int) -> None:
+            gate.wait(10)
+            threads.add(threading.get_ident())
+            order.append(i)
+
+        done = [engine.submit(Lane.WRITE, lambda i=i: work(i)) for i in range(5)]
+        assert not any(d.done() for d in done)  # the caller did not run them
+        gate.set()
+        for d in done:
+            d.wait()
+        assert order == [0, 1, 2, 3, 4] and all(d.done() for d in done)
+        assert threading.get_ident() not in threads
+    finally:
+        engine.close()
+
+
+def test_thread_engine_completion_raises_the_works_exception() -> None:
+    engine = ThreadTransferEngine()
+    try:
+
+        def boom() -> None:
+            raise RuntimeError("copy failed")
+
+        done = engine.submit(Lane.LOAD, boom)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            done.wait()
+    finally:
+        engine.close()

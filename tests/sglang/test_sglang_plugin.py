@@ -270,6 +270,7 @@ def _drive(
             loop.finish(r)
         loop.check()
     assert not loop.running
+    loop.cache.wait_for_backups()  # the idle turns' polling, at once
     assert loop.cache.full_protected_size() == 0
     return done, loop
 

@@ -85,6 +85,7 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
         return node is None or node.parent is None
 
     def reset(self) -> None:
+        self.wait_for_backups()  # their pins would refuse the reset
         self.urc.reset()
 
     def take_events(self) -> list[Any]:

@@ -11,6 +11,7 @@ from urc.apps.sglang._hicache_options import (
     hicache_refusals,
     start_storage,
     storage_refusals,
+    transfer_engine,
 )
 from urc.cache import UnifiedRadixCache
 from urc.config import CacheConfig
@@ -235,7 +236,9 @@ def create_cache(ctx: Any) -> Any:
     if hicache:
         from hicache.host_tier import attach_hicache
 
-        host = attach_hicache(core, _hicache_config(allocator, _memory()))
+        host = attach_hicache(
+            core, _hicache_config(allocator, _memory()), transfer_engine(allocator.device)
+        )
     cache = SGLangRadixCache(core, params, host)
     start_storage(cache, _memory())
     return cache

@@ -5,11 +5,12 @@ What the scheduler reads, and where (``managers/scheduler.py`` unless named):
 
 - ``is_fully_idle`` (every idle turn, ``/flush_cache``, storage attach/detach):
   ``ongoing_write_through``, ``ongoing_load_back``, ``enable_storage`` and, with storage,
-  ``ongoing_prefetch`` and ``ongoing_backup``: the transfers in flight.  urc's copies are
-  synchronous (they complete inside the call that starts them), so these stay empty between
-  scheduler turns;
+  ``ongoing_prefetch`` and ``ongoing_backup``: the transfers in flight (write-through
+  backups whose copies run on the host tier's engine; L3 prefetches and writes on the L3
+  worker's thread; load-backs complete inside ``init_load_back``);
 - ``_process_hicache_events`` / ``process_batch_result``: ``check_hicache_events`` and
-  ``flush_pending_backups`` (the write-through backups that came due);
+  ``flush_pending_backups`` (commit the backups whose copies completed, start those that
+  came due, without waiting for their copies);
 - ``schedule_policy.add_one_req``: ``init_load_back`` and ``load_back_is_cache_owned`` for a
   request whose match ends on host-only nodes; ``get_next_batch_to_run``:
   ``ready_to_load_host_cache`` (the forward's layer-wise wait: -1, nothing in flight);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from urc.host import transfers as host_transfers
 from urc.node import ComponentType, TreeNode
 
 if TYPE_CHECKING:
@@ -72,8 +74,9 @@ class HiCacheSurface:
         """Set the surface's state: empty in-flight tables, no L3, and a
         :class:`HostTierController` when the host tier is attached (else ``None``, as
         SGLang's own cache without HiCache)."""
-        # In flight between scheduler turns (see the module docstring): never anything.
-        self.ongoing_write_through: dict[int, Any] = {}
+        #: Write-through backups whose copies are in flight: ticket and completions.
+        self.ongoing_write_through: dict[int, tuple[Any, list[Any]]] = {}
+        # Load-backs complete inside ``init_load_back``: none is in flight between turns.
         self.ongoing_load_back: dict[int, Any] = {}
         #: urc's L3 store inside the scheduler (``--hicache-storage-backend``), or None.
         self.l3: SchedulerStorage | None = None
@@ -109,24 +112,59 @@ class HiCacheSurface:
 
     # ------------------------------------------------------------------ backups
     def check_hicache_events(self) -> None:
-        """Run the write-through backups that came due (evicting unpinned host leaves
-        when the host pool is full), and the tree steps the L3 worker queued."""
+        """Commit the backups whose copies completed, start the write-through backups that
+        came due (evicting unpinned host leaves when the host pool is full), and run the
+        tree steps the L3 worker queued."""
         self.flush_pending_backups()
         if self.l3 is not None:
             self.l3.run_calls()
 
     def flush_pending_backups(self) -> None:
-        """Back up every node due for a write-through backup now (synchronous copies)."""
+        """Commit the backups whose copies completed (``finish_backup``: the host copies
+        join the tree, the device pins are released), then start one for every node due
+        (``start_backup`` reserves host slots and pins the chain; the copies are submitted
+        to the host tier's engine -- a worker thread on the CPU, a stream on CUDA -- and
+        not waited for: ``ongoing_write_through`` holds them until they complete).  A node
+        whose ancestor's backup is still in flight waits for the next turn."""
         core = self.urc
-        if self.host is None:
+        host = self.host
+        if host is None:
             return
+        self._finish_backups()
+        deferred: list[TreeNode] = []
+        in_flight = core.backups_in_flight
         while core.pending_backups:
             _, node = core.pending_backups.popitem()
             full = node.data[ComponentType.FULL]
             if node.deleted or full is None or full.value is None or full.host_value is not None:
                 continue
-            if not core.write_backup(node) and self._free_host(node.key_len):
-                core.write_backup(node)
+            ticket = host_transfers.start_backup(core, node)
+            if ticket is None and _ancestor_in_flight(node, in_flight):
+                deferred.append(node)
+                continue
+            if ticket is None and self._free_host(node.key_len):
+                ticket = host_transfers.start_backup(core, node)
+            if ticket is None:
+                continue
+            done = [host.backup(item.component, item.device, item.host) for _, item in ticket.items]
+            self.ongoing_write_through[id(ticket)] = (ticket, done)
+        for node in deferred:
+            core.pending_backups[node.id] = node
+
+    def wait_for_backups(self) -> None:
+        """Wait for every backup copy in flight and commit them (what the scheduler's idle
+        turns reach by polling)."""
+        self._finish_backups(wait=True)
+
+    def _finish_backups(self, wait: bool = False) -> None:
+        """Commit every backup in flight whose copies have all completed (``wait``: every
+        one, waiting for its copies)."""
+        ongoing = self.ongoing_write_through
+        for key in [k for k, (_, done) in ongoing.items() if wait or all(d.done() for d in done)]:
+            ticket, done = ongoing.pop(key)
+            for d in done:
+                d.wait()  # a failed copy raises here
+            host_transfers.finish_backup(self.urc, ticket)
 
     def _free_host(self, tokens: int) -> int:
         """Evict unpinned host-only leaves for ``tokens`` host slots; returns tokens freed."""
@@ -274,3 +312,13 @@ class HiCacheSurface:
         """``/clear_hicache_storage_backend``: not served (urc's stores have no bulk delete):
         False, the store unchanged."""
         return False
+
+
+def _ancestor_in_flight(node: TreeNode, in_flight: set[int]) -> bool:
+    """Whether a node on ``node``'s path (itself included) has a backup in flight."""
+    walk: TreeNode | None = node
+    while walk is not None and walk.parent is not None:
+        if walk.id in in_flight:
+            return True
+        walk = walk.parent
+    return False

@@ -7,6 +7,7 @@ from typing import Any
 
 from hicache.config import HiCacheConfig
 from hicache.host_layout import HostLayout
+from hicache.transfer_engine import ThreadTransferEngine, TransferEngine, engine_for
 from urc.host.protocol import WritePolicy
 
 # ``--hicache-storage-backend`` values urc serves as the tree (used by urc.apps.sglang._l3).
@@ -19,6 +20,7 @@ __all__ = [
     "hicache_refusals",
     "start_storage",
     "storage_refusals",
+    "transfer_engine",
 ]
 
 #: ``--hicache-mem-layout`` values urc's host pools hold, as urc's layouts.
@@ -94,3 +96,13 @@ def hicache_config(memory: Any, bytes_per_slot: int) -> HiCacheConfig:
     return HiCacheConfig(
         write_policy=policy, host_ratio=memory.hicache_ratio or 2.0, host_layout=layout
     )
+
+
+def transfer_engine(device: Any) -> TransferEngine:
+    """Where the host tier's copies run inside SGLang's scheduler: on a worker thread per
+    direction for a CPU device (the scheduler thread does not wait for a backup's copy),
+    on CUDA streams otherwise (``hicache.transfer_engine.engine_for``)."""
+    import torch
+
+    device = torch.device(device)
+    return ThreadTransferEngine() if device.type == "cpu" else engine_for(device)
