@@ -1,19 +1,19 @@
 """Benchmark: the tree cache's own time per scheduler step in a live SGLang 0.5.23 server,
 urc against SGLang's default cache (its ``UnifiedRadixCache`` on the Rust tree core).
 
-    python tests/live_sglang/bench_tree_cache_time.py [--rounds 2] [--requests 256]
+    python tests/live_sglang/bench_tree_cache_time.py [--rounds 4] [--requests 256]
 
 One run starts a default-cache server and a urc server of the same configuration (the side
 environment of :mod:`side_env`; tiny dummy-weight Llama, page size 1, a pool the workload
-overflows) one after the other, each with :mod:`cache_timer` loaded as a SGLang plug-in,
-which times every public call into the tree cache (outermost calls) and counts scheduler
-steps (``run_batch``).  Each server gets a warm-up pass, then ``--rounds`` measured passes
-of a cache-stressing workload: long shared prefixes (4 system prompts of 1024 tokens) and
-many small requests (a 4-24 token question each, 2 new tokens, 32 in flight), so the tree
-matches, inserts, splits, locks and evicts on every step.  Printed per server: steps, cache
-calls, cache time per step (mean over the measured passes) and its share of the steps' model
-time; then the ratio urc / default.  This is a benchmark command, not a test: it asserts
-nothing about speed.
+overflows), each with :mod:`cache_timer` loaded as a SGLang plug-in: it times every public
+call into the tree cache (outermost calls) and counts scheduler steps (``run_batch``).  Each
+server gets a warm-up pass, then ``--rounds`` measured passes, alternating between the two
+servers, of a cache-stressing workload: long shared prefixes (4 system prompts of 1024
+tokens) and many small requests (a 4-24 token question each, 2 new tokens, 32 in flight),
+so the tree matches, inserts, splits, locks and evicts on every step.  Printed per server:
+steps, cache calls, cache time per step over the measured passes and its share of the
+steps' model time; then the ratio urc / default.  A benchmark command, not a test: it
+asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import random
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -53,7 +56,7 @@ def workload(seed: int, n: int) -> list[GenRequest]:
     ]
 
 
-def _snapshot(path: Path, after: float) -> dict[str, object]:
+def _snapshot(path: Path, after: float) -> dict[str, Any]:
     """The timer's totals as written after ``after`` (monotonic; the writer runs twice a second)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -63,45 +66,69 @@ def _snapshot(path: Path, after: float) -> dict[str, object]:
     raise RuntimeError(f"{path}: the cache timer wrote nothing (plug-in not loaded?)")
 
 
-def measure(backend: str, scratch: Path, rounds: int, n: int) -> dict[str, float]:
-    side = ensure()
-    out = scratch / f"timer-{backend}.json"
-    config = dataclasses.replace(CONFIG, backend=backend, env=(("URC_CACHE_TIMER_OUT", str(out)),))
-    with LiveServer(side, config, Path(__file__).resolve().parents[2], scratch) as server:
-        print(f"{backend}: {server.tree_cache_line()}", flush=True)
-        server.generate_many(workload(0, n), concurrency=32)  # warm-up
-        time.sleep(1.0)
-        before = _snapshot(out, time.time())
-        for r in range(rounds):
-            results = server.generate_many(workload(1 + r, n), concurrency=32)
-            bad = [x.error for x in results if not x.ok]
-            if bad:
-                raise RuntimeError(f"{backend}: {len(bad)} requests failed: {bad[0]}")
-        time.sleep(1.0)
-        after = _snapshot(out, time.time())
-        leaks = server.leak_reports()
-    steps = int(after["steps"]) - int(before["steps"])  # type: ignore[call-overload]
-    cache_ns = int(after["cache_ns"]) - int(before["cache_ns"])  # type: ignore[call-overload]
-    step_ns = int(after["step_ns"]) - int(before["step_ns"])  # type: ignore[call-overload]
-    calls = int(after["cache_calls"]) - int(before["cache_calls"])  # type: ignore[call-overload]
-    per_method = {
-        k: v - before["per_method"].get(k, 0)  # type: ignore[attr-defined]
-        for k, v in after["per_method"].items()  # type: ignore[attr-defined]
-    }
-    top = sorted(per_method.items(), key=lambda kv: -kv[1])[:5]
-    print(
-        f"{backend}: {steps} steps, {calls} cache calls, cache {cache_ns / 1e6:.1f} ms = "
-        f"{cache_ns / max(steps, 1) / 1e3:.1f} us/step ({100 * cache_ns / max(step_ns, 1):.1f}% "
-        f"of run_batch time); leak reports {len(leaks)}; top: "
-        + ", ".join(f"{k} {v / 1e6:.1f} ms" for k, v in top),
-        flush=True,
-    )
-    return {"steps": steps, "us_per_step": cache_ns / max(steps, 1) / 1e3}
+class Timed:
+    """A started server with the cache timer, and its measured totals."""
+
+    def __init__(self, backend: str, scratch: Path) -> None:
+        self.backend = backend
+        self.out = scratch / f"timer-{backend}.json"
+        config = dataclasses.replace(
+            CONFIG, backend=backend, env=(("URC_CACHE_TIMER_OUT", str(self.out)),)
+        )
+        self.server = LiveServer(ensure(), config, HERE.parent.parent, scratch)
+        self.totals: dict[str, float] = {"steps": 0, "step_ns": 0, "cache_ns": 0, "calls": 0}
+        self.per_method: dict[str, int] = {}
+
+    def run(self, requests: list[GenRequest], measured: bool) -> None:
+        before = _snapshot(self.out, time.time())
+        results = self.server.generate_many(requests, concurrency=32)
+        bad = [x.error for x in results if not x.ok]
+        if bad:
+            raise RuntimeError(f"{self.backend}: {len(bad)} requests failed: {bad[0]}")
+        time.sleep(1.0)  # the writer runs twice a second
+        after = _snapshot(self.out, time.time())
+        if not measured:
+            return
+        for key, field in (
+            ("steps", "steps"),
+            ("step_ns", "step_ns"),
+            ("cache_ns", "cache_ns"),
+            ("calls", "cache_calls"),
+        ):
+            self.totals[key] += after[field] - before[field]
+        old = before["per_method"]
+        for k, v in after["per_method"].items():
+            self.per_method[k] = self.per_method.get(k, 0) + v - old.get(k, 0)
+
+    @property
+    def us_per_step(self) -> float:
+        return self.totals["cache_ns"] / max(self.totals["steps"], 1) / 1e3
+
+    def line(self) -> str:
+        t = self.totals
+        top = sorted(self.per_method.items(), key=lambda kv: -kv[1])[:5]
+        return (
+            f"{self.backend}: {t['steps']:.0f} steps, {t['calls']:.0f} cache calls, cache "
+            f"{t['cache_ns'] / 1e6:.1f} ms = {self.us_per_step:.1f} us/step "
+            f"({100 * t['cache_ns'] / max(t['step_ns'], 1):.1f}% of run_batch time); leak "
+            f"reports {len(self.server.leak_reports())}; top: "
+            + ", ".join(f"{k} {v / 1e6:.1f} ms" for k, v in top)
+        )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="measured passes per server")
+    parser.add_argument("--rounds", type=int, default=4, help="measured passes per server")
     parser.add_argument("--requests", type=int, default=256, help="requests per pass")
     args = parser.parse_args()
     try:
@@ -111,16 +138,35 @@ def main() -> int:
         return 3
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
-        f"{platform.processor() or platform.machine()}; {args.rounds} x {args.requests} requests",
+        f"{_cpu_model()} x{os.cpu_count()}; {args.rounds} x {args.requests} requests",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="urc-bench-") as scratch:
-        default = measure("default", Path(scratch), args.rounds, args.requests)
-        urc = measure("urc", Path(scratch), args.rounds, args.requests)
+        with ThreadPoolExecutor(2) as pool:
+            started = [pool.submit(Timed, b, Path(scratch)) for b in ("default", "urc")]
+        servers = [f.result() for f in started if f.exception() is None]
+        try:
+            for f in started:
+                if f.exception() is not None:
+                    raise RuntimeError("a server did not start") from f.exception()
+            for s in servers:
+                print(f"{s.backend}: {s.server.tree_cache_line()}", flush=True)
+                s.run(workload(0, args.requests), measured=False)  # warm-up
+            # Rounds alternate between the servers (the other idles), so a change in the
+            # machine's load falls on both.
+            for r in range(args.rounds):
+                for s in servers if r % 2 == 0 else servers[::-1]:
+                    s.run(workload(1 + r, args.requests), measured=True)
+            default, urc = servers
+            print(default.line())
+            print(urc.line())
+        finally:
+            for s in servers:
+                s.server.stop()
     print(
-        f"tree cache time per scheduler step: urc {urc['us_per_step']:.1f} us, "
-        f"default (Rust core) {default['us_per_step']:.1f} us, "
-        f"ratio urc/default {urc['us_per_step'] / default['us_per_step']:.2f}"
+        f"tree cache time per scheduler step: urc {urc.us_per_step:.1f} us, "
+        f"default (Rust core) {default.us_per_step:.1f} us, "
+        f"ratio urc/default {urc.us_per_step / default.us_per_step:.2f}"
     )
     return 0
 

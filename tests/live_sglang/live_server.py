@@ -48,7 +48,12 @@ __all__ = [
     "free_port",
 ]
 
-START_TIMEOUT = 300.0  # seconds: a cold start on 2 busy cores imports all of SGLang
+# On CPU, SGLang sizes the KV budget from the host's free memory after loading the weights
+# minus (1 - fraction) x the free memory before; at 0.05 another process taking 5% of the
+# machine's memory meanwhile fails the start ("Loaded weights leave no GPU memory").  The
+# pools here are fixed by --max-total-tokens, so the fraction only bounds them.
+MEM_FRACTION = 0.5
+START_TIMEOUT = 600.0  # seconds: a cold start on 2 busy cores imports all of SGLang
 REQUEST_TIMEOUT = 180.0
 _LEAK = re.compile(r"memory leak detected!.*")
 _TREE = re.compile(r"Tree cache initialized: .*")
@@ -205,7 +210,7 @@ class LiveServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--random-seed", "0",
             "--max-total-tokens", str(config.max_total_tokens),
             "--chunked-prefill-size", str(config.chunked_prefill_size),
-            "--mem-fraction-static", "0.05", "--page-size", str(config.page_size),
+            "--mem-fraction-static", str(MEM_FRACTION), "--page-size", str(config.page_size),
             "--log-level", "info",
         ]  # fmt: skip
         if config.backend == "urc":
