@@ -1,7 +1,7 @@
 """Benchmark: the tree cache's own time per scheduler step in a live SGLang 0.5.23 server,
 urc against SGLang's default cache (its ``UnifiedRadixCache`` on the Rust tree core).
 
-    python tests/live_sglang/bench_tree_cache_time.py [--rounds 4] [--requests 256]
+    python tests/live_sglang/bench_tree_cache_time.py [--rounds 2] [--requests 128]
 
 One run starts a default-cache server and a urc server of the same configuration (the side
 environment of :mod:`side_env`; tiny dummy-weight Llama, page size 1, a pool the workload
@@ -128,8 +128,8 @@ def _cpu_model() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4, help="measured passes per server")
-    parser.add_argument("--requests", type=int, default=256, help="requests per pass")
+    parser.add_argument("--rounds", type=int, default=2, help="measured passes per server")
+    parser.add_argument("--requests", type=int, default=128, help="requests per pass")
     args = parser.parse_args()
     try:
         ensure()

@@ -5,7 +5,9 @@ SGLang's ``sglang.srt.plugins`` group and ``URC_CACHE_TIMER_OUT`` naming a JSON 
 scheduler process ``install`` makes ``Scheduler.tree_cache`` a property whose setter wraps
 every public method of the cache SGLang built (default or urc, the same way) with a
 ``perf_counter_ns`` timer -- the outermost call only, so a method calling another is counted
-once -- and wraps ``Scheduler.run_batch`` to count scheduler steps and their time.  A thread
+once.  Only a step's calls count: those of ``get_next_batch_to_run`` on a turn that runs a
+batch, of ``run_batch`` (whose calls also count the steps and their time) and of
+``process_batch_result``; an idle turn's polling (size queries, leak checks) does not.  A thread
 writes the running totals to the file twice a second: ``steps``, ``step_ns``, ``cache_ns``,
 ``cache_calls`` and ``per_method`` (ns per method name).
 """
@@ -28,11 +30,22 @@ _STATS: dict[str, Any] = {"steps": 0, "step_ns": 0, "cache_ns": 0, "cache_calls"
 _PER_METHOD: Counter[str] = Counter()
 _LOCAL = threading.local()
 _WRITER: list[threading.Thread] = []
+# Where the scheduler is: outside a step (idle turns, request intake: not counted), in
+# ``get_next_batch_to_run`` (held until it says whether a batch runs), or in a step.
+_OUT_OF_STEP, _PLANNING, _IN_STEP = 0, 1, 2
+_WHERE = [_OUT_OF_STEP]
+_HELD: list[tuple[str, int]] = []
+
+
+def _count(name: str, ns: int) -> None:
+    _STATS["cache_ns"] += ns
+    _STATS["cache_calls"] += 1
+    _PER_METHOD[name] += ns
 
 
 def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_LOCAL, "inside", False):
+        if getattr(_LOCAL, "inside", False) or _WHERE[0] == _OUT_OF_STEP:
             return fn(*args, **kwargs)
         _LOCAL.inside = True
         t0 = time.perf_counter_ns()
@@ -41,9 +54,10 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             dt = time.perf_counter_ns() - t0
             _LOCAL.inside = False
-            _STATS["cache_ns"] += dt
-            _STATS["cache_calls"] += 1
-            _PER_METHOD[name] += dt
+            if _WHERE[0] == _PLANNING:
+                _HELD.append((name, dt))
+            else:
+                _count(name, dt)
 
     return timed
 
@@ -61,6 +75,39 @@ def _write_forever(out: Path) -> None:
         tmp.write_text(json.dumps({**_STATS, "per_method": dict(_PER_METHOD)}))
         tmp.replace(out)
         time.sleep(0.5)
+
+
+def _in_step(fn: Callable[..., Any], *, is_model_step: bool = False) -> Callable[..., Any]:
+    def step_part(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = _WHERE[0]
+        _WHERE[0] = _IN_STEP
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            if is_model_step:
+                _STATS["step_ns"] += time.perf_counter_ns() - t0
+                _STATS["steps"] += 1
+            _WHERE[0] = outer
+
+    return step_part
+
+
+def _planning(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def plan(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _WHERE[0] = _PLANNING
+        _HELD.clear()
+        try:
+            result = fn(self, *args, **kwargs)
+        finally:
+            _WHERE[0] = _OUT_OF_STEP
+        if getattr(result, "batch_to_run", None) is not None:
+            for name, ns in _HELD:  # this turn runs a batch: its planning is step time
+                _count(name, ns)
+        _HELD.clear()
+        return result
+
+    return plan
 
 
 def install() -> None:
@@ -90,16 +137,8 @@ def install() -> None:
                 _WRITER[0].start()
         self.__dict__["_timed_tree_cache"] = cache
 
-    run_batch = Scheduler.run_batch
-
-    def timed_run_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        try:
-            return run_batch(self, *args, **kwargs)
-        finally:
-            _STATS["step_ns"] += time.perf_counter_ns() - t0
-            _STATS["steps"] += 1
-
     Scheduler.tree_cache = property(get, set_)  # type: ignore[attr-defined]
-    Scheduler.run_batch = timed_run_batch  # type: ignore[method-assign]
+    Scheduler.get_next_batch_to_run = _planning(Scheduler.get_next_batch_to_run)  # type: ignore[method-assign]
+    Scheduler.run_batch = _in_step(Scheduler.run_batch, is_model_step=True)  # type: ignore[method-assign]
+    Scheduler.process_batch_result = _in_step(Scheduler.process_batch_result)  # type: ignore[method-assign]
     Scheduler._urc_cache_timer = True  # type: ignore[attr-defined]
