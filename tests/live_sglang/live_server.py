@@ -199,6 +199,7 @@ class LiveServer:
         self.replay: str | None = None
         self.cpu_used = 0.0  # CPU seconds, read when stopped
         self._event_seq = 0
+        self._reader: subprocess.Popen[str] | None = None
         self.side = side
         model = config.model.write(scratch / "models")
         args = [
@@ -288,6 +289,10 @@ class LiveServer:
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
         self._log.close()
+        if self._reader is not None:
+            self._reader.kill()
+            self._reader.wait(timeout=10)
+            self._reader = None
 
     def __enter__(self) -> LiveServer:
         return self
@@ -383,19 +388,31 @@ class LiveServer:
         SGLang's own ``KVEventBatch`` (in the side environment) from the replay socket."""
         if self.replay is None:
             raise ValueError("this server was started without kv_events")
-        reader = Path(__file__).resolve().parent / "kv_event_reader.py"
-        done = subprocess.run(
-            [str(self.side.python), str(reader), self.replay, str(self._event_seq)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-        )
-        if done.returncode != 0:
-            raise ServerDied(f"kv_event_reader: {done.stderr.strip()[-400:]}")
-        out = json.loads(done.stdout.strip().splitlines()[-1])
+        if self._reader is None:
+            reader = Path(__file__).resolve().parent / "kv_event_reader.py"
+            self._reader = subprocess.Popen(
+                [str(self.side.python), str(reader), self.replay],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+            )
+            self._read_line()  # "ready": SGLang's decoder is imported
+        assert self._reader.stdin is not None
+        self._reader.stdin.write(f"{self._event_seq}\n")
+        self._reader.stdin.flush()
+        out = json.loads(self._read_line())
         self._event_seq = int(out["next"])
         return [(str(t), int(n)) for t, n in out["events"]]
+
+    def _read_line(self) -> str:
+        assert self._reader is not None and self._reader.stdout is not None
+        line = self._reader.stdout.readline()
+        if not line:
+            err = self._reader.stderr.read() if self._reader.stderr else ""
+            raise ServerDied(f"kv_event_reader: {err.strip()[-400:]}")
+        return line
 
 
 @dataclass
