@@ -34,7 +34,10 @@ Counters (``_total``; the snapshot's cumulative counters, or events):
 ``urc_evicted_tokens_total{component,tier}``, ``urc_evicted_states_total{component,tier}``,
 ``urc_backed_up_tokens_total``, ``urc_loaded_back_tokens_total``,
 ``urc_transfers_total{kind}``, ``urc_transfer_tokens_total{kind}``,
-``urc_transfer_bytes_total{kind}`` (L3 reads/writes are ``kind="storage_read|storage_write"``),
+``urc_transfer_bytes_total{kind}`` (L3 reads/writes are ``kind="storage_read|storage_write"``;
+the transfers are those background workers run: under ``write_back`` the backups made at
+eviction are synchronous, no transfer, and count in ``urc_backed_up_tokens_total`` only,
+which counts every token backed up),
 ``urc_command_errors_total{kind,error_type}``,
 ``urc_storage_errors_total{backend,op}`` (failed L3 storage calls -- store errors and
 timeouts -- reported by a ``hicache.storage_worker.StorageWorker`` given this exporter as its

@@ -69,22 +69,34 @@ _EVICTED = {
     "tokens": _spec("counter", "evicted_tokens", "Tokens evicted (Full and SWA components).", _CT),
     "states": _spec("counter", "evicted_states", "Mamba state slots evicted (not tokens).", _CT),
 }
-_BACKED_UP = _spec("counter", "backed_up_tokens", "Tokens backed up device -> host.")
+_BACKED_UP = _spec(
+    "counter",
+    "backed_up_tokens",
+    "Tokens backed up device -> host by every path: the HiCache controller's background "
+    "backups (write_through) and the synchronous ones made at eviction (write_back).",
+)
 _LOADED_BACK = _spec("counter", "loaded_back_tokens", "Tokens loaded back host -> device.")
 _TRANSFERS = _spec(
     "counter",
     "transfers",
-    "Completed data transfers (kind=storage_read|storage_write are the L3 reads/writes).",
+    "Completed data transfers run by background workers: kind=backup|load_back the HiCache "
+    "controller's (write_through backups; write_back backups are made synchronously at "
+    "eviction, are no transfer here and count in urc_backed_up_tokens_total only), "
+    "kind=storage_read|storage_write the L3 reads/writes.",
     ("kind",),
 )
 _TRANSFER_TOKENS = _spec(
     "counter",
     "transfer_tokens",
-    "Tokens moved by completed transfers, as reported by workers.",
+    "Tokens moved by completed transfers, as reported by workers (the transfers of "
+    "urc_transfers_total: write_back backups are not among them).",
     ("kind",),
 )
 _TRANSFER_BYTES = _spec(
-    "counter", "transfer_bytes", "Bytes moved by completed transfers.", ("kind",)
+    "counter",
+    "transfer_bytes",
+    "Bytes moved by completed transfers (those of urc_transfers_total).",
+    ("kind",),
 )
 _TRANSFER_SECONDS = _spec(
     "histogram",

@@ -584,3 +584,40 @@ def test_storage_errors_are_counted_by_backend_and_operation(mode: ExportMode) -
     assert value("urc_storage_errors_total", {"backend": "valkey", "op": "put"}) == 2
     assert value("urc_storage_errors_total", {"backend": "valkey", "op": "exists"}) == 1
     assert value("urc_storage_errors_total", {"backend": "valkey", "op": "get"}) is None
+
+
+@pytest.mark.asyncio
+async def test_write_back_backups_are_backed_up_tokens_not_transfers_and_help_says_so() -> None:
+    """Issue 50 item 11: under write_back ``urc_transfers_total{kind="backup"}`` stayed 0
+    while ``urc_backed_up_tokens_total`` grew, and nothing said why.  One definition: a
+    transfer is what a background worker runs; backed-up tokens count every path, and the
+    help of each counter says which copies it counts."""
+    import torch
+    from prometheus_client import generate_latest
+
+    import hicache
+    from hicache.config import HiCacheConfig
+    from urc import CacheConfig, KVShape, build_cache
+    from urc.host.protocol import WritePolicy
+    from urc.service import AsyncUnifiedRadixCache
+
+    registry = CollectorRegistry()
+    exporter = CacheMetrics(registry)
+    cache = build_cache(CacheConfig(kv_size=256, kv_shape=KVShape(2, 2, 4, torch.float32)))
+    hc = hicache.attach(
+        cache,
+        HiCacheConfig(write_policy=WritePolicy.WRITE_BACK, host_tokens=512),
+        observer=exporter,
+    )
+    with anyio.fail_after(30):
+        async with AsyncUnifiedRadixCache(cache, observer=exporter, workers=hc.workers) as svc:
+            for i in range(4):
+                await svc.insert(seq(100 * i, 32), await svc.alloc(32))
+            await svc.evict(1 << 10)
+            await svc.call(lambda c: None)  # one more batch: the exporter saw the eviction
+    assert value(registry, "urc_backed_up_tokens_total") == 4 * 32
+    assert value(registry, "urc_transfers_total", kind="backup") == 0
+    text = generate_latest(registry).decode()
+    helps = {line.split()[2]: line for line in text.splitlines() if line.startswith("# HELP urc_")}
+    assert "write_back" in helps["urc_transfers_total"]
+    assert "every path" in helps["urc_backed_up_tokens_total"]
