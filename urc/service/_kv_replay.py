@@ -11,8 +11,8 @@ loop for seconds.  Here every bound is explicit:
   8 bytes is ignored, as SGLang ignores a malformed one;
 * per client: one replay in progress per identity (a repeat while it runs is refused and
   counted), at most ``max_clients`` in progress;
-* time: batches go out ``slice_batches`` at a time, one slice per client per round, with
-  the loop yielding after each round; a client whose queue stays full (it is not reading)
+* time: batches go out ``slice_batches`` at a time, one slice per round (the clients take
+  turns), with the loop yielding after each round; a client whose queue stays full (it is not reading)
   past ``stall_s`` loses its replay (counted), one that has gone loses it at once.
 
 Stats are written into the publisher's counter list (indices in :data:`STAT_INDEX`).
@@ -85,9 +85,15 @@ class ReplayServer:
             if not self._pending:
                 await sock.poll(flags=zmq.POLLIN)
             self._read_requests()
+            # One slice per round, for the first client (in turn) that can take one: a round
+            # costs at most ``slice_batches`` sends whatever the number of clients.
             progressed = False
             for ident in list(self._pending):
-                progressed |= self._send_slice(ident)
+                if self._send_slice(ident):
+                    if ident in self._pending:
+                        self._pending.move_to_end(ident)
+                    progressed = True
+                    break
             if self._pending and not progressed:
                 # Every client's queue is full: wait for a request or a little time.
                 await sock.poll(timeout=10, flags=zmq.POLLIN)

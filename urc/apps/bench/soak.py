@@ -3,17 +3,18 @@ for minutes, sampling the process's memory.
 
 Usage::
 
-    nice python -m urc.apps.bench.soak                      # 64 clients, 6 min, 1 min warm-up
+    nice python -m urc.apps.bench.soak                      # 64 clients, 6.5 min, 1.5 warm-up
     nice python -m urc.apps.bench.soak --clients 16 --duration-s 60 --sample-s 5
 
 Workload: ``--clients`` coroutines, each in a loop until the deadline: pick one of
 ``--conversations`` conversations (each opens with one of ``--system-prompts`` shared
 prompts), extend it by a new turn of 2 to 16 pages, match it (a host hit is loaded back; a
-miss sometimes fetches from L3), then insert the whole conversation with fresh slots (the
-tree keeps the new pages and frees the duplicates; each insert is a hit, so write-through
-queues backups).  A conversation longer than ``--max-context`` tokens starts over.  The
-device pool is small, so the tree evicts all the time: host copies are demoted, host-only
-leaves evicted, pages written to L3.
+miss sometimes fetches from L3), then as a server does: match with a lock, allocate the
+uncached rest, insert, release (each insert is a hit, so write-through queues backups). A
+conversation longer than ``--max-context`` tokens starts over. The device pool is small, so
+the tree evicts all the time: host copies are demoted, host-only leaves evicted, pages
+written to L3 (a store of ``--l3-capacity-mb``: it keeps an index entry per page it holds,
+so an unbounded one grows by design).
 
 Every ``--sample-s`` seconds it records the resident set size (``/proc/self/statm``), the
 queue of nodes waiting for a host backup (``pending_backups``) and the tree's nodes, the
@@ -85,7 +86,7 @@ async def run_soak(args: argparse.Namespace, l3_dir: Path) -> dict[str, Any]:
             kv_shape=KVShape(2, 2, 8, torch.float16),
         )
     )
-    store = await FileStorage.open(l3_dir)
+    store = await FileStorage.open(l3_dir, args.l3_capacity_mb << 20)
     hc = hicache.attach(
         cache,
         HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH, host_ratio=args.host_ratio),
@@ -118,13 +119,20 @@ async def run_soak(args: argparse.Namespace, l3_dir: Path) -> dict[str, Any]:
             elif m.prefix_len < len(key) // 2 and crng.random() < 0.1:
                 await storage.fetch(svc, key)
                 ops["l3_fetches"] += 1
+            # As a server does: lock the cached prefix, allocate the rest, insert, release.
+            m = await svc.match(key, lock=True)
+            assert m.lease is not None
             try:
-                value = await svc.alloc(len(key))
-            except OutOfMemoryError:
-                ops["oom"] += 1
-                continue
-            await svc.insert(key, value)
-            ops["turns"] += 1
+                try:
+                    own = await svc.alloc(len(key) - m.prefix_len)
+                except OutOfMemoryError:
+                    ops["oom"] += 1
+                    continue
+                value = torch.cat([m.device_indices, own])
+                await svc.insert(key, value, prev_prefix_len=m.prefix_len)
+                ops["turns"] += 1
+            finally:
+                await svc.release(m.lease)
 
     async def sampler(svc: AsyncUnifiedRadixCache) -> None:
         while True:
@@ -183,16 +191,22 @@ async def run_soak(args: argparse.Namespace, l3_dir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m urc.apps.bench.soak", description=__doc__)
     p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--duration-s", type=float, default=360.0)
-    p.add_argument("--warmup-s", type=float, default=60.0)
+    p.add_argument("--duration-s", type=float, default=390.0)
+    p.add_argument("--warmup-s", type=float, default=90.0)
     p.add_argument("--sample-s", type=float, default=15.0)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--device-tokens", type=int, default=1 << 15)
+    p.add_argument("--device-tokens", type=int, default=1 << 16)
     p.add_argument("--host-ratio", type=float, default=2.0)
     p.add_argument("--conversations", type=int, default=256)
     p.add_argument("--system-prompts", type=int, default=8)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--l3-dir", type=Path, default=None, help="default: a temporary directory")
+    p.add_argument(
+        "--l3-capacity-mb",
+        type=int,
+        default=8,
+        help="the store's capacity (its in-memory page index grows with the pages it holds)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="print each sample as it is taken")
     args = p.parse_args(argv)
