@@ -12,8 +12,9 @@ loop for seconds.  Here every bound is explicit:
 * per client: one replay in progress per identity (a repeat while it runs is refused and
   counted), at most ``max_clients`` in progress;
 * time: batches go out ``slice_batches`` at a time, one slice per round (the clients take
-  turns), with the loop yielding after each round; a client whose queue stays full (it is not reading)
-  past ``stall_s`` loses its replay (counted), one that has gone loses it at once.
+  turns), with the loop yielding after each round; a client whose queue stays full (it is
+  not reading) past ``stall_s`` loses its replay (counted), one that has gone loses it at
+  once.
 
 Stats are written into the publisher's counter list (indices in :data:`STAT_INDEX`).
 """
