@@ -18,7 +18,9 @@ so an unbounded one grows by design).
 
 Every ``--sample-s`` seconds it records the resident set size (``/proc/self/statm``), the
 queue of nodes waiting for a host backup (``pending_backups``) and the tree's nodes, the
-``TreeNode`` objects alive in the process (``gc``), and the operations done.  The summary
+``TreeNode`` objects alive in the process (``gc``), the Python objects' memory blocks
+(``sys.getallocatedblocks``: flat while RSS creeps means the allocator, not a leak), and
+the operations done.  The summary
 covers the samples after ``--warmup-s``: RSS first, last, min, max and its least-squares
 slope in MB per minute (flat: near 0), and the largest ``pending_backups`` against the
 tree's nodes.  Prints JSON.  CPU-heavy: run it with ``nice``.
@@ -33,6 +35,7 @@ import json
 import os
 import random
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -146,6 +149,7 @@ async def run_soak(args: argparse.Namespace, l3_dir: Path) -> dict[str, Any]:
                     "pending_backups": pending,
                     "tree_nodes": nodes,
                     "live_tree_nodes": alive,
+                    "py_blocks": sys.getallocatedblocks(),
                     "turns": ops["turns"],
                     "l3_pages_written": st.pages_written,
                 }
@@ -175,6 +179,11 @@ async def run_soak(args: argparse.Namespace, l3_dir: Path) -> dict[str, Any]:
         "pending_backups_max": max((s["pending_backups"] for s in samples), default=0),
         "tree_nodes_max": max((s["tree_nodes"] for s in samples), default=0),
         "live_tree_nodes_max": max((s["live_tree_nodes"] for s in samples), default=0),
+        "py_blocks_first": after[0]["py_blocks"] if after else None,
+        "py_blocks_last": after[-1]["py_blocks"] if after else None,
+        "py_blocks_slope_per_min": round(
+            _slope_per_min([(s["t_s"], s["py_blocks"]) for s in after])
+        ),
         "max_rss_mb_process": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     return {
