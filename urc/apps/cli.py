@@ -32,6 +32,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from urc.apps.fleet.arguments import FLEET_HELP
 from urc.apps.replay.arguments import (
     REPLAY_HELP,
     Parser,
@@ -87,6 +88,7 @@ def build_parser(*, with_replay_options: bool = True) -> argparse.ArgumentParser
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     if not with_replay_options:
         sub.add_parser("replay", help=REPLAY_HELP)
+        sub.add_parser("fleet", help=FLEET_HELP)  # its own parser: urc.apps.fleet.cli
         return parser
     add_replay_parser(sub)
     return parser
@@ -279,6 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args_in: list[str], started: float) -> int:
+    if args_in[:1] == ["fleet"]:
+        from urc.apps.fleet.cli import main as fleet_main
+
+        return fleet_main(args_in[1:])
     try:
         parser = build_parser(with_replay_options=bool(args_in) and args_in[0] == "replay")
         args, extra = parser.parse_known_args(args_in)

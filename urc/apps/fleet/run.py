@@ -1,0 +1,174 @@
+"""One fleet run: N replicas, the event subscriber, the router, and the workload.
+
+:func:`run_fleet` starts the shared L3 store (if any), N replicas
+(:mod:`urc.apps.fleet.replica`) and the subscriber (:mod:`urc.apps.fleet.subscriber`) in one
+event loop, then routes the workload's requests in arrival order.  For each request the
+router hashes its prompt into pages (SGLang's block hashes), asks each replica's index how
+many leading pages it holds (the *predicted* overlap), picks a replica under the policy, and
+waits for that replica's slot (a replica serves one request at a time; the router's queue is
+FIFO).  The replica's serving loop then reports what it *actually* had (device + host hits)
+and what came from the shared L3.  Before each decision the router yields once to the event
+loop, so whatever events have arrived are applied: the view lags by what the replicas have
+not published or the sockets not delivered yet, as a real router's does.
+
+The run ends with every replica's L3 writes flushed, every publisher drained, the subscriber
+caught up (:meth:`~urc.apps.fleet.subscriber.EventSubscriber.catch_up`), and the core's
+invariants checked on every replica.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import anyio
+import anyio.lowlevel
+
+from hicache.config import StorageBackupPolicy, StorageConfig
+from urc.apps.fleet.index import PrefixHasher
+from urc.apps.fleet.policy import AFFINITY_PREFIX_TOKENS, Router, RouterPolicy, RoutingParams
+from urc.apps.fleet.replica import Replica, ReplicaSizes, open_replica
+from urc.apps.fleet.report import FleetRun, summarize_run
+from urc.apps.fleet.store import SharedStoreConfig, open_shared_store
+from urc.apps.fleet.subscriber import EventSubscriber
+from urc.apps.replay.config import ReplayConfig
+from urc.apps.replay.source import WorkloadSummary, aiter_requests
+from urc.apps.workloads import TraceRequest
+
+__all__ = ["FleetConfig", "run_fleet"]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """One run: ``replay`` (the workload and each replica's cache and serving knobs; its
+    ``device_tokens`` / ``host_tokens`` are per replica, in cache tokens), ``replicas``,
+    ``policy`` and its ``routing`` knobs, the shared ``store`` (its L3 pages written per
+    ``l3_backup``; it needs a host tier), and ``drop_rate``: the share of live event
+    batches the router loses (seeded; recovered through the replay sockets).  ``label``
+    names the run in reports (default: the policy); ``fleet`` the N it stands for (a
+    reference run on one replica stands for N; default: ``replicas``)."""
+
+    replay: ReplayConfig
+    replicas: int
+    policy: RouterPolicy
+    routing: RoutingParams = field(default_factory=RoutingParams)
+    store: SharedStoreConfig = field(default_factory=SharedStoreConfig)
+    l3_backup: StorageBackupPolicy = StorageBackupPolicy.WRITE_THROUGH
+    drop_rate: float = 0.0
+    label: str | None = None
+    fleet: int | None = None
+
+
+class _Accuracy:
+    """Per request: the predicted overlap on the chosen replica and what it actually had."""
+
+    def __init__(self) -> None:
+        self.predicted = array("q")
+        self.actual = array("q")
+        self.prompt = array("q")
+
+
+def _affinity_key(tr: TraceRequest, hashes: list[int], page_size: int) -> str:
+    if tr.session_id is not None:
+        return tr.session_id
+    if hashes:
+        return str(hashes[min(len(hashes), max(1, AFFINITY_PREFIX_TOKENS // page_size)) - 1])
+    return repr(tr.input_ids[:AFFINITY_PREFIX_TOKENS])
+
+
+async def _route_all(
+    config: FleetConfig,
+    replicas: list[Replica],
+    sub: EventSubscriber,
+    acc: _Accuracy,
+) -> None:
+    ps = config.replay.page_size
+    router = Router(config.policy, len(replicas), config.routing)
+    hasher = PrefixHasher(ps)
+    indexes = sub.indexes
+
+    async def serve(rep: Replica, tr: TraceRequest, predicted: int) -> None:
+        local, _from_l3 = await rep.serve(tr)
+        acc.predicted.append(predicted)
+        acc.actual.append(local)
+        acc.prompt.append(tr.input_length)
+
+    async with anyio.create_task_group() as tg:
+        async for tr in aiter_requests(config.replay):
+            await anyio.lowlevel.checkpoint()  # apply the events that have arrived
+            hashes = hasher.hashes(tr.input_ids, tr.session_id)
+            overlaps = [idx.overlap(hashes) * ps for idx in indexes]
+            choice = router.choose(
+                tr.timestamp_ms, tr.input_length, overlaps, _affinity_key(tr, hashes, ps)
+            )
+            router.routed(tr.timestamp_ms, choice, tr.input_length)
+            rep = replicas[choice]
+            await rep.slot.acquire()
+            tg.start_soon(serve, rep, tr, overlaps[choice])
+
+
+async def run_fleet(config: FleetConfig, summary: WorkloadSummary) -> FleetRun:
+    """Run ``config`` (see the module docstring); ``summary`` is the workload's first pass
+    (:func:`urc.apps.replay.source.summarize`), shared by the runs of a sweep.  Raises
+    :class:`~urc.errors.ConfigError` for sizes that cannot be built (an L3 store without a
+    host tier among them) and ``StorageUnavailableError`` when a remote store is down."""
+    from urc.errors import ConfigError
+
+    rc = config.replay
+    ps = rc.page_size
+    device = max(ps, rc.device_tokens.resolve(summary.unique_tokens, ps))
+    host = rc.host_tokens.resolve(summary.unique_tokens, ps)
+    if config.store.kind.value != "none" and host <= 0:
+        raise ConfigError("a shared L3 store needs a host tier (host tokens > 0)")
+    sizes = ReplicaSizes(device, host, summary.max_request_tokens)
+    rng = random.Random(rc.seed)
+    rate = config.drop_rate
+    drop = (lambda _r, _s: rng.random() < rate) if rate > 0 else None
+    acc = _Accuracy()
+    t0 = perf_counter()
+    async with AsyncExitStack() as stack:
+        store = await stack.enter_async_context(open_shared_store(config.store))
+        storage_config = StorageConfig(backup_policy=config.l3_backup)
+        replicas = [
+            await stack.enter_async_context(
+                open_replica(i, rc, sizes, store, storage_config if store else None)
+            )
+            for i in range(config.replicas)
+        ]
+        endpoints = []
+        for rep in replicas:
+            pub = rep.publisher
+            assert pub.endpoint is not None and pub.replay_endpoint is not None
+            endpoints.append((pub.endpoint, pub.replay_endpoint))
+        sub = EventSubscriber(endpoints, drop=drop)
+        stack.callback(sub.close)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        tg.start_soon(sub.run)
+        await sub.connected.wait()
+        t_route = perf_counter()
+        await _route_all(config, replicas, sub, acc)
+        route_wall = perf_counter() - t_route
+        for rep in replicas:
+            await rep.flush()
+        with anyio.fail_after(60):
+            for rep in replicas:
+                await rep.publisher.wait_drained()
+            await sub.catch_up([rep.publisher.stats.batches_published for rep in replicas])
+        tg.cancel_scope.cancel()
+    errors = [e for e in (rep.check() for rep in replicas) if e is not None]
+    return summarize_run(
+        config,
+        sizes=sizes,
+        summary=summary,
+        replicas=replicas,
+        predicted=acc.predicted,
+        actual=acc.actual,
+        prompt=acc.prompt,
+        subscriber=sub,
+        wall_s=route_wall,
+        total_s=perf_counter() - t0,
+        errors=errors,
+    )
