@@ -4,7 +4,8 @@ Per run (:class:`FleetRun`): the hit rate by tier (prompt tokens served from the
 device and host tiers and from the shared L3, over all prompt tokens), per-replica load
 (requests and prompt tokens: max over mean), the router's accuracy (per request, the overlap
 its index predicted on the chosen replica against what that replica actually had: exact,
-over- and under-predicted shares, and the mean error in prompt shares), the event lag
+over- and under-predicted shares, and the mean error in prompt shares; and the share exact
+when the overlap is read again as the replica starts the request), the event lag
 (publish to apply, p50/p99/max), what the subscriber recovered (gaps, batches replayed), and
 the wall time.
 
@@ -65,6 +66,7 @@ class FleetRun:
     over_share: float
     under_share: float
     mean_abs_error: float
+    exact_share_at_serve: float
     lag_ms_p50: float
     lag_ms_p99: float
     lag_ms_max: float
@@ -126,6 +128,7 @@ def summarize_run(
     summary: WorkloadSummary,
     replicas: Sequence[Replica],
     predicted: array[int],
+    at_serve: array[int],
     actual: array[int],
     prompt: array[int],
     subscriber: EventSubscriber,
@@ -150,6 +153,7 @@ def summarize_run(
         if n:
             err += abs(p - a) / n
     count = len(predicted) or 1
+    exact_at_serve = sum(1 for p, a in zip(at_serve, actual, strict=True) if p == a)
     stats = subscriber.stats
     rc = config.replay
     unit = 1
@@ -179,6 +183,7 @@ def summarize_run(
         over_share=over / count,
         under_share=under / count,
         mean_abs_error=err / count,
+        exact_share_at_serve=exact_at_serve / count,
         lag_ms_p50=_percentile_ms(subscriber.lag_s, 0.5),
         lag_ms_p99=_percentile_ms(subscriber.lag_s, 0.99),
         lag_ms_max=1000.0 * max(subscriber.lag_s, default=0.0),
@@ -220,11 +225,11 @@ class FleetSweep:
         """A Markdown table: one row per run, grouped by N."""
         head = (
             "| N | policy | hit | device | host | L3 | of bound | req max/mean "
-            "| tok max/mean | pred exact | over | under | mean err | lag p50/p99 ms "
-            "| gaps/replayed | wall s |"
+            "| tok max/mean | pred exact | over | under | mean err | exact at serve "
+            "| lag p50/p99 ms | gaps/replayed | wall s |"
         )
         out = [f"workload: {self.source}", *(f"note: {n}" for n in self.notes), "", head]
-        out.append("|" + "---|" * 16)
+        out.append("|" + "---|" * 17)
         for r in self.runs:
             bound = self.bound(r.fleet)
             share = f"{r.hit_rate / bound.hit_rate:.3f}" if bound and bound.hit_rate else "-"
@@ -234,6 +239,7 @@ class FleetSweep:
                 f"| {r.tier_rate('host'):.4f} | {r.tier_rate('storage'):.4f} | {share} "
                 f"| {r.request_skew:.2f} | {r.token_skew:.2f} | {r.exact_share:.1%} "
                 f"| {r.over_share:.1%} | {r.under_share:.1%} | {r.mean_abs_error:.2%} "
+                f"| {r.exact_share_at_serve:.1%} "
                 f"| {r.lag_ms_p50:.1f}/{r.lag_ms_p99:.1f} | {r.gaps}/{r.replayed_batches} "
                 f"| {r.wall_s:.1f} |"
             )

@@ -9,7 +9,10 @@ waits for that replica's slot (a replica serves one request at a time; the route
 FIFO).  The replica's serving loop then reports what it *actually* had (device + host hits)
 and what came from the shared L3.  Before each decision the router yields once to the event
 loop, so whatever events have arrived are applied: the view lags by what the replicas have
-not published or the sockets not delivered yet, as a real router's does.
+not published or the sockets not delivered yet, as a real router's does.  The overlap is
+read again when the chosen replica starts serving the request (after the requests queued
+before it there): the difference between the two readings is the queue, what remains
+against the actual hit is the event lag.
 
 The run ends with every replica's L3 writes flushed, every publisher drained, the subscriber
 caught up (:meth:`~urc.apps.fleet.subscriber.EventSubscriber.catch_up`), and the core's
@@ -63,10 +66,12 @@ class FleetConfig:
 
 
 class _Accuracy:
-    """Per request: the predicted overlap on the chosen replica and what it actually had."""
+    """Per request: the overlap predicted on the chosen replica when the router chose it and
+    again when the replica started serving it, and what the replica actually had."""
 
     def __init__(self) -> None:
         self.predicted = array("q")
+        self.at_serve = array("q")
         self.actual = array("q")
         self.prompt = array("q")
 
@@ -90,9 +95,11 @@ async def _route_all(
     hasher = PrefixHasher(ps)
     indexes = sub.indexes
 
-    async def serve(rep: Replica, tr: TraceRequest, predicted: int) -> None:
+    async def serve(rep: Replica, tr: TraceRequest, hashes: list[int], predicted: int) -> None:
+        at_serve = indexes[rep.index].overlap(hashes) * ps
         local, _from_l3 = await rep.serve(tr)
         acc.predicted.append(predicted)
+        acc.at_serve.append(at_serve)
         acc.actual.append(local)
         acc.prompt.append(tr.input_length)
 
@@ -107,7 +114,7 @@ async def _route_all(
             router.routed(tr.timestamp_ms, choice, tr.input_length)
             rep = replicas[choice]
             await rep.slot.acquire()
-            tg.start_soon(serve, rep, tr, overlaps[choice])
+            tg.start_soon(serve, rep, tr, hashes, overlaps[choice])
 
 
 async def run_fleet(config: FleetConfig, summary: WorkloadSummary) -> FleetRun:
@@ -165,6 +172,7 @@ async def run_fleet(config: FleetConfig, summary: WorkloadSummary) -> FleetRun:
         summary=summary,
         replicas=replicas,
         predicted=acc.predicted,
+        at_serve=acc.at_serve,
         actual=acc.actual,
         prompt=acc.prompt,
         subscriber=sub,
