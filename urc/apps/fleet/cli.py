@@ -49,7 +49,14 @@ def _base_config(args: argparse.Namespace) -> FleetConfig:
     if agentic:
         from urc.apps.replay.source import agentic_workload
 
-        probe = ReplayConfig(trace=args.trace, session_subset=args.subset, page_size=page)
+        # The layout of the first N: the sweep's first pass then reuses the loaded sessions.
+        probe = ReplayConfig(
+            trace=args.trace,
+            session_subset=args.subset,
+            page_size=page,
+            session_concurrency=args.session_concurrency * args.replicas[0],
+            seed=args.seed,
+        )
         unit = agentic_workload(probe).block_size or 1
     replay = ReplayConfig(
         trace=args.trace,

@@ -23,7 +23,7 @@ import numpy as np
 
 from urc.kv_events.block_hash import hash_to_int64, page_digests
 
-__all__ = ["PrefixHasher", "ReplicaIndex", "leading_overlap"]
+__all__ = ["PrefixHasher", "ReplicaIndex"]
 
 _GPU = "GPU"
 _CPU = "CPU_PINNED"
@@ -67,24 +67,22 @@ class ReplicaIndex:
                 tier.difference_update(ev["block_hashes"])
 
     def overlap(self, hashes: Sequence[int]) -> int:
-        """Leading pages of ``hashes`` held on device or host."""
+        """Leading pages of ``hashes`` held on device or host.
+
+        Found by bisection: what a replica announces is prefix-closed (a page is stored
+        after its parent and evicted before it, on device and on host alike), so "page
+        ``i`` is held" is monotone in ``i``; 11 set lookups for a 2000-page prompt instead
+        of 2000."""
         device, host = self.device, self.host
-        n = 0
-        for h in hashes:
-            if h not in device and h not in host:
-                break
-            n += 1
-        return n
-
-
-def leading_overlap(hashes: Sequence[int], held: set[int]) -> int:
-    """Leading pages of ``hashes`` that are in ``held``."""
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
+        lo, hi = 0, len(hashes)  # pages [0, lo) held; page hi (if any) not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            h = hashes[mid - 1]
+            if h in device or h in host:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 class PrefixHasher:

@@ -106,23 +106,35 @@ class EventSubscriber:
             sub.connect(pub)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.connected.set()
-        counts = self._counts
         while True:
-            topic, seq_frame, payload = await sub.recv_multipart()
-            replica = self._topics.get(topic)
-            if replica is None:
-                continue
-            seq = int.from_bytes(seq_frame, "big")
-            if self._drop is not None and self._drop(replica, seq):
-                counts[4] += 1
-                continue
-            async with self._lock:
-                if seq > self.next_seq[replica]:
-                    counts[2] += 1
-                    await self._replay(replica)
-                if seq == self.next_seq[replica]:
-                    ts = self._apply(replica, seq, payload)
-                    self.lag_s.append(time.time() - ts)
+            await self._receive(await sub.recv_multipart())
+            # Apply everything that has arrived before yielding: the router decides on all
+            # it has been told (awaiting a completed future does not yield).
+            while True:
+                try:
+                    frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                await self._receive(frames)
+
+    async def _receive(self, frames: list[bytes]) -> None:
+        """Apply one live batch (``[topic, seq, payload]``), replaying first if it reveals
+        a gap."""
+        topic, seq_frame, payload = frames
+        replica = self._topics.get(topic)
+        if replica is None:
+            return
+        seq = int.from_bytes(seq_frame, "big")
+        if self._drop is not None and self._drop(replica, seq):
+            self._counts[4] += 1
+            return
+        async with self._lock:
+            if seq > self.next_seq[replica]:
+                self._counts[2] += 1
+                await self._replay(replica)
+            if seq == self.next_seq[replica]:
+                ts = self._apply(replica, seq, payload)
+                self.lag_s.append(time.time() - ts)
 
     def _apply(self, replica: int, seq: int, payload: bytes) -> float:
         ts, events, _rank = self._decode(payload)
