@@ -1,5 +1,6 @@
 """Small real fleets: replicas on urc's async service publishing on real loopback ZMQ
-sockets, the router's subscriber, a shared L3 on local files.
+sockets, the router's subscriber, a shared L3 on local files (the remote stores:
+``test_fleet_stores.py``).
 
 The router's index is checked against each replica's tree (every page hashed from its whole
 path): exact after the run, including when the subscriber lost a third of the live batches
@@ -20,7 +21,6 @@ pytest.importorskip("msgspec")
 
 from kv_events_harness import CPU, GPU, tree_pages
 
-from hicache.config import StorageBackupPolicy, StorageConfig
 from urc.apps.fleet import (
     BOUND,
     FLOOR,
@@ -32,7 +32,6 @@ from urc.apps.fleet import (
     run_sweep,
 )
 from urc.apps.fleet.replica import Replica, ReplicaSizes, open_replica
-from urc.apps.fleet.store import open_shared_store
 from urc.apps.fleet.subscriber import EventSubscriber
 from urc.apps.replay.config import ReplayConfig
 from urc.apps.replay.options import Capacity
@@ -121,37 +120,6 @@ async def test_the_router_index_matches_every_replica_tree_after_recovering_lost
             tg.cancel_scope.cancel()
     for rep in replicas:
         assert rep.check() is None
-
-
-@pytest.mark.asyncio
-async def test_a_prefix_one_replica_stored_in_the_shared_l3_is_fetched_by_another(
-    tmp_path: Path,
-) -> None:
-    config = _replay(host=3000)
-    summary = await summarize(config)
-    sizes = ReplicaSizes(6000, 3000, summary.max_request_tokens)
-    first = next(iter(synthetic_requests(config)))
-    with anyio.fail_after(60):
-        async with AsyncExitStack() as stack:
-            store = await stack.enter_async_context(
-                open_shared_store(SharedStoreConfig(L3Kind.FILE, directory=tmp_path))
-            )
-            storage = StorageConfig(backup_policy=StorageBackupPolicy.WRITE_THROUGH)
-            a, b = [
-                await stack.enter_async_context(open_replica(i, config, sizes, store, storage))
-                for i in range(2)
-            ]
-            await a.slot.acquire()
-            assert await a.serve(first) == (0, 0)
-            # The host copy, then the L3 write, happen in the background: wait for them.
-            assert a.storage is not None
-            while a.storage.stats.pages_written < first.input_length // PS:
-                await anyio.sleep(0.01)  # a polling interval, under the deadline
-            await a.flush()
-            await b.slot.acquire()
-            local, from_l3 = await b.serve(first)
-    assert local == 0 and from_l3 == first.input_length // PS * PS
-    assert a.check() is None and b.check() is None
 
 
 @pytest.mark.asyncio

@@ -15,6 +15,7 @@ from typing import NoReturn
 __all__ = [
     "FLEET_HELP",
     "POLICIES",
+    "HelpFormatter",
     "PROG",
     "Parser",
     "build_parser",
@@ -36,6 +37,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where there is a default to show and the help text does
+    not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
 
 
 def parse_tokens(text: str) -> int:
@@ -150,7 +163,7 @@ def build_parser() -> Parser:
         description=FLEET_HELP + ". Prints a Markdown table per run: hit rate by tier, "
         "load max/mean, the router's accuracy and event lag, with the one-big-cache bound "
         "and the random-routing floor for each N.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -164,7 +177,7 @@ def build_parser() -> Parser:
     w.add_argument(
         "--session-concurrency",
         type=_positive,
-        default=25.0,
+        default=4.0,
         help="agentic sessions running on average PER REPLICA: N replicas serve N times as many",
     )
     w.add_argument(
@@ -173,11 +186,11 @@ def build_parser() -> Parser:
     w.add_argument("--block-size", type=_positive_int, default=512, help="Mooncake tokens per id")
     w.add_argument("--seed", type=int, default=0, help="arrivals, random routing, event drops")
     f = p.add_argument_group("fleet")
-    f.add_argument("--replicas", type=_replica_counts, default=(4,), help="N, or a list: 4,8")
+    f.add_argument("--replicas", type=_replica_counts, default="4", help="N, or a list: 4,8")
     f.add_argument(
         "--policies",
         type=_policies,
-        default=("round-robin", "least-loaded", "session-affinity", "kv-aware"),
+        default="round-robin,least-loaded,session-affinity,kv-aware",
         help=f"routing policies, comma list of {', '.join(POLICIES)}",
     )
     f.add_argument(
@@ -207,12 +220,12 @@ def build_parser() -> Parser:
     c.add_argument(
         "--device-tokens",
         type=_tokens,
-        default=1 << 20,
+        default="1M",
         help="device KV tokens per replica, in model tokens (agentic sessions: divided by "
         "the 64-token block into cache blocks)",
     )
     c.add_argument(
-        "--host-tokens", type=_tokens, default=0, help="host tier tokens per replica (0: none)"
+        "--host-tokens", type=_tokens, default="0", help="host tier tokens per replica (0: none)"
     )
     c.add_argument(
         "--write-policy", choices=_WRITE_POLICIES, default="write_through", help="host backups"
