@@ -123,6 +123,33 @@ async def test_the_router_index_matches_every_replica_tree_after_recovering_lost
 
 
 @pytest.mark.asyncio
+async def test_sync_recovers_a_lost_last_batch_through_the_replay_socket() -> None:
+    config = _replay(requests=6)
+    summary = await summarize(config)
+    sizes = ReplicaSizes(6000, 0, summary.max_request_tokens)
+    requests = list(synthetic_requests(config))
+    with anyio.fail_after(60):
+        async with AsyncExitStack() as stack:
+            rep = await stack.enter_async_context(open_replica(0, config, sizes, None))
+            endpoints = [(rep.publisher.endpoint, rep.publisher.replay_endpoint)]
+            lost: list[int] = []
+            sub = EventSubscriber(endpoints, drop=lambda _r, seq: not lost and seq >= 2)  # type: ignore[arg-type]
+            stack.callback(sub.close)
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            tg.start_soon(sub.run)
+            await sub.connected.wait()
+            await _serve([rep], requests)
+            await sub.sync([rep.publisher])
+            lost.append(1)  # stop dropping: the rest of the stream was lost
+            published = rep.publisher.stats.batches_published
+            assert sub.next_seq == [published] and published > 2
+            # Lost here (or before the subscription reached the publisher): replayed.
+            assert sub.stats.replayed >= published - 2
+            assert sub.indexes[0].device == tree_pages(rep.cache)[GPU]
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("policy", list(RouterPolicy))
 async def test_a_small_fleet_serves_every_request_under_each_policy(policy: RouterPolicy) -> None:
     config = _replay(requests=60)

@@ -211,6 +211,13 @@ def build_parser() -> Parser:
         help="seconds of the trace's clock a routed prompt counts as a replica's load",
     )
     f.add_argument(
+        "--no-causal",
+        action="store_true",
+        help="route a session's request without waiting for its previous one and for the "
+        "router to apply the events published by then (compressed time: a staler view "
+        "than a real router's)",
+    )
+    f.add_argument(
         "--drop-events",
         type=_rate,
         default=0.0,

@@ -86,6 +86,7 @@ def _base_config(args: argparse.Namespace) -> FleetConfig:
         ),
         l3_backup=StorageBackupPolicy(args.l3_backup),
         drop_rate=args.drop_events,
+        causal=not args.no_causal,
     )
 
 

@@ -14,6 +14,15 @@ read again when the chosen replica starts serving the request (after the request
 before it there): the difference between the two readings is the queue, what remains
 against the actual hit is the event lag.
 
+Time: the replay serves as fast as it can, so the trace's seconds shrink to milliseconds.
+A real session sends its next request only after the previous answer (plus the client's
+think time: a median 8.8 s after a tool call in the agentic sessions), by which time the
+router has long applied that answer's events (the event lag here is milliseconds).  With
+``FleetConfig.causal`` (the default) the fleet keeps that order: a session's request waits
+until its previous request was served and the router has applied every event published by
+then.  Without it, the router decides on whatever arrived, which in compressed time is
+far staler than a real router's view (the accuracy columns show how much).
+
 The run ends with every replica's L3 writes flushed, every publisher drained, the subscriber
 caught up (:meth:`~urc.apps.fleet.subscriber.EventSubscriber.catch_up`), and the core's
 invariants checked on every replica.
@@ -52,7 +61,9 @@ class FleetConfig:
     ``l3_backup``; it needs a host tier), and ``drop_rate``: the share of live event
     batches the router loses (seeded; recovered through the replay sockets).  ``label``
     names the run in reports (default: the policy); ``fleet`` the N it stands for (a
-    reference run on one replica stands for N; default: ``replicas``)."""
+    reference run on one replica stands for N; default: ``replicas``).  ``causal``: a
+    session's request is routed only once its previous request was served and the router
+    has applied every event published by then (see the module docstring)."""
 
     replay: ReplayConfig
     replicas: int
@@ -63,6 +74,7 @@ class FleetConfig:
     drop_rate: float = 0.0
     label: str | None = None
     fleet: int | None = None
+    causal: bool = True
 
 
 class _Accuracy:
@@ -95,9 +107,17 @@ async def _route_all(
     hasher = PrefixHasher(ps)
     indexes = sub.indexes
 
+    # Per session: set when its latest request has been served.
+    session_done: dict[str, anyio.Event] = {}
+
     async def serve(rep: Replica, tr: TraceRequest, hashes: list[int], predicted: int) -> None:
         at_serve = indexes[rep.index].overlap(hashes) * ps
-        local, _from_l3 = await rep.serve(tr)
+        done = session_done.get(tr.session_id) if tr.session_id is not None else None
+        try:
+            local, _from_l3 = await rep.serve(tr)
+        finally:
+            if done is not None:
+                done.set()
         acc.predicted.append(predicted)
         acc.at_serve.append(at_serve)
         acc.actual.append(local)
@@ -106,6 +126,12 @@ async def _route_all(
     async with anyio.create_task_group() as tg:
         async for tr in aiter_requests(config.replay):
             await anyio.lowlevel.checkpoint()  # apply the events that have arrived
+            if config.causal and tr.session_id is not None:
+                previous = session_done.get(tr.session_id)
+                if previous is not None:
+                    await previous.wait()
+                    await sub.sync([r.publisher for r in replicas])
+                session_done[tr.session_id] = anyio.Event()
             hashes = hasher.hashes(tr.input_ids, tr.session_id)
             overlaps = [idx.overlap(hashes) * ps for idx in indexes]
             choice = router.choose(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import zmq
 import zmq.asyncio
@@ -82,6 +83,7 @@ class EventSubscriber:
         self._sub: Any = None
         self._lock = anyio.Lock()  # one replay (or catch-up) at a time
         self.connected = anyio.Event()
+        self._progress = anyio.Event()  # set (and replaced) on every batch applied
 
     @property
     def stats(self) -> SubscriberStats:
@@ -140,6 +142,8 @@ class EventSubscriber:
         ts, events, _rank = self._decode(payload)
         self.indexes[replica].apply(events)
         self.next_seq[replica] = seq + 1
+        self._progress.set()
+        self._progress = anyio.Event()
         self._counts[0] += 1
         self._counts[1] += len(events)
         return float(ts)
@@ -171,6 +175,20 @@ class EventSubscriber:
                 counts[5] += seq - expected
             self._apply(replica, seq, payload)
             counts[3] += 1
+
+    async def sync(self, publishers: Sequence[Any], quiet_s: float = 0.05) -> None:
+        """Return once every batch ``publishers`` (the replicas' ``KVEventPublisher``, in
+        replica order) have sent or queued so far is applied: live, or -- when the stream
+        stays quiet for ``quiet_s`` while some are missing (lost) -- through the replay
+        sockets.  The simulation's barrier (a router cannot know what was sent); see
+        :mod:`urc.apps.fleet.run`."""
+        await anyio.lowlevel.checkpoint()  # let the actors' last batches be queued
+        targets = [p.stats.batches_published + p.queued for p in publishers]
+        while any(have < want for have, want in zip(self.next_seq, targets, strict=True)):
+            with anyio.move_on_after(quiet_s) as scope:
+                await self._progress.wait()
+            if scope.cancelled_caught:
+                await self.catch_up(targets)
 
     async def catch_up(self, published: Sequence[int]) -> None:
         """Replay whatever each replica published (``published[r]`` batches in all) that
