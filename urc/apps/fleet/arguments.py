@@ -20,6 +20,7 @@ __all__ = [
     "Parser",
     "build_parser",
     "check_args",
+    "is_sessions",
     "parse_tokens",
 ]
 

@@ -16,22 +16,12 @@ cache perfectly would hit) and ``floor`` (N replicas with random routing).
 
 from __future__ import annotations
 
-import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from urc.node import Tier
-
-if TYPE_CHECKING:
-    from urc.apps.fleet.replica import Replica, ReplicaSizes
-    from urc.apps.fleet.run import FleetConfig
-    from urc.apps.fleet.subscriber import EventSubscriber
-    from urc.apps.replay.source import WorkloadSummary
-
-__all__ = ["BOUND", "FLOOR", "FleetRun", "FleetSweep", "summarize_run"]
+__all__ = ["BOUND", "FLOOR", "FleetRun", "FleetSweep"]
 
 BOUND = "bound"
 """The label of the one-cache-of-N-times-the-capacity reference."""
@@ -112,91 +102,6 @@ class FleetRun:
 def _skew(values: Sequence[int]) -> float:
     mean = sum(values) / len(values) if values else 0.0
     return max(values) / mean if mean > 0 else 1.0
-
-
-def _percentile_ms(values: array[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return 1000.0 * ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def summarize_run(
-    config: FleetConfig,
-    *,
-    sizes: ReplicaSizes,
-    summary: WorkloadSummary,
-    replicas: Sequence[Replica],
-    predicted: array[int],
-    at_serve: array[int],
-    actual: array[int],
-    prompt: array[int],
-    subscriber: EventSubscriber,
-    wall_s: float,
-    total_s: float,
-    errors: list[str],
-) -> FleetRun:
-    """Collect a finished run's figures."""
-    hits = dict.fromkeys((t.name.lower() for t in Tier), 0)
-    for rep in replicas:
-        for tier, n in rep.hits.items():
-            hits[tier.name.lower()] += n
-    exact = over = under = 0
-    err = 0.0
-    for p, a, n in zip(predicted, actual, prompt, strict=True):
-        if p == a:
-            exact += 1
-        elif p > a:
-            over += 1
-        else:
-            under += 1
-        if n:
-            err += abs(p - a) / n
-    count = len(predicted) or 1
-    exact_at_serve = sum(1 for p, a in zip(at_serve, actual, strict=True) if p == a)
-    stats = subscriber.stats
-    rc = config.replay
-    unit = 1
-    if rc.agentic:
-        from urc.apps.replay.source import agentic_workload
-
-        unit = agentic_workload(rc).block_size or 1
-    return FleetRun(
-        label=config.label or config.policy.value,
-        policy=config.policy.value,
-        fleet=config.fleet or config.replicas,
-        replicas=config.replicas,
-        device_tokens=sizes.device,
-        host_tokens=sizes.host,
-        l3=config.store.kind.value,
-        token_unit=unit,
-        requests=len(predicted),
-        input_tokens=sum(prompt),
-        hit_tokens=hits,
-        ideal_hit_rate=summary.ideal_hit_rate,
-        replica_requests=[r.requests for r in replicas],
-        replica_prompt_tokens=[r.prompt_tokens for r in replicas],
-        rejected=sum(r.rejected for r in replicas),
-        predicted_tokens=sum(predicted),
-        actual_tokens=sum(actual),
-        exact_share=exact / count,
-        over_share=over / count,
-        under_share=under / count,
-        mean_abs_error=err / count,
-        exact_share_at_serve=exact_at_serve / count,
-        lag_ms_p50=_percentile_ms(subscriber.lag_s, 0.5),
-        lag_ms_p99=_percentile_ms(subscriber.lag_s, 0.99),
-        lag_ms_max=1000.0 * max(subscriber.lag_s, default=0.0),
-        event_batches=stats.batches,
-        events=stats.events,
-        gaps=stats.gaps,
-        replayed_batches=stats.replayed,
-        dropped_batches=stats.dropped,
-        lost_batches=stats.lost,
-        wall_s=wall_s,
-        total_s=total_s,
-        check_errors=errors,
-    )
 
 
 @dataclass(frozen=True, slots=True)
