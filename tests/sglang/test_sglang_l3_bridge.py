@@ -296,3 +296,48 @@ def _key(tokens: list[int]) -> Any:
     from urc import RadixKey
 
     return RadixKey(tokens)
+
+
+# ---------------------------------------------------------------------- Mooncake
+def test_two_replicas_share_a_real_mooncake_store_under_sglangs_names(tmp_path: Path) -> None:
+    """``--hicache-storage-backend mooncake`` with SGLang's extra config: what one replica
+    writes, another (its own client of the same master) prefetches, byte for byte."""
+    pytest.importorskip("mooncake.store", exc_type=ImportError)
+    from mooncake_master import MooncakeMaster, find_master_binary
+
+    binary = find_master_binary()
+    if binary is None:
+        pytest.skip("the mooncake package ships no mooncake_master binary")
+    master = MooncakeMaster(binary, tmp_path / "master.log")
+    master.start()
+    extra = (
+        f'{{"master_server_address": "{master.address}", "protocol": "tcp", '
+        f'"global_segment_size": {64 << 20}, "prefetch_threshold": 1}}'
+    )
+    ps = 4
+    tokens = seq(1, 6, ps)
+    opened: list[SchedulerStorage] = []
+    try:
+        writer = make((FULL,), ps, kv_pages=16, host_pages=32)
+        w3 = attach_storage(writer, writer.host_tier, "mooncake", extra, "org/tiny", "timeout")  # type: ignore[arg-type]
+        opened.append(w3)
+        assert insert(writer, tokens)
+        node = match(writer, tokens).last_device_node
+        writer.write_backup(node)
+        _until(lambda: w3.pending_writes() == 0, w3)
+        want = writer.pools.kv_pool.kv[:, :, writer.path_device_indices(node)].clone()  # type: ignore[union-attr]
+        reader = make((FULL,), ps, kv_pages=16, host_pages=32)
+        r3 = attach_storage(reader, reader.host_tier, "mooncake", extra, "org/tiny", "timeout")  # type: ignore[arg-type]
+        opened.append(r3)
+        r3.prefetch("r", _key(tokens))
+        _until(lambda: r3.progress("r"), r3)
+        assert r3.pop_loaded("r") == len(tokens)
+        hit = match(reader, tokens)
+        assert reader.load_back(hit.best_match_node) == len(tokens)
+        got = reader.pools.kv_pool.kv[:, :, reader.path_device_indices(hit.best_match_node)]  # type: ignore[union-attr]
+        assert torch.equal(got, want)
+        check(reader)
+    finally:
+        for l3 in reversed(opened):
+            l3.close()
+        master.kill()
