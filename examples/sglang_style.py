@@ -36,8 +36,10 @@ def main() -> None:
     prompt = [*system, 1, 2, 3]
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt)))
     hit = m.device_indices.shape[0]
-    receipt = cache.inc_lock_ref(m.last_device_node)
-    print(f"match_prefix: {hit} of {len(prompt)} tokens hit; locked {receipt.delta} tokens")
+    tree_lock = cache.lock(m.last_device_node)
+    print(
+        f"match_prefix: {hit} of {len(prompt)} tokens hit; locked {cache.protected_size()} tokens"
+    )
     print(f"  evictable {cache.evictable_size()}, protected {cache.protected_size()}")
 
     # 3. The request runs: its row in req_to_token holds the hit, then its own new slots.
@@ -47,7 +49,7 @@ def main() -> None:
     req.req_pool_idx = row
     req.prefix_indices = m.device_indices
     req.last_node = m.last_device_node
-    req.lock_receipt = receipt
+    req.lock = tree_lock
     req.cache_protected_len = hit
     total = len(req.fill_ids)
     own = allocator.alloc(total - hit)

@@ -98,12 +98,12 @@ def start_request(cache: UnifiedRadixCache, tokens: list[int], out_len: int) -> 
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
     req.req_pool_idx = row
     req.last_node = m.last_device_node
-    req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
+    req.lock = cache.lock(m.last_device_node)
     req.prefix_indices = m.device_indices
     req.cache_protected_len = m.device_indices.shape[0]
     own = cache.token_to_kv_pool_allocator.alloc(len(tokens) + out_len - req.cache_protected_len)
     if own is None:
-        cache.dec_lock_ref(m.last_device_node, req.lock_receipt.to_dec_params())
+        cache.unlock(req.lock)
         cache.req_to_token_pool.free(row)
         return None
     cache.req_to_token_pool.write(row, 0, torch.cat([m.device_indices, own]))
@@ -121,7 +121,7 @@ def running_request(h: Harness, input_ids: list[int], output_ids: list[int], ove
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(input_ids)))
     req.prefix_indices = m.device_indices
     req.last_node = m.last_device_node
-    req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
+    req.lock = cache.lock(m.last_device_node)
     req.cache_protected_len = m.device_indices.shape[0]
     total = len(input_ids) + len(output_ids)
     own = h.new_value(total + over - req.cache_protected_len)

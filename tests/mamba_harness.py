@@ -169,7 +169,7 @@ class Server:
         r = match(cache, tokens, req) if reuse else match(cache, [])
         p = r.device_indices.shape[0]
         if p:
-            req.lock_receipt = cache.inc_lock_ref(r.last_device_node)
+            req.lock = cache.lock(r.last_device_node)
             req.last_node = r.last_device_node
             cache.req_to_token_pool.write(row, 0, r.device_indices)
         req.prefix_indices = r.device_indices

@@ -37,6 +37,7 @@ from urc.params import (
 )
 from urc.pools.cache_pools import CachePools
 from urc.req import Req
+from urc.request_protocol import CachingRequest
 from urc.reuse_hint import ReuseHint
 from urc.state import CacheState
 from urc.stats import CacheStats, StatsSnapshotter
@@ -218,7 +219,26 @@ class UnifiedRadixCache(CacheState):
     dec_lock_ref = locking.dec_lock_ref
     dec_swa_lock_only = locking.dec_swa_lock_only
 
-    # ================================================================== request caching
+    # ================================================================== the request layer
+    # SGLang 0.5.23's request surface, over any ``CachingRequest`` (see
+    # :mod:`urc.request_caching` for the contracts).
+    lock = request_caching.lock
+    unlock = request_caching.unlock
+    move_lock = request_caching.move_lock
+    release_swa = request_caching.release_swa
+
+    def checkpoint(
+        self, req: CachingRequest, up_to: int, *, finished: bool = False
+    ) -> InsertResult | None:
+        """Insert ``req``'s ``[0, up_to)`` and move its lock onto it
+        (:func:`urc.request_caching.checkpoint`)."""
+        return request_caching.checkpoint(self, req, up_to, finished=finished)
+
+    def release(self, req: CachingRequest, *, checkpointed: bool) -> None:
+        """Release ``req``'s lock and (unless ``checkpointed``) its component state
+        (:func:`urc.request_caching.release`)."""
+        request_caching.release(self, req, checkpointed=checkpointed)
+
     def cache_finished_req(
         self,
         req: Req,

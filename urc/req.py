@@ -27,8 +27,9 @@ from urc.errors import InvalidInputError
 from urc.key import ExtraKey, pack_tokens
 
 if TYPE_CHECKING:
+    from urc.lock_receipts import TreeLock
     from urc.node import TreeNode
-    from urc.params import IncLockRefResult
+    from urc.request_protocol import MambaStateCopier
 
 __all__ = ["Req"]
 
@@ -48,13 +49,14 @@ class Req:
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=_empty_indices)
     last_node: TreeNode | None = None
-    lock_receipt: IncLockRefResult | None = None
+    # The request's tree lock (on ``last_node``); ``lock.swa_released`` after an early
+    # SWA window release.
+    lock: TreeLock | None = None
     cache_protected_len: int = 0
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
     # SWA: KV of positions below this was freed while the request ran (slid out of window).
     swa_evicted_seqlen: int = 0
-    swa_lock_released: bool = False
     # Mamba: the request's own state slot, and where its last state snapshot was taken.
     mamba_pool_idx: torch.Tensor | None = None
     mamba_last_track_seqlen: int | None = None
@@ -63,6 +65,9 @@ class Req:
     mamba_branching_seqlen: int | None = None
     # Thinking tokens among the output (``CacheConfig.strip_thinking_cache``).
     reasoning_tokens: int = 0
+    # Passed with the request's inserts (SGLang's ``InsertParams.priority`` / ``session_id``).
+    priority: int = 0
+    session_id: str | None = None
     # Ranges the caller took over with the ``pop_*`` methods (it frees them itself).
     kv_committed_freed: bool = False
     kv_overallocated_freed: bool = False
@@ -116,6 +121,11 @@ class Req:
         # impossible to deep-copy or pickle.
         return memoryview(packed) if n is None else memoryview(packed)[:n]
 
+    @property
+    def prompt_len(self) -> int:
+        """Tokens of the prompt (``len(origin_input_ids)``)."""
+        return len(self.origin_input_ids)
+
     def get_fill_ids(self) -> list[int]:
         """:attr:`fill_ids` (SGLang's accessor)."""
         return self.fill_ids
@@ -138,7 +148,11 @@ class Req:
         self.kv_overallocated_freed = True
         return self.kv_committed_len, self.kv_allocated_len
 
+    def start_from_mamba_state(self, copier: MambaStateCopier, src: int, dst: int) -> None:
+        """Copy-on-write at a match: copy the tree's state ``src`` into the request's ``dst``."""
+        copier.copy(src, dst)
+
     @property
     def swa_uuid_for_lock(self) -> int | None:
-        receipt = self.lock_receipt
-        return None if receipt is None else receipt.swa_uuid_for_lock
+        lock = self.lock
+        return None if lock is None else lock.receipt.swa_uuid_for_lock

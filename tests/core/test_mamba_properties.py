@@ -83,7 +83,7 @@ class Model:
             r = cache.match_prefix(MatchPrefixParams(RadixKey(tokens), cow_mamba=True, req=req))
             p = r.device_indices.shape[0]
             if p:
-                req.lock_receipt = cache.inc_lock_ref(r.last_device_node)
+                req.lock = cache.lock(r.last_device_node)
                 req.last_node = r.last_device_node
                 cache.req_to_token_pool.write(row, 0, r.device_indices)
                 assert req.mamba_pool_idx is not None, "a hit without its state"
@@ -135,11 +135,8 @@ class Model:
         self.live.remove(req)
 
     def early_release(self, req: Req) -> None:
-        node, receipt = req.last_node, req.lock_receipt
-        if not self.has_swa or node is None or receipt is None or req.swa_lock_released:
-            return
-        self.cache.dec_swa_lock_only(node, receipt.to_dec_params())
-        req.swa_lock_released = True
+        if self.has_swa and req.lock is not None:
+            self.cache.release_swa(req.lock)
 
     def insert(self, tokens: list[int], with_state: bool) -> None:
         cache = self.cache

@@ -451,7 +451,7 @@ def _request(h: SWAHarness, tokens: list[int], rid: str = "r") -> Req:
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
     req.req_pool_idx = row
     req.last_node = m.last_device_node
-    req.lock_receipt = cache.inc_lock_ref(m.last_device_node)
+    req.lock = cache.lock(m.last_device_node)
     req.prefix_indices = m.device_indices
     req.cache_protected_len = int(m.device_indices.shape[0])
     own = h.new_value(len(tokens) - req.cache_protected_len)
@@ -510,10 +510,8 @@ def test_early_release_through_a_request(h: SWAHarness) -> None:
     h.insert(tokens)
     req = _request(h, tokens + h.seq(800_000, 1))
     own = h.owned[-1]
-    receipt = req.lock_receipt
-    assert receipt is not None and req.last_node is not None
-    h.cache.dec_swa_lock_only(req.last_node, receipt.to_dec_params())
-    req.swa_lock_released = True
+    assert req.lock is not None and req.last_node is not None
+    h.cache.release_swa(req.lock)
     h.check()
     assert h.cache.swa_protected_size() == 0
     assert h.cache.full_protected_size() == len(tokens)

@@ -138,8 +138,7 @@ class Model:
             return
         total = len(tokens) + out_len
         if early and req.last_node.parent is not None:
-            cache.dec_swa_lock_only(req.last_node, req.lock_receipt.to_dec_params())
-            req.swa_lock_released = True
+            cache.release_swa(req.lock)
             self.check_with_request(req, total)
         if unfinished:
             req.kv_committed_len = req.kv_allocated_len = len(tokens)

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     )
     from urc.pools.cache_pools import CachePools
     from urc.pools.mamba import MambaPool
-    from urc.req import Req
+    from urc.request_protocol import CachingRequest
     from urc.tree import Tree
 
 __all__ = ["MambaComponent"]
@@ -246,7 +246,7 @@ class MambaComponent(TreeComponent):
                     req.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
                 else:
                     dst = int(idx.item())
-                self.pool.copy(src, dst)
+                req.start_from_mamba_state(self.pool, src, dst)
         return result
 
     def _alloc_slot(self, protect: TreeNode | None) -> int | None:
@@ -483,32 +483,32 @@ class MambaComponent(TreeComponent):
 
     # ------------------------------------------------------------------ request caching
     # A request's own slots (live state, ping-pong buffer): see urc.components.mamba_requests.
-    def validate_caching_req(self, req: Req, is_finished: bool) -> None:
+    def validate_caching_req(self, req: CachingRequest, is_finished: bool) -> None:
         self.requests.validate(req)
 
     def prepare_for_caching_req(
-        self, req: Req, params: InsertParams, token_len: int, is_finished: bool
+        self, req: CachingRequest, params: InsertParams, token_len: int, is_finished: bool
     ) -> int | None:
         return self.requests.prepare(req, params, token_len, is_finished)
 
     def cleanup_after_caching_req(
         self,
-        req: Req,
+        req: CachingRequest,
         is_finished: bool,
         insert_result: InsertResult | None,
         params: InsertParams | None,
     ) -> None:
         self.requests.cleanup(req, is_finished, insert_result, params)
 
-    def alloc_req_slot(self, req: Req) -> torch.Tensor:
+    def alloc_req_slot(self, req: CachingRequest) -> torch.Tensor:
         """See :meth:`MambaRequestSlots.alloc_req_slot`."""
         return self.requests.alloc_req_slot(req)
 
-    def alloc_track_buffer(self, req: Req, size: int = 2) -> torch.Tensor:
+    def alloc_track_buffer(self, req: CachingRequest, size: int = 2) -> torch.Tensor:
         """See :meth:`MambaRequestSlots.alloc_track_buffer`."""
         return self.requests.alloc_track_buffer(req, size)
 
-    def free_req_slots(self, req: Req) -> None:
+    def free_req_slots(self, req: CachingRequest) -> None:
         """See :meth:`MambaRequestSlots.free_req_slots`."""
         self.requests.free_req_slots(req)
 

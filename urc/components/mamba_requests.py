@@ -35,7 +35,7 @@ import torch
 from urc.errors import InvalidIndicesError, InvalidInputError, OutOfMemoryError
 from urc.params import InsertParams, InsertResult
 from urc.pools.mamba import MambaPool
-from urc.req import Req
+from urc.request_protocol import CachingRequest
 
 if TYPE_CHECKING:
     from urc.node import TreeNode
@@ -78,7 +78,7 @@ class MambaRequestSlots:
         self.pool.check_held(slot, what)
         return slot
 
-    def request_slots(self, req: Req) -> list[int]:
+    def request_slots(self, req: CachingRequest) -> list[int]:
         """Every slot ``req`` holds (live state, then the ping-pong buffer)."""
         slots: list[int] = []
         if req.mamba_pool_idx is not None:
@@ -88,7 +88,7 @@ class MambaRequestSlots:
             slots.extend(buf.tolist())
         return slots
 
-    def validate(self, req: Req) -> None:
+    def validate(self, req: CachingRequest) -> None:
         """Raise a typed error (nothing changed) unless every Mamba slot ``req`` claims is a
         caller-held slot it holds once, and its tracking fields are in range."""
         seen: set[int] = set()
@@ -125,7 +125,7 @@ class MambaRequestSlots:
         return n_tokens - 1 if self.is_eagle and n_tokens > 0 else n_tokens
 
     def prepare(
-        self, req: Req, params: InsertParams, token_len: int, is_finished: bool
+        self, req: CachingRequest, params: InsertParams, token_len: int, is_finished: bool
     ) -> int | None:
         """Picks the state slot to insert (``params.mamba_value``) and the key length.
 
@@ -174,7 +174,7 @@ class MambaRequestSlots:
 
     def cleanup(
         self,
-        req: Req,
+        req: CachingRequest,
         is_finished: bool,
         insert_result: InsertResult | None,
         params: InsertParams | None,
@@ -207,7 +207,7 @@ class MambaRequestSlots:
             pool.free_slots((offered,))
         req.mamba_last_track_seqlen = None
 
-    def alloc_req_slot(self, req: Req) -> torch.Tensor:
+    def alloc_req_slot(self, req: CachingRequest) -> torch.Tensor:
         """Give ``req`` its live-state slot (``req.mamba_pool_idx``) if it has none, evicting
         one unlocked state if the pool is full.  Raises :class:`OutOfMemoryError`."""
         if req.mamba_pool_idx is None:
@@ -217,7 +217,7 @@ class MambaRequestSlots:
             req.mamba_pool_idx = torch.tensor(slot, dtype=torch.int64, device=self.device)
         return req.mamba_pool_idx
 
-    def alloc_track_buffer(self, req: Req, size: int = 2) -> torch.Tensor:
+    def alloc_track_buffer(self, req: CachingRequest, size: int = 2) -> torch.Tensor:
         """Give ``req`` a ping-pong tracking buffer of ``size`` fresh slots (replacing none:
         it must have no buffer).  Raises :class:`OutOfMemoryError` (nothing taken)."""
         if req.mamba_ping_pong_track_buffer is not None:
@@ -237,7 +237,7 @@ class MambaRequestSlots:
         req.mamba_last_track_seqlen = None
         return buf
 
-    def free_req_slots(self, req: Req) -> None:
+    def free_req_slots(self, req: CachingRequest) -> None:
         """Free every Mamba slot ``req`` holds (an aborted request) and clear its fields.
 
         Raises :class:`~urc.errors.TreeOwnedSlotError` / :class:`InvalidIndicesError` if one
@@ -253,7 +253,7 @@ class MambaRequestSlots:
         req.mamba_last_track_seqlen = None
 
     @staticmethod
-    def num_req_slots(req: Req) -> int:
+    def num_req_slots(req: CachingRequest) -> int:
         """How many Mamba slots ``req`` holds (for pool conservation checks)."""
         n = 0 if req.mamba_pool_idx is None else 1
         buf = req.mamba_ping_pong_track_buffer

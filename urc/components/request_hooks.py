@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from urc.params import InsertParams, InsertResult
-    from urc.req import Req
+    from urc.request_protocol import CachingRequest
 
 __all__ = ["RequestHooks"]
 
@@ -20,7 +20,7 @@ __all__ = ["RequestHooks"]
 class RequestHooks:
     """The request-caching hooks (see the module docstring); the defaults do nothing."""
 
-    def validate_caching_req(self, req: Req, is_finished: bool) -> None:
+    def validate_caching_req(self, req: CachingRequest, is_finished: bool) -> None:
         """Raise :class:`~urc.errors.InvalidInputError` if ``req``'s fields for this component
         are invalid.  Called first by ``cache_finished_req`` / ``cache_unfinished_req``, before
         any change, so a refused request leaves cache, pools and request untouched.
@@ -32,7 +32,7 @@ class RequestHooks:
         """
 
     def prepare_for_caching_req(
-        self, req: Req, params: InsertParams, token_len: int, is_finished: bool
+        self, req: CachingRequest, params: InsertParams, token_len: int, is_finished: bool
     ) -> int | None:
         """Fill this component's insert params from ``req``.
 
@@ -49,7 +49,7 @@ class RequestHooks:
 
     def cleanup_after_caching_req(
         self,
-        req: Req,
+        req: CachingRequest,
         is_finished: bool,
         insert_result: InsertResult | None,
         params: InsertParams | None,

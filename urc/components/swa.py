@@ -84,7 +84,7 @@ if TYPE_CHECKING:
         MatchResult,
     )
     from urc.pools.cache_pools import CachePools
-    from urc.req import Req
+    from urc.request_protocol import CachingRequest
     from urc.tree import Tree
 
 __all__ = ["SWAComponent", "SWAData"]
@@ -516,12 +516,12 @@ class SWAComponent(TreeComponent):
 
     # ------------------------------------------------------------------ request caching
     def prepare_for_caching_req(
-        self, req: Req, params: InsertParams, token_len: int, is_finished: bool
+        self, req: CachingRequest, params: InsertParams, token_len: int, is_finished: bool
     ) -> int | None:
         params.set_evicted_seqlen(ComponentType.SWA, min(req.swa_evicted_seqlen, token_len))
         return None
 
-    def free_out_of_window_slots(self, req: Req, pre_len: int) -> int:
+    def free_out_of_window_slots(self, req: CachingRequest, pre_len: int) -> int:
         """Free the SWA slots of ``req``'s own tokens that slid out of the window (see
         :func:`urc.components.swa_window.free_out_of_window`); returns the tokens freed."""
         pool = self.pools.req_to_token_pool

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from urc.params import DecLockRefParams
     from urc.pools.req_to_token import ReqToTokenPool
     from urc.pools.swa import SWATokenSlotAllocator
-    from urc.req import Req
+    from urc.request_protocol import CachingRequest
 
 __all__ = [
     "WindowWalks",
@@ -118,7 +118,7 @@ def deepest_window_boundary(path: Sequence[TreeNode], window: int, device_only: 
 
 
 def free_out_of_window(
-    req: Req,
+    req: CachingRequest,
     pre_len: int,
     window: int,
     page_size: int,

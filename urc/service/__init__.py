@@ -43,7 +43,7 @@ Handles, not nodes: results carry device indices, hit lengths, an opaque
 :class:`~urc.service.NodeHandle` and, when asked, a :class:`~urc.service.Lease` (released exactly
 once).  ``Req`` objects passed to ``match_req`` / ``cache_*_req`` do hold tree nodes
 (``req.last_node``): the request belongs to the server, but only the actor may read or write
-``last_node`` / ``lock_receipt`` -- callers must never touch them.
+``last_node`` / ``lock`` -- callers must never touch them.
 
 A server's request loop (what ``urc replay`` does): ``alloc_req_row(req)``;
 ``match_req(req, load_back=True)`` (a host hit is loaded back and locked in one command pair:

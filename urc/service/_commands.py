@@ -116,7 +116,7 @@ class Match:
 
 @dataclass(frozen=True, slots=True)
 class MatchReq:
-    """Match ``req``'s tokens and attach the lock to ``req`` (``last_node``/``lock_receipt``),
+    """Match ``req``'s tokens and attach the lock to ``req`` (``last_node``/``lock``),
     setting ``prefix_indices`` and ``cache_protected_len``; ``cache_*_req`` releases it.
 
     ``load_back``: a threshold (tokens; ``None``: never): a host continuation at least that

@@ -89,15 +89,10 @@ def _key(req: Req) -> RadixKey:
 
 
 def _lock(cache: UnifiedRadixCache, req: Req, res: MatchResult) -> int:
-    """Lock ``res``'s device hit for ``req`` (the new end before the old one is unlocked)
-    and record it in the request; returns the hit's length."""
-    node = res.last_device_node
-    receipt = cache.inc_lock_ref(node)
-    old, old_receipt = req.last_node, req.lock_receipt
-    if old is not None and old.parent is not None and old_receipt is not None:
-        cache.dec_lock_ref(old, old_receipt.to_dec_params())
-    req.last_node = node
-    req.lock_receipt = receipt
+    """Move ``req``'s tree lock to ``res``'s device hit (the request layer's
+    :func:`~urc.request_caching.move_lock`) and record the hit in the request; returns the
+    hit's length."""
+    cache.move_lock(req, res.last_device_node)
     req.prefix_indices = res.indices
     n = int(res.indices.shape[0])
     req.cache_protected_len = n
@@ -122,7 +117,7 @@ def match_req(
     cache: UnifiedRadixCache, req: Req, cow_mamba: bool = False, load_back: int | None = None
 ) -> tuple[MatchResult, PendingLoad | None]:
     """Match ``req.fill_ids`` and lock the device hit on the request's behalf (sets
-    ``last_node``, ``lock_receipt``, ``prefix_indices``, ``cache_protected_len``,
+    ``last_node``, ``lock``, ``prefix_indices``, ``cache_protected_len``,
     ``mamba_branching_seqlen``).  ``load_back``: a threshold (tokens): when the hit continues
     on host for at least that many tokens and device memory can be found, also start loading
     that span back (the :class:`PendingLoad`).  Raises :class:`InvalidInputError` if ``req``

@@ -11,7 +11,11 @@ hold slots SGLang's own accounting cannot see.
 
 Node handles are urc's :class:`~urc.node.TreeNode` objects (SGLang's base-class default:
 ``resolve_node_handle`` is the identity; ``dfs_weight_order`` walks ``node.children``).
-A tree lock is SGLang's ``TreeLock`` carrying urc's receipt.
+Requests run through the core's request layer (:mod:`urc.request_caching`: ``checkpoint``,
+``release``, ``lock`` / ``unlock``) on a view of SGLang's ``Req``
+(:class:`~urc.apps.sglang._req_view.SGLangRequest`); a request's ``req.lock`` is urc's
+:class:`~urc.lock_receipts.TreeLock`, opaque to SGLang's scheduler.  This module translates
+(SGLang objects in, SGLang objects out) and holds no tree logic.
 
 This module imports SGLang: only :func:`urc.apps.sglang.create_cache` loads it, inside an
 SGLang process.
@@ -20,29 +24,26 @@ SGLang process.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefResult,
-    EvictParams,
     EvictResult,
     IncLockRefResult,
     InsertResult,
     MatchResult,
-    TreeLock,
 )
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType as SGLangComponent
 
 from urc import params as urc_params
 from urc.apps.sglang._events import to_sglang_events
 from urc.apps.sglang._hicache import HiCacheSurface
-from urc.apps.sglang._keys import namespace, to_urc_key
+from urc.apps.sglang._keys import to_urc_key
+from urc.apps.sglang._req_view import SGLangRequest
 from urc.cache import UnifiedRadixCache
-from urc.key import RadixKey
+from urc.lock_receipts import TreeLock
 from urc.node import ComponentType, TreeNode
 
 __all__ = ["SGLangRadixCache"]
@@ -109,57 +110,30 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
     # ================================================================== match, insert
     def match_prefix(self, params: Any) -> MatchResult:
         """The device hit of SGLang's ``params.key`` as SGLang's ``MatchResult``; the
-        indices are read later through :meth:`prefix_device_indices` (as SGLang's own)."""
+        indices are read later through :meth:`prefix_device_indices` (as SGLang's own).
+        ``cow_mamba`` with ``req``: the core's copy-on-write gives the request the hit's
+        state (SGLang's forward copies it), or a miss when no slot can be had."""
         key = to_urc_key(params.key)
         if self.is_eagle:
             key = key.bigram()
-        hit = self.urc.match_prefix(urc_params.MatchPrefixParams(key=key, with_indices=False))
-        last = hit.last_device_node
-        if params.cow_mamba and hit.device_prefix_len and not self._copy_on_write(params.req, last):
-            root = self.urc.root  # no slot for the request's copy: a hit without its state
-            return MatchResult(0, root, root, root)
+        req = params.req
+        hit = self.urc.match_prefix(
+            urc_params.MatchPrefixParams(
+                key=key,
+                cow_mamba=bool(params.cow_mamba) and req is not None,
+                req=None if req is None else SGLangRequest(req, self.device),
+                with_indices=False,
+            )
+        )
         return MatchResult(
             device_prefix_len=hit.device_prefix_len,
-            last_device_node=last,
+            last_device_node=hit.last_device_node,
             last_host_node=hit.last_host_node,
             best_match_node=hit.best_match_node,
             host_hit_length=hit.host_hit_length,
             mamba_branching_seqlen=hit.mamba_branching_seqlen,
             full_kv_hit_length=hit.device_prefix_len + hit.host_hit_length,
         )
-
-    def _copy_on_write(self, req: Any, node: TreeNode) -> bool:
-        """SGLang's Mamba copy-on-write at a hit on ``node``: the request gets a state slot
-        of its own (evicting one unlocked state if the pool is full) and is told to start
-        from the node's state (``req.kv.mamba_cow_src_index``: the forward copies it).
-        False when no slot could be had."""
-        if not self.urc.supports_mamba():
-            return True
-        src = self.urc.component(ComponentType.MAMBA).state_slot(node)  # type: ignore[attr-defined]
-        if src is None:
-            return True
-        kv = req.kv
-        if not kv.holds_mamba:
-            receipt = self.urc.inc_lock_ref(node)  # the source must survive the eviction
-            try:
-                dst = self._alloc_mamba_slot()
-            finally:
-                self.urc.dec_lock_ref(node, receipt.to_dec_params())
-            if dst is None:
-                return False
-            kv.mamba_pool_idx = dst[0]
-        kv.mamba_cow_src_index = torch.tensor([src], dtype=torch.int64, device=self.device)
-        kv.mamba_needs_clear = False
-        return True
-
-    def _alloc_mamba_slot(self) -> torch.Tensor | None:
-        """One Mamba slot for a request, evicting one unlocked tree state if none is free."""
-        allocator = self.req_to_token_pool.mamba_allocator
-        slot: torch.Tensor | None = allocator.alloc(1)
-        if slot is None:
-            self.evict(EvictParams(mamba_num=1))
-            slot = allocator.alloc(1)
-        return slot
 
     def touch_prefix(self, key: Any) -> None:
         """Refresh recency along ``key``'s cached path (a match whose result is dropped)."""
@@ -194,136 +168,44 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
 
     # ================================================================== requests
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        """Insert the request's row ``[0, up_to)`` (page-aligned) into the tree, point the
-        row at the tree's copy, move ``req.lock`` and ``req.last_node`` onto the node the
-        insert ended on and advance ``req.kv.cache_protected_len`` (SGLang 0.5.23's
-        ``UnifiedRadixCache.checkpoint``).  Frees only the duplicates the insert found
-        (already cached tokens in ``[cache_protected_len, prefix)``); the rest of the row
-        stays the request's, for ``release_kv_cache`` to free."""
-        kv = req.kv
-        token_ids = req.full_untruncated_fill_ids[:up_to]
-        ps = self.page_size
-        key = RadixKey(token_ids, namespace(req.extra_key, req.cache_salt))
-        if self.is_eagle:
-            key = key.bigram()
-        aligned = len(key) - len(key) % ps
-        mamba = self.urc.supports_mamba()
+        """SGLang 0.5.23's ``checkpoint``: the core's
+        :func:`~urc.request_caching.checkpoint` on the request's view (insert ``[0,
+        up_to)`` page-aligned, point the row at the tree's copy, move ``req.lock`` and
+        ``req.last_node``, advance ``req.kv.cache_protected_len``; a finished request's
+        Mamba state goes to the tree).  A running SWA request first frees its own slots
+        that slid out of the window, with SGLang's own function (its retain floor)."""
         finished = req.finished()
-        if aligned <= 0:
-            if mamba and finished:
-                self.on_release(req, checkpointed=False)
-            return
-        key = key[:aligned] if aligned < len(key) else key
-        insert = urc_params.InsertParams(
-            key=key,
-            value=None,
-            prev_prefix_len=kv.cache_protected_len,
-            priority=req.priority or 0,
-        )
-        if self.urc.supports_swa():
-            self._prepare_swa(req, len(token_ids), insert)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        values = row[:aligned].to(dtype=torch.int64, copy=True)
-        insert.value = values
-        if mamba:
-            insert.mamba_value = self._mamba_value(req, finished)
-        result = self.urc.insert(insert)
-        if mamba:
-            self._after_mamba_insert(req, finished, insert, result.mamba_exist)
-        kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
-        # Split at the prompt's end so eviction can drop the output without the prompt
-        # (SGLang does this for FULL-only trees).
-        prompt = len(req.origin_input_ids)
-        prompt_aligned = prompt - prompt % ps
-        if len(self.urc.components) == 1 and not self.is_eagle and 0 < prompt_aligned < aligned:
-            self.urc.insert(
-                replace(
-                    insert,
-                    key=key[:prompt_aligned],
-                    value=values[:prompt_aligned],
-                    prev_prefix_len=prompt_aligned,
-                    priority=insert.priority + 1,
-                )
-            )
-        last = result.last_device_node
-        assert last is not None, f"insert of {aligned} tokens ended on no node"
-        path = self.urc.path_device_indices(last)
-        protected = kv.cache_protected_len
-        assert len(path) == aligned and protected <= aligned + ps - 1, (
-            f"request {req.rid}: path {len(path)}, inserted {aligned}, protected {protected}"
-        )
-        if aligned > protected:
-            self.req_to_token_pool.write(
-                (kv.req_pool_idx, slice(protected, aligned)), path[protected:]
-            )
-        # Lock the new node before the old is released: both paths share the prefix.
-        new_lock = self.lock(last)
-        self.unlock(req.lock)
-        req.lock = new_lock
-        kv.cache_protected_len = aligned
-        req.last_node = last
-
-    def _mamba_value(self, req: Any, finished: bool) -> torch.Tensor:
-        """The state slot a checkpoint hands the tree (SGLang's no_buffer strategy): a
-        finished request donates its own; a running one a fresh copy of it."""
-        own: torch.Tensor = req.kv.mamba_pool_idx.view(1).to(torch.int64)
-        if finished:
-            return own.clone()
-        copy = self._alloc_mamba_slot()
-        if copy is None:
-            raise RuntimeError(f"request {req.rid}: no Mamba slot for a checkpoint's state")
-        pool = self.urc.component(ComponentType.MAMBA).pool  # type: ignore[attr-defined]
-        pool.copy(int(own[0]), int(copy[0]))
-        return copy.to(torch.int64)
-
-    def _after_mamba_insert(
-        self, req: Any, finished: bool, insert: urc_params.InsertParams, existed: bool
-    ) -> None:
-        """Free the slot the tree did not take (the node had a state already); a running
-        request's tracking restarts (SGLang's ``cleanup_after_caching_req``)."""
-        kv = req.kv
-        if finished:
-            if existed:
-                self.req_to_token_pool.free_mamba_cache(req)
-            return
-        if existed:
-            assert insert.mamba_value is not None
-            self.req_to_token_pool.mamba_allocator.free(insert.mamba_value)
-        kv.mamba_last_track_seqlen = None
-        kv.mamba_prev_track_seqlen = None
-
-    def _prepare_swa(self, req: Any, n_tokens: int, insert: urc_params.InsertParams) -> None:
-        """SGLang's SWA steps before a checkpoint's insert: a running request first frees
-        its own SWA slots that slid out of the window (as ``evict_sliding_windows``), then
-        the insert learns where the request's SWA stops (below: a tombstone)."""
-        kv = req.kv
-        if not req.finished():
+        if self.urc.supports_swa() and not finished:
             free_swa_out_of_window_slots(
                 req,
-                n_tokens - 1,
+                min(up_to, len(req.full_untruncated_fill_ids)) - 1,
                 sliding_window_size=self.swa_retain_window,
                 page_size=self.page_size,
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
                 retain_floor=self.swa_retain_floor(req),
             )
-        insert.set_evicted_seqlen(ComponentType.SWA, kv.get_evicted_seqlen(SGLangComponent.SWA))
+        result = self.urc.checkpoint(SGLangRequest(req, self.device), up_to, finished=finished)
+        if result is not None:
+            kv = req.kv
+            kv.cache_inserted_len = max(kv.cache_inserted_len, kv.cache_protected_len)
 
     def release_swa_prefix_lock(self, req: Any) -> None:
         """The request's window moved past its prefix: release the SWA part of its lock
         (the Full part stays until ``unlock``), once."""
-        lock = req.lock
-        if lock is None or lock.swa_released or not self.urc.supports_swa():
-            return
-        if lock.node.parent is not None:
-            self.urc.dec_swa_lock_only(lock.node, lock.receipt)
-        lock.swa_released = True
+        if self.urc.supports_swa():
+            self.urc.release_swa(req.lock)
+
+    def release_swa(self, lock: TreeLock | None) -> None:
+        """Release the SWA part of ``lock`` early, once."""
+        if self.urc.supports_swa():
+            self.urc.release_swa(lock)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
-        """The row and lock are gone; a request released without a checkpoint gives its
-        Mamba state slot back (a checkpoint already gave it to the tree or freed it)."""
-        if not checkpointed and self.urc.supports_mamba() and req.kv.holds_mamba:
-            self.req_to_token_pool.free_mamba_cache(req)
+        """The row and lock are gone (SGLang's ``release_kv_cache``): the core's
+        :func:`~urc.request_caching.release` gives back what the request still holds (a
+        Mamba state slot, unless its checkpoint handed it to the tree)."""
+        self.urc.release(SGLangRequest(req, self.device), checkpointed=checkpointed)
 
     def claim_kv_row(self, req: Any) -> bool:
         return False
@@ -346,11 +228,10 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
 
     def lock(self, node: TreeNode, skip_lock_components: Any = ()) -> TreeLock:
         """Lock ``node``'s path for one holder (``unlock`` releases it)."""
-        return TreeLock(node, self.urc.inc_lock_ref(node).to_dec_params())
+        return self.urc.lock(node)
 
     def unlock(self, lock: TreeLock | None) -> None:
-        if lock is not None:
-            self.urc.dec_lock_ref(lock.node, lock.receipt)
+        self.urc.unlock(lock)
 
     # ================================================================== evict
     def evict(self, params: Any) -> EvictResult:

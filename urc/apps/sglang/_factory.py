@@ -169,6 +169,7 @@ def create_cache(ctx: Any) -> Any:
     from urc.apps.sglang._pools import (
         SGLangKVBuffers,
         SGLangMambaSlots,
+        SGLangReqRows,
         SGLangSlots,
         SGLangSWASlots,
     )
@@ -225,7 +226,7 @@ def create_cache(ctx: Any) -> Any:
             kv_pool = SGLangKVBuffers(kvcache)
     pools = CachePools(
         token_allocator=slots,
-        req_to_token_pool=params.req_to_token_pool,
+        req_to_token_pool=SGLangReqRows(params.req_to_token_pool),  # type: ignore[arg-type]
         # Duck-typed stand-ins on SGLang's pools (see urc.apps.sglang._pools).
         kv_pool=kv_pool,  # type: ignore[arg-type]
         swa=swa,  # type: ignore[arg-type]

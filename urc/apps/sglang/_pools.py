@@ -15,10 +15,16 @@ from typing import Any
 
 import torch
 
-from urc.errors import InvalidIndicesError
+from urc.errors import InvalidIndicesError, InvalidInputError
 from urc.pools.swa import SWATokenSlotAllocator
 
-__all__ = ["SGLangKVBuffers", "SGLangMambaSlots", "SGLangSWASlots", "SGLangSlots"]
+__all__ = [
+    "SGLangKVBuffers",
+    "SGLangMambaSlots",
+    "SGLangReqRows",
+    "SGLangSWASlots",
+    "SGLangSlots",
+]
 
 
 class SGLangSlots:
@@ -37,6 +43,32 @@ class SGLangSlots:
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         out: torch.Tensor | None = self.allocator.alloc(num_tokens)
         return out
+
+
+class SGLangReqRows:
+    """SGLang's ``req_to_token_pool`` with the row surface urc's request layer uses
+    (:mod:`urc.request_caching`: ``check_row``, ``read``, ``write``).  SGLang allocates and
+    frees the rows itself; its table may hold int32 slots, read here as int64."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.req_to_token: torch.Tensor = pool.req_to_token
+        self.size: int = pool.size
+        self.max_context_len: int = pool.max_context_len
+
+    def check_row(self, row: object) -> int:
+        """``row`` when it indexes SGLang's table; :class:`InvalidInputError` otherwise."""
+        if not isinstance(row, int) or not 0 <= row < self.req_to_token.shape[0]:
+            raise InvalidInputError(f"request row {row!r} is not a row of SGLang's pool")
+        return row
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Slots of tokens ``[start, end)`` of ``row`` (an int64 copy)."""
+        return self.req_to_token[row, start:end].to(dtype=torch.int64, copy=True)
+
+    def write(self, row: int, start: int, indices: torch.Tensor) -> None:
+        """Store ``indices`` as the slots of tokens ``[start, start + len)`` of ``row``."""
+        self.pool.write((row, slice(start, start + indices.shape[0])), indices)
 
 
 class SGLangSWASlots(SWATokenSlotAllocator):
