@@ -11,7 +11,8 @@ Hierarchy::
     │   ├── KeyValueMismatchError    key and value lengths differ
     │   ├── InvalidIndicesError      value tensor of the wrong dtype/device, or outside the pool
     │   │   └── TreeOwnedSlotError   a tree-owned slot passed as the caller's (free/insert/copy)
-    │   └── InvalidLockError         unlocking an unlocked node, a wrong or missing lock receipt
+    │   ├── InvalidLockError         unlocking an unlocked node, a wrong or missing lock receipt
+    │   └── UnsupportedParamError    a parameter field urc does not serve (named in ``field``)
     ├── PoolError                    an allocator refused an operation
     │   ├── DoubleFreeError          freeing a slot that is not allocated (or twice)
     │   └── OutOfMemoryError         not enough free slots, even after eviction
@@ -38,6 +39,7 @@ __all__ = [
     "ServiceFailedError",
     "TreeOwnedSlotError",
     "URCError",
+    "UnsupportedParamError",
 ]
 
 
@@ -68,6 +70,15 @@ class TreeOwnedSlotError(InvalidIndicesError):
 
 class InvalidLockError(InvalidInputError):
     """Raised when unlocking a node that is not locked, or with a wrong or missing receipt."""
+
+
+class UnsupportedParamError(InvalidInputError):
+    """Raised when a parameter object sets a field urc does not serve (an engine's param
+    field left at its default is fine); ``field`` names it, e.g. ``"InsertParams.c128_value"``."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
 
 
 class PoolError(URCError):

@@ -122,6 +122,9 @@ def insert(
     prev = params.prev_prefix_len
     if not prev >= 0:
         raise InvalidInputError(f"prev_prefix_len must be >= 0, got {prev}")
+    inserted_len = params.inserted_len
+    if not inserted_len >= 0:
+        raise InvalidInputError(f"inserted_len must be >= 0, got {inserted_len}")
     if params.reuse_hint is not None:
         if type(params.reuse_hint) is not ReuseHint:
             raise InvalidInputError(f"reuse_hint must be a ReuseHint, got {params.reuse_hint!r}")
@@ -178,7 +181,7 @@ def insert(
         tree.touch(below)
         if priority > below.priority:
             below.priority = priority
-        if count_hits:
+        if count_hits and pos + below.key_len > inserted_len:
             below.hit_count += 1
             if note_hits:
                 host_transfers.note_hit(state, below)
@@ -224,7 +227,9 @@ def insert(
                     free_ranges[-1] = (free_ranges[-1][0], end)
                 else:
                     free_ranges.append((start, end))
-        if count_hits:  # after the hooks: a recovery split leaves ``child`` the lower part
+        # After the hooks (a recovery split leaves ``child`` the lower part); a node the
+        # request inserted before (it ends within ``inserted_len``) counts no hit again.
+        if count_hits and pos + m > inserted_len:
             child.hit_count += 1
             if note_hits:
                 host_transfers.note_hit(state, child)
@@ -268,7 +273,7 @@ def insert(
         if hint.session_id is None and params.session_id is not None:
             hint = replace(hint, session_id=params.session_id)
         state.full.note_hint(path, hint)
-    if is_new_leaf and count_hits:  # counted after the commit hooks split it (SGLang)
+    if is_new_leaf and count_hits and n > inserted_len:  # after the commit hooks split it
         leaf = path[-1]
         leaf.hit_count += 1
         if note_hits:

@@ -182,6 +182,9 @@ class InsertParams:
     :meth:`get_evicted_seqlen`).  ``session_id`` (SGLang 0.5.23's) and ``reuse_hint`` (the
     serving layer's view of the next use, :mod:`urc.reuse_hint`) reach the eviction policy
     when it uses hints (the hint's session defaults to ``session_id``); others ignore them.
+    ``inserted_len`` (SGLang 0.5.23's): the inserting request already inserted ``[0,
+    inserted_len)``, so only nodes ending past it count a hit (the write-through
+    threshold counts each node once per request); ``chunked`` (0.5.16's) counts none.
     """
 
     key: RadixKey | None = None
@@ -194,6 +197,7 @@ class InsertParams:
     component_evicted_seqlens: dict[ComponentType, int] | None = None
     session_id: str | None = None
     reuse_hint: ReuseHint | None = None
+    inserted_len: int = 0
 
     def get_evicted_seqlen(self, ct: ComponentType) -> int:
         """Tokens below which component ``ct``'s slots of the request were already freed."""

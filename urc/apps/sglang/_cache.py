@@ -41,6 +41,7 @@ from urc import params as urc_params
 from urc.apps.sglang._events import to_sglang_events
 from urc.apps.sglang._hicache import HiCacheSurface
 from urc.apps.sglang._keys import to_urc_key
+from urc.apps.sglang._params import to_urc_evict, to_urc_insert, to_urc_match
 from urc.apps.sglang._req_view import SGLangRequest
 from urc.cache import UnifiedRadixCache
 from urc.lock_receipts import TreeLock
@@ -56,6 +57,7 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
 
     def __init__(self, core: UnifiedRadixCache, sglang_params: Any, host: Any = None) -> None:
         self.urc = core
+        self._kinds = tuple(core.by_type)  # the component kinds of this tree
         #: urc's host tier (HiCache L2, ``hicache.host_tier.HostMemoryTier``) or None.
         self.host = host
         self.init_hicache_surface()
@@ -75,7 +77,9 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
         if sglang_params.enable_metrics:
             self.init_metrics_collector()
         if sglang_params.enable_kv_cache_events:  # --kv-events-config, on a publisher rank
-            core.enable_kv_events()
+            # SGLang's cache resets itself at construction: a router hears AllBlocksCleared
+            # and drops what it believed about a restarted worker.
+            core.enable_kv_events().cleared()
 
     # ================================================================== structure
     @property
@@ -109,22 +113,12 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
 
     # ================================================================== match, insert
     def match_prefix(self, params: Any) -> MatchResult:
-        """The device hit of SGLang's ``params.key`` as SGLang's ``MatchResult``; the
+        """The device hit of SGLang's ``params`` (every field served:
+        :func:`~urc.apps.sglang._params.to_urc_match`) as SGLang's ``MatchResult``; the
         indices are read later through :meth:`prefix_device_indices` (as SGLang's own).
         ``cow_mamba`` with ``req``: the core's copy-on-write gives the request the hit's
         state (SGLang's forward copies it), or a miss when no slot can be had."""
-        key = to_urc_key(params.key)
-        if self.is_eagle:
-            key = key.bigram()
-        req = params.req
-        hit = self.urc.match_prefix(
-            urc_params.MatchPrefixParams(
-                key=key,
-                cow_mamba=bool(params.cow_mamba) and req is not None,
-                req=None if req is None else SGLangRequest(req, self.device),
-                with_indices=False,
-            )
-        )
+        hit = self.urc.match_prefix(to_urc_match(params, self.is_eagle, self.device))
         return MatchResult(
             device_prefix_len=hit.device_prefix_len,
             last_device_node=hit.last_device_node,
@@ -143,24 +137,27 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
         )
 
     def insert(self, params: Any) -> InsertResult:
-        """SGLang's ``InsertParams`` (``key``, ``value``, ``prev_prefix_len``,
-        ``priority``): the tree takes the slots past the cached prefix and frees the
-        duplicates in ``[prev_prefix_len, prefix_len)``."""
-        key = to_urc_key(params.key)
-        if self.is_eagle:
-            key = key.bigram()
-        result = self.urc.insert(
-            urc_params.InsertParams(
-                key=key,
-                value=params.value,
-                prev_prefix_len=params.prev_prefix_len,
-                priority=params.priority,
-            )
-        )
+        """SGLang's ``InsertParams``, every field served or refused
+        (:func:`~urc.apps.sglang._params.to_urc_insert`: an unserved field set away from its
+        default raises :class:`~urc.errors.UnsupportedParamError` naming it, nothing
+        changed): the tree takes the slots past the cached prefix and frees the duplicates
+        in ``[prev_prefix_len, prefix_len)``; a Mamba node adopts ``mamba_value`` unless it
+        has a state (``mamba_exist``: the slot stays the caller's)."""
+        request = to_urc_insert(params, self._kinds, self.is_eagle)
+        result = self.urc.insert(request)
+        branching = params.swa_branching_seqlen
         return InsertResult(
             prefix_len=result.prefix_len,
             total_len=result.total_len,
             last_device_node=result.last_device_node,
+            mamba_exist=result.mamba_exist,
+            swa_branch_inserted=(
+                branching is not None
+                and self.urc.supports_swa()
+                and request.key is not None
+                and len(request.key) >= branching
+            ),
+            inserted_host_node=result.inserted_host_node,
         )
 
     def path_device_indices(self, node: TreeNode) -> torch.Tensor:
@@ -238,12 +235,7 @@ class SGLangRadixCache(HiCacheSurface, BasePrefixCache):  # type: ignore[misc]
         """Free at least the requested amounts where possible (SGLang's ``EvictParams``:
         ``num_tokens``, ``swa_num_tokens``, ``mamba_num``)."""
         start = time.perf_counter()
-        request = urc_params.EvictParams(
-            num_tokens=params.num_tokens,
-            swa_num_tokens=params.swa_num_tokens,
-            mamba_num=params.mamba_num,
-        )
-        result = self.urc.evict(request)
+        result = self.urc.evict(to_urc_evict(params))
         short = params.num_tokens - result.num_tokens_evicted
         if short > 0 and self.host is not None and self._free_host(short):
             # Write-back demotes a leaf only into free host slots: make room, go on.
