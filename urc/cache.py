@@ -15,6 +15,7 @@ Not thread-safe: one owner mutates it (the async service's actor task, or a sche
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -164,8 +165,10 @@ class UnifiedRadixCache(CacheState):
         self.hooks = ComponentHooks.of(self.components)
         self.write_policy = policy
         self.backup_threshold = policy.hit_threshold
-        # Eviction under write-back backs a leaf up through this hook.
-        self.write_back = self.write_backup
+        # Eviction under write-back backs a leaf up through this hook: the transfer itself,
+        # bound to this state (eviction never imports the transfers, nor goes through the
+        # facade).
+        self.write_back = partial(host_transfers.write_backup, self)
 
     def subscribe(self, events: TierEvents) -> None:
         """Deliver the tier events (:class:`~urc.host.protocol.TierEvents`) to ``events``
