@@ -98,7 +98,7 @@ def dec_swa_lock_only(
     SWA release their part of the same receipt with it (``release_lock_early``), so
     ``full >= swa >= mamba`` lock counts hold.  Sets ``params.skip_swa``; the final
     :func:`dec_lock_ref` must carry it (``cache_finished_req`` does when
-    ``req.swa_lock_released`` is set).  Raises :class:`~urc.errors.InvalidLockError`
+    ``req.lock.swa_released`` is set).  Raises :class:`~urc.errors.InvalidLockError`
     (nothing released) for a receipt that does not fit or was already early-released,
     :class:`~urc.errors.InvalidInputError` on a cache without SWA.
     """
