@@ -3,13 +3,14 @@
 ``bench_tree_cache_time.py`` starts servers with this module's ``install`` registered in
 SGLang's ``sglang.srt.plugins`` group and ``URC_CACHE_TIMER_OUT`` naming a JSON file.  In the
 scheduler process ``install`` makes ``Scheduler.tree_cache`` a property whose setter wraps
-every public method of the cache SGLang built (default or urc, the same way) with a
-``perf_counter_ns`` timer -- the outermost call only, so a method calling another is counted
+every public method of the cache SGLang built (default or urc, the same way) with a timer of
+the scheduler thread's CPU time (``thread_time_ns``: a call the OS preempts on a busy host
+is not charged the wait) -- the outermost call only, so a method calling another counts
 once.  Only a step's calls count: those of ``get_next_batch_to_run`` on a turn that runs a
-batch, of ``run_batch`` (whose calls also count the steps and their time) and of
-``process_batch_result``; an idle turn's polling (size queries, leak checks) does not.  A thread
-writes the running totals to the file twice a second: ``steps``, ``step_ns``, ``cache_ns``,
-``cache_calls`` and ``per_method`` (ns per method name).
+batch, of ``run_batch`` (which also counts the steps and their wall time) and of
+``process_batch_result``; an idle turn's polling (size queries, leak checks) does not.  A
+thread writes the running totals to the file twice a second: ``steps``, ``step_ns``,
+``cache_ns``, ``cache_calls`` and ``per_method`` (ns per method name).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if getattr(_LOCAL, "inside", False) or _WHERE[0] == _OUT_OF_STEP:
             return fn(*args, **kwargs)
         _LOCAL.inside = True
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()
         try:
             return fn(*args, **kwargs)
         finally:
-            dt = time.perf_counter_ns() - t0
+            dt = time.thread_time_ns() - t0
             _LOCAL.inside = False
             if _WHERE[0] == _PLANNING:
                 _HELD.append((name, dt))

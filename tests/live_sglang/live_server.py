@@ -265,9 +265,12 @@ class LiveServer:
         """CPU time (user + system) its live processes have used so far (from ``/proc``)."""
         tick = os.sysconf("SC_CLK_TCK")
         total = 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
             try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue  # gone meanwhile
             if int(fields[2]) == self.proc.pid:  # its process group
@@ -275,23 +278,24 @@ class LiveServer:
         return total / tick
 
     def stop(self) -> None:
-        """Kill the server's process group by its PID (TERM, 10 s grace, then KILL)."""
+        """Kill the server's process group by its PID (TERM, 10 s grace, then KILL).
+
+        Idempotent; raises nothing for a server that is already gone."""
         if self.proc.poll() is None:
             self.cpu_used = self.cpu_seconds()
-            try:
+            with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         # children that outlived the leader (scheduler, detokenizer)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         self._log.close()
         if self._reader is not None:
             self._reader.kill()
-            self._reader.wait(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reader.wait(timeout=10)
             self._reader = None
 
     def __enter__(self) -> LiveServer:
