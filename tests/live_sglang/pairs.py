@@ -120,6 +120,9 @@ def run_both(
     pair: ServerPair, run: Callable[[LiveServer], list[GenResult]]
 ) -> tuple[list[GenResult], list[GenResult]]:
     """``run`` against both servers at once (each server is one scheduler process)."""
+    if pair.config.kv_events:  # a case counts its own events, whatever the last one left
+        pair.default.take_events()
+        pair.urc.take_events()
     with ThreadPoolExecutor(2) as pool:
         default, urc = pool.submit(run, pair.default), pool.submit(run, pair.urc)
         return default.result(), urc.result()

@@ -140,7 +140,7 @@ def test_retraction_under_memory_pressure_agrees(
     # estimate of their decode lengths, and their decodes outgrow the pool.
     n = -(-pair.config.max_total_tokens * 2 // (64 + 120))
     requests = [GenRequest(common + tokens(rng, 16), max_new_tokens=120) for _ in range(n)]
-    default, urc = run_both(pair, lambda s: s.generate_many(requests, concurrency=len(requests)))
+    default, urc = run_both(pair, lambda s: s.generate_batch(requests))
     cmp = compare(f"retraction x{len(requests)}", default, urc)
     retractions = (sum(r.retractions for r in default), sum(r.retractions for r in urc))
     cmp.extra["retractions"] = retractions
