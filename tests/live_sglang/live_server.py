@@ -101,8 +101,11 @@ LLAMA = TinyModel(
 )
 
 # A model class SGLang 0.5.23 treats as hybrid sliding-window (``is_hybrid_swa_model``):
-# Mellum with one sliding-window layer (window 64) and one full-attention layer, both with
-# dense MLPs (``num_experts`` must still be positive: SGLang sizes its expert map from it).
+# Mellum with one sliding-window layer and one full-attention layer, both with dense MLPs
+# (``num_experts`` must still be positive: SGLang sizes its expert map from it).  The window
+# (1024) is longer than the live prompts: SGLang's CPU attention (torch_native) gathers a
+# request's whole prefix from the SWA pool, so once a slot past the window has been freed it
+# indexes out of the pool (``IndexError`` in ``_run_sdpa_forward_extend``, with either cache).
 MELLUM_SWA = TinyModel(
     "mellum-swa",
     {
@@ -119,7 +122,7 @@ MELLUM_SWA = TinyModel(
         "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
-        "sliding_window": 64,
+        "sliding_window": 1024,
         "layer_types": ["sliding_attention", "full_attention"],
         "mlp_layer_types": ["dense", "dense"],
         "num_experts": 2,

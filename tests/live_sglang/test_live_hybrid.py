@@ -1,11 +1,13 @@
 """Hybrid models in a live SGLang 0.5.23 server: urc against SGLang's default cache.
 
 A hybrid sliding-window model runs on SGLang's CPU path: ``MellumForCausalLM`` (a class SGLang
-treats as hybrid SWA) with one sliding-window layer (window 64) and one full-attention
-layer, dummy weights.  SGLang then builds its paired Full/SWA allocator and the tree caches
-their SWA components (urc: FULL+SWA on SGLang's pools).  Prompts run past the window, so both
-caches tombstone out-of-window SWA slots; SGLang's idle leak check covers both pools and its
-tree-cache sanity check runs on every idle turn (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``).
+treats as hybrid SWA) with one sliding-window layer and one full-attention layer, dummy
+weights.  SGLang then builds its paired Full/SWA allocator and the tree caches their SWA
+components (urc: FULL+SWA on SGLang's pools); SGLang's idle leak check covers both pools and
+its tree-cache sanity check runs on every idle turn (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``).
+Prompts stay inside the window (1024): SGLang's CPU attention cannot run a request whose
+out-of-window SWA slots were freed (see ``MELLUM_SWA``), so SWA tombstones are not reached
+live; ``tests/sglang/`` drives them through SGLang's scheduler functions.
 
 Mamba hybrids do not run on SGLang 0.5.23's CPU path, so none is started here
 (``docs/sglang.md`` names the missing ops; ``test_mamba_hybrids_lack_cpu_ops`` keeps that
