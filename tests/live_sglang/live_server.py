@@ -310,6 +310,9 @@ class LiveServer:
             self._reader.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._reader.wait(timeout=10)
+            for pipe in (self._reader.stdin, self._reader.stdout, self._reader.stderr):
+                if pipe is not None:
+                    pipe.close()
             self._reader = None
 
     def __enter__(self) -> LiveServer:
