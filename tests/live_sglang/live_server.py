@@ -412,8 +412,10 @@ class LiveServer:
     def abort(self, rid: str) -> int:
         return self._post("/abort_request", {"rid": rid})[0]
 
-    def flush_cache(self) -> bool:
-        return self._post("/flush_cache", None)[0] == 200
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        """``/flush_cache``, letting SGLang wait up to ``timeout`` s for the scheduler to turn
+        idle (it refuses while a finished request's last batch is still being processed)."""
+        return self._post(f"/flush_cache?timeout={timeout}", None)[0] == 200
 
     # -- KV events ------------------------------------------------------------------------
 
