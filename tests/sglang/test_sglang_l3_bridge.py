@@ -341,3 +341,28 @@ def test_two_replicas_share_a_real_mooncake_store_under_sglangs_names(tmp_path: 
         for l3 in reversed(opened):
             l3.close()
         master.kill()
+
+
+def test_a_graceful_shutdown_flushes_the_queued_l3_writes(tmp_path: Path) -> None:
+    """SGLang calls ``release_host_resources`` on a graceful exit: the writes queued behind
+    the last backups reach the store before the worker stops."""
+    from urc.apps.sglang._hicache import HiCacheSurface
+
+    class Scheduler(HiCacheSurface):
+        def __init__(self, core: UnifiedRadixCache) -> None:
+            self.urc = core
+            self.host = core.host_tier  # type: ignore[assignment]
+            self.init_hicache_surface()
+
+    ps = 4
+    cache = make((FULL,), ps, kv_pages=16, host_pages=32)
+    sched = Scheduler(cache)
+    sched.attach_l3(_bridge(cache, tmp_path))
+    tokens = seq(1, 5, ps)
+    assert insert(cache, tokens)
+    sched.check_hicache_events()  # the write-through backup: host copy, then an L3 put queued
+    sched.release_host_resources()
+    assert sched.l3 is None and not sched.enable_storage
+    keys = sglang_page_keys(tokens, ps, NAMING)
+    assert all((tmp_path / f"{k.removeprefix('sglang:')}.bin").exists() for k in keys)
+    check(cache)

@@ -308,6 +308,14 @@ class HiCacheSurface:
             self.cache_controller.storage_backend_type = None
         return True, f"detached urc's {l3.backend_type} store"
 
+    def release_host_resources(self) -> None:
+        """SGLang's graceful shutdown: detach the L3 store, flushing its queued writes
+        (within 10 s), and wait for the backups in flight."""
+        self.wait_for_backups()
+        if self.l3 is not None:
+            l3, self.l3 = self.l3, None
+            l3.close(timeout_s=10.0)
+
     def clear_storage_backend(self) -> bool:
         """``/clear_hicache_storage_backend``: not served (urc's stores have no bulk delete):
         False, the store unchanged."""
