@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, TypeVar, get_args
 
 import torch
 
 from urc.key import RadixKey
-from urc.params import EvictParams
+from urc.params import EvictParams, EvictResult
 from urc.reuse_hint import ReuseHint
+from urc.stats import CacheStats
 
 if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
@@ -63,6 +64,17 @@ __all__ = [
 ]
 
 
+_R = TypeVar("_R", covariant=True)
+_T = TypeVar("_T")
+
+
+class Returns(Generic[_R]):
+    """A command whose reply is an ``_R``: the service's ``_submit`` returns that type, so
+    no call site annotates what it awaits."""
+
+    __slots__ = ()
+
+
 class CommandKind(Enum):
     """What a command asks the actor to do (one value per public service operation)."""
 
@@ -100,7 +112,7 @@ class OnCancel(Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Match:
+class Match(Returns["MatchOutcome"]):
     """Longest cached prefix of ``key``; with ``lock`` also lock it (the result has a lease).
 
     ``cow_mamba`` with ``req`` copies the matched Mamba state into ``req``'s own slot.
@@ -115,7 +127,7 @@ class Match:
 
 
 @dataclass(frozen=True, slots=True)
-class MatchReq:
+class MatchReq(Returns["MatchOutcome"]):
     """Match ``req``'s tokens and attach the lock to ``req`` (``last_node``/``lock``),
     setting ``prefix_indices`` and ``cache_protected_len``; ``cache_*_req`` releases it.
 
@@ -131,7 +143,7 @@ class MatchReq:
 
 
 @dataclass(frozen=True, slots=True)
-class StartReqLoad:
+class StartReqLoad(Returns["MatchOutcome"]):
     """For a request holding its lock: match again and start loading the host continuation
     (at least ``threshold`` tokens) back; the outcome's ``pending_load`` (if any) must be
     followed by a :class:`FinishReqLoad`.  The lock is unchanged."""
@@ -143,7 +155,7 @@ class StartReqLoad:
 
 
 @dataclass(frozen=True, slots=True)
-class FinishReqLoad:
+class FinishReqLoad(Returns["MatchOutcome | None"]):
     """Commit ``load`` (``ok``: its bytes were copied) or drop it; after a commit, re-match
     ``req`` and move its lock to the longer hit (``cow_mamba`` as for :class:`MatchReq`)."""
 
@@ -156,7 +168,7 @@ class FinishReqLoad:
 
 
 @dataclass(frozen=True, slots=True)
-class AllocReqRow:
+class AllocReqRow(Returns[int]):
     """Give ``req`` a ``req_to_token`` row; the result is its index."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC_REQ_ROW
@@ -165,7 +177,7 @@ class AllocReqRow:
 
 
 @dataclass(frozen=True, slots=True)
-class WriteReqSlots:
+class WriteReqSlots(Returns[None]):
     """Write caller-owned ``slots`` into ``req``'s row after what it holds (the request then
     owns them) and set its committed length to ``committed``."""
 
@@ -177,7 +189,7 @@ class WriteReqSlots:
 
 
 @dataclass(frozen=True, slots=True)
-class AllocReqMamba:
+class AllocReqMamba(Returns[torch.Tensor]):
     """Give ``req`` its live Mamba state slot unless it has one; the result is that slot."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC_REQ_MAMBA
@@ -186,7 +198,7 @@ class AllocReqMamba:
 
 
 @dataclass(frozen=True, slots=True)
-class SlideReqWindow:
+class SlideReqWindow(Returns[int]):
     """SWA: free ``req``'s own SWA slots that slid out of the window at ``seq_len`` tokens;
     the result is the SWA tokens freed."""
 
@@ -197,7 +209,7 @@ class SlideReqWindow:
 
 
 @dataclass(frozen=True, slots=True)
-class Insert:
+class Insert(Returns["InsertOutcome"]):
     """Insert ``key`` -> ``value`` (see ``UnifiedRadixCache.insert`` for slot ownership)."""
 
     kind: ClassVar[CommandKind] = CommandKind.INSERT
@@ -212,7 +224,7 @@ class Insert:
 
 
 @dataclass(frozen=True, slots=True)
-class Lock:
+class Lock(Returns["Lease"]):
     """Lock the node behind ``node`` (from an earlier match); the result is a lease."""
 
     kind: ClassVar[CommandKind] = CommandKind.LOCK
@@ -221,7 +233,7 @@ class Lock:
 
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class Release(Returns[None]):
     """Release ``lease`` (already marked released by the caller)."""
 
     kind: ClassVar[CommandKind] = CommandKind.RELEASE
@@ -230,7 +242,7 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
-class Evict:
+class Evict(Returns[EvictResult]):
     """Evict at least the amounts in ``params`` where possible."""
 
     kind: ClassVar[CommandKind] = CommandKind.EVICT
@@ -239,7 +251,7 @@ class Evict:
 
 
 @dataclass(frozen=True, slots=True)
-class Alloc:
+class Alloc(Returns[torch.Tensor]):
     """Allocate ``num_tokens`` Full KV slots for the caller, evicting first if ``evict``."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC
@@ -249,7 +261,7 @@ class Alloc:
 
 
 @dataclass(frozen=True, slots=True)
-class Free:
+class Free(Returns[None]):
     """Give caller-owned Full KV slots back to the allocator."""
 
     kind: ClassVar[CommandKind] = CommandKind.FREE
@@ -258,7 +270,7 @@ class Free:
 
 
 @dataclass(frozen=True, slots=True)
-class AllocMamba:
+class AllocMamba(Returns[torch.Tensor]):
     """Allocate ``num`` Mamba state slots for the caller, evicting states first if ``evict``."""
 
     kind: ClassVar[CommandKind] = CommandKind.ALLOC_MAMBA
@@ -268,7 +280,7 @@ class AllocMamba:
 
 
 @dataclass(frozen=True, slots=True)
-class FreeMamba:
+class FreeMamba(Returns[None]):
     """Give caller-owned Mamba state slots back to the pool (all or nothing)."""
 
     kind: ClassVar[CommandKind] = CommandKind.FREE_MAMBA
@@ -277,7 +289,7 @@ class FreeMamba:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheFinishedReq:
+class CacheFinishedReq(Returns[None]):
     """``cache_finished_req(req, is_insert, hint=hint)``."""
 
     kind: ClassVar[CommandKind] = CommandKind.CACHE_FINISHED_REQ
@@ -288,7 +300,7 @@ class CacheFinishedReq:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheUnfinishedReq:
+class CacheUnfinishedReq(Returns[None]):
     """``cache_unfinished_req(req, chunked)``."""
 
     kind: ClassVar[CommandKind] = CommandKind.CACHE_UNFINISHED_REQ
@@ -298,7 +310,7 @@ class CacheUnfinishedReq:
 
 
 @dataclass(frozen=True, slots=True)
-class Stats:
+class Stats(Returns[CacheStats]):
     """A ``CacheStats`` snapshot."""
 
     kind: ClassVar[CommandKind] = CommandKind.STATS
@@ -306,7 +318,7 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
-class SanityCheck:
+class SanityCheck(Returns[None]):
     """``sanity_check()`` then ``check_pools(held)`` (``held``: units owned by requests)."""
 
     kind: ClassVar[CommandKind] = CommandKind.SANITY_CHECK
@@ -315,7 +327,7 @@ class SanityCheck:
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class Call(Returns[_T]):
     """Run ``fn(cache)`` inside the actor (internal: HiCache workers, tests).
 
     ``fn`` must be synchronous and atomic in the same sense as the core: raise a
@@ -327,12 +339,12 @@ class Call:
 
     kind: ClassVar[CommandKind] = CommandKind.CALL
     on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
-    fn: Callable[[UnifiedRadixCache], Any]
+    fn: Callable[[UnifiedRadixCache], _T]
     undo: Callable[[UnifiedRadixCache, Any], None] | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class AttachWorker:
+class AttachWorker(Returns[None]):
     """``worker.attach(cache)``: the actor's half of ``svc.attach_worker`` (the worker
     subscribes to the cache's events).  A caller cancelled natively after it was applied
     never learns of it: the service detaches the worker again (``give_back``)."""
@@ -343,7 +355,7 @@ class AttachWorker:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class DetachWorker:
+class DetachWorker(Returns[None]):
     """``worker.detach(cache)``: the actor's half of ``svc.detach_worker``, after the worker
     drained and its background coroutine ended."""
 
@@ -373,7 +385,7 @@ Command: TypeAlias = (
     | CacheUnfinishedReq
     | Stats
     | SanityCheck
-    | Call
+    | Call[Any]
     | AttachWorker
     | DetachWorker
 )

@@ -284,7 +284,7 @@ class CommandExecutor:
         self.cache.check_pools(cmd.held)
 
     @handles(Call)
-    def _call(self, cmd: Call) -> Any:
+    def _call(self, cmd: Call[Any]) -> Any:
         return cmd.fn(self.cache)
 
     @handles(AttachWorker)

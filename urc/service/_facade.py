@@ -103,7 +103,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         protecting it.  Mutates access times (and may split a node).  ``cow_mamba`` with
         ``req`` copies the matched Mamba state into ``req``'s slot."""
         cmd = Match(_as_key(key, extra_key), lock, cow_mamba, req)
-        result: MatchOutcome = await self._submit(cmd)
+        result = await self._submit(cmd)
         return result
 
     async def match_req(
@@ -123,7 +123,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         if not isinstance(req, Req):
             raise InvalidInputError(f"match_req needs a Req, got {type(req).__name__}")
         threshold = self._load_back.threshold if load_back else None
-        out: MatchOutcome = await self._submit(MatchReq(req, cow_mamba, threshold))
+        out = await self._submit(MatchReq(req, cow_mamba, threshold))
         if out.pending_load is None:
             return out
         return await self._finish_load(req, out, cow_mamba)
@@ -135,7 +135,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         The outcome is the request's hit afterwards (unchanged when nothing was loaded)."""
         if not isinstance(req, Req):
             raise InvalidInputError(f"load_back_req needs a Req, got {type(req).__name__}")
-        out: MatchOutcome = await self._submit(StartReqLoad(req, self._load_back.threshold))
+        out = await self._submit(StartReqLoad(req, self._load_back.threshold))
         if out.pending_load is None:
             return out
         return await self._finish_load(req, out, cow_mamba)
@@ -157,7 +157,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
                 seconds = perf_counter() - t0
                 finish = FinishReqLoad(req, load, ok, cow_mamba)
                 try:
-                    done: MatchOutcome | None = await self._submit(finish)
+                    done = await self._submit(finish)
                 except ServiceClosedError:  # closing meanwhile: dropped before the close ends
                     self._give_back(FinishReqLoad(req, load, False))
                     raise
@@ -195,7 +195,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
             chunked,
             priority,
         )
-        result: InsertOutcome = await self._submit(cmd)
+        result = await self._submit(cmd)
         return result
 
     async def lock(self, node: NodeHandle) -> Lease:
@@ -203,7 +203,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         was evicted since."""
         if not isinstance(node, NodeHandle):
             raise InvalidInputError(f"lock needs a NodeHandle, got {type(node).__name__}")
-        result: Lease = await self._submit(Lock(node))
+        result = await self._submit(Lock(node))
         return result
 
     async def release(self, lease: Lease) -> None:
@@ -237,9 +237,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         self, num_tokens: int = 0, swa_num_tokens: int = 0, mamba_num: int = 0
     ) -> EvictResult:
         """Evict at least these amounts where possible (never locked data)."""
-        result: EvictResult = await self._submit(
-            Evict(EvictParams(num_tokens, swa_num_tokens, mamba_num))
-        )
+        result = await self._submit(Evict(EvictParams(num_tokens, swa_num_tokens, mamba_num)))
         return result
 
     async def alloc(self, num_tokens: int, *, evict: bool = True) -> torch.Tensor:
@@ -249,7 +247,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
             raise InvalidInputError(
                 f"num_tokens must be an int, got {num_tokens!r} ({type(num_tokens).__name__})"
             )
-        result: torch.Tensor = await self._submit(Alloc(num_tokens, evict))
+        result = await self._submit(Alloc(num_tokens, evict))
         return result
 
     async def free(self, indices: torch.Tensor) -> None:
@@ -266,7 +264,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         has no Mamba component."""
         if not isinstance(num, int):
             raise InvalidInputError(f"num must be an int, got {num!r} ({type(num).__name__})")
-        result: torch.Tensor = await self._submit(AllocMamba(num, evict))
+        result = await self._submit(AllocMamba(num, evict))
         return result
 
     async def free_mamba(self, indices: torch.Tensor) -> None:
@@ -282,7 +280,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         when every row is taken."""
         if not isinstance(req, Req):
             raise InvalidInputError(f"alloc_req_row needs a Req, got {type(req).__name__}")
-        result: int = await self._submit(AllocReqRow(req))
+        result = await self._submit(AllocReqRow(req))
         return result
 
     async def write_req_slots(self, req: Req, slots: torch.Tensor, committed: int) -> None:
@@ -299,14 +297,14 @@ class AsyncUnifiedRadixCache(Lifecycle):
         evicting an unlocked state when the pool is full; returns it.  Raises
         :class:`~urc.errors.OutOfMemoryError`, and :class:`InvalidInputError` when the cache
         has no Mamba component."""
-        result: torch.Tensor = await self._submit(AllocReqMamba(req))
+        result = await self._submit(AllocReqMamba(req))
         return result
 
     async def slide_req_window(self, req: Req, seq_len: int) -> int:
         """SWA: free the SWA slots of ``req``'s own tokens that slid out of the window at
         sequence length ``seq_len``; returns the SWA tokens freed.  Raises
         :class:`InvalidInputError` when the cache has no SWA component."""
-        result: int = await self._submit(SlideReqWindow(req, seq_len))
+        result = await self._submit(SlideReqWindow(req, seq_len))
         return result
 
     async def cache_finished_req(
@@ -328,7 +326,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
 
     async def stats(self) -> CacheStats:
         """A :class:`CacheStats` snapshot."""
-        result: CacheStats = await self._submit(Stats())
+        result = await self._submit(Stats())
         return result
 
     async def sanity_check(self, held: Mapping[ComponentType, int] | None = None) -> None:
@@ -346,7 +344,7 @@ class AsyncUnifiedRadixCache(Lifecycle):
         workers, tests).  ``fn`` must not keep node references past the call.  ``undo``:
         run inside the actor as ``undo(cache, result)`` when the caller was cancelled
         natively and never got the result (see the cancellation rules)."""
-        result: T = await self._submit(Call(fn, undo))
+        result = await self._submit(Call(fn, undo))
         return result
 
     # ------------------------------------------------------------------ live workers

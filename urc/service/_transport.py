@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 from time import perf_counter
-from typing import Any
+from typing import TypeVar, cast
 
 from anyio import (
     BrokenResourceError,
@@ -25,10 +25,12 @@ from urc.errors import URCError
 from urc.service._anyio_private import stream_buffer_holds
 from urc.service._base import ServiceBase, ServiceState
 from urc.service._call import ON_CANCEL, ServiceCall
-from urc.service._commands import Command, CommandKind, OnCancel, Release
+from urc.service._commands import Command, CommandKind, OnCancel, Release, Returns
 from urc.service._executor import give_back
 
 __all__ = ["Transport"]
+
+_R = TypeVar("_R")
 
 logger = logging.getLogger("urc.service")
 
@@ -36,8 +38,9 @@ logger = logging.getLogger("urc.service")
 class Transport(ServiceBase):
     """Sending, waiting and giving back (a mixin of the service)."""
 
-    async def _submit(self, cmd: Command, checked: bool = False) -> Any:
-        """Send ``cmd`` to the actor and return its result (or raise its typed error)."""
+    async def _submit(self, cmd: Returns[_R], checked: bool = False) -> _R:
+        """Send ``cmd`` to the actor and return its result, of the type the command names
+        (or raise its typed error)."""
         if not checked:  # ``checked``: the caller just did both checks (no await since)
             if self._state is not ServiceState.RUNNING:
                 raise self._not_running_error()
@@ -45,8 +48,10 @@ class Transport(ServiceBase):
             # that was gone before it asked (no yield when not cancelled).
             await self._checkpoint_if_cancelled()
         reply = self._new_reply()
-        call = ServiceCall(cmd, perf_counter() if self._observer is not None else 0.0, reply)
-        on_cancel = ON_CANCEL[type(cmd)]
+        call = ServiceCall(
+            cast(Command, cmd), perf_counter() if self._observer is not None else 0.0, reply
+        )
+        on_cancel = ON_CANCEL[type(call.command)]
         # Send.  The fast path (``_post``) never yields, so nothing can happen between the
         # state check and the call entering the stream; the state is RUNNING, so the stream
         # is open.  When callers already wait for room, get in line behind them.
@@ -84,7 +89,7 @@ class Transport(ServiceBase):
             raise
         if call.error is not None:
             raise call.error
-        return call.result
+        return cast(_R, call.result)
 
     def _post(self, call: ServiceCall) -> bool:
         """``send_nowait``: False when the buffer is full (nothing sent then)."""
