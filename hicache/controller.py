@@ -1,8 +1,10 @@
 """``HiCacheController``: the background coroutines of the host tier, inside the async service.
 
 It is a background worker of :class:`~urc.service.AsyncUnifiedRadixCache` and talks to the tree
-only through ``svc.call`` (a command applied by the actor).  Byte copies run in worker threads
-(``anyio.to_thread``) so the event loop never blocks on a copy.
+only through the service's commands, like every other client (``start_backups`` /
+``finish_backups``, ``start_load_back`` / ``finish_load_back``, ``evict_host``): the tree's
+backup bookkeeping is the core's (:mod:`urc.host.transfers`), never edited here.  Byte
+copies run in worker threads (``anyio.to_thread``) so the event loop never blocks on a copy.
 
 - **backup**: woken when nodes become due (write-through policies); takes a batch, reserves
   host slots and pins the nodes (actor), copies (thread), commits ``host_value`` (actor).
@@ -14,8 +16,8 @@ only through ``svc.call`` (a command applied by the actor).  Byte copies run in 
 Every transfer is atomic with respect to cancellation: once slots are reserved, the copy and
 the commit (or the abort) run shielded, so a cancelled caller or a closing service never
 leaves pinned nodes or reserved slots behind.  A caller cancelled natively (``Task.cancel()``,
-``asyncio.timeout``) after the actor reserved them never gets the ticket: the reservation's
-``undo`` aborts it inside the actor.
+``asyncio.timeout``) after the actor reserved them never gets the ticket: the service aborts
+it inside the actor (its ``give_back`` of a start command).
 
 Copies run in worker threads by default (``copy_in_thread=True``): the event loop keeps
 serving while bytes move, and when a copy finishes relative to other commands depends on the
@@ -27,7 +29,7 @@ what a reproducible benchmark (``urc replay``) needs.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
@@ -36,10 +38,9 @@ from hicache.config import HiCacheConfig
 from hicache.host_tier import HostMemoryTier
 from urc.cache import UnifiedRadixCache
 from urc.host import transfers as host_transfers
-from urc.host.protocol import BackupTicket, LoadTicket, TierEvents
+from urc.host.protocol import TierEvents
 from urc.key import RadixKey
 from urc.node import ComponentType
-from urc.params import MatchPrefixParams
 from urc.service import ServiceObserver, TransferKind
 
 if TYPE_CHECKING:
@@ -101,34 +102,12 @@ class HiCacheController(TierEvents):
 
     async def _backup_batch(self, svc: AsyncUnifiedRadixCache) -> bool:
         """Back up one batch of due nodes; False when there was nothing to start."""
-        batch = self.config.backup_batch
-
-        def start(cache: UnifiedRadixCache) -> list[BackupTicket]:
-            tickets = []
-            retry = []
-            for node in host_transfers.take_pending_backups(cache, batch):
-                ticket = host_transfers.start_backup(cache, node)
-                if ticket is not None:
-                    tickets.append(ticket)
-                elif node.id not in cache.backups_in_flight and not node.deleted:
-                    cd = node.data[0]
-                    if cd is not None and cd.host_value is None and cd.value is not None:
-                        retry.append(node)  # an ancestor is in flight, or the host is full
-            # Nodes that could not start wait for the next wake-up (no busy loop).
-            for node in retry:
-                cache.pending_backups[node.id] = node
-            return tickets
-
-        tickets = await svc.call(start, undo=_abort_backups)
+        tickets = await svc.start_backups(self.config.backup_batch)
         if not tickets:
             return False
         with anyio.CancelScope(shield=True):
             await self._transfer(
-                svc,
-                tickets,
-                host_transfers.copy_backup,
-                host_transfers.finish_backup,
-                TransferKind.BACKUP,
+                svc, tickets, host_transfers.copy_backup, svc.finish_backups, TransferKind.BACKUP
             )
         self._host_pressure.set()
         if self.cache.pending_backups:
@@ -140,7 +119,7 @@ class HiCacheController(TierEvents):
         svc: AsyncUnifiedRadixCache,
         tickets: list[T],
         copy: Callable[[HostMemoryTier, T], None],
-        finish: Callable[[UnifiedRadixCache, T, bool], int],
+        finish: Callable[[list[T], bool], Awaitable[int]],
         kind: TransferKind,
     ) -> int:
         """Copy every ticket in a thread, then commit them (or abort them if a copy failed)."""
@@ -165,12 +144,8 @@ class HiCacheController(TierEvents):
         finally:
             self.in_flight -= len(tickets)
             seconds = time.perf_counter() - t0
-
-            def commit(cache: UnifiedRadixCache) -> int:
-                return sum(finish(cache, t, ok) for t in tickets)
-
             with anyio.CancelScope(shield=True):
-                tokens = await svc.call(commit)
+                tokens = await finish(tickets, ok)
         if kind is TransferKind.BACKUP:
             self.backed_up_tokens += tokens
         else:
@@ -185,15 +160,11 @@ class HiCacheController(TierEvents):
         tier = self.tier
         pool = tier.pools[ComponentType.FULL]
         target = int(pool.size * (1.0 - config.low_watermark))  # free slots to reach
-
-        def evict(cache: UnifiedRadixCache) -> int:
-            return cache.evict_host(max(0, target - pool.allocator.available_size()))
-
         while True:
             await self._host_pressure.wait()
             self._host_pressure = anyio.Event()
             if tier.usage() > config.high_watermark:
-                await svc.call(evict)
+                await svc.evict_host(max(0, target - pool.allocator.available_size()))
 
     # ------------------------------------------------------------------ load-back
     async def load_back(self, svc: AsyncUnifiedRadixCache, key: RadixKey) -> int:
@@ -202,15 +173,7 @@ class HiCacheController(TierEvents):
 
         Afterwards ``svc.match(key)`` returns the longer device hit.
         """
-        threshold = self.config.load_back_threshold
-
-        def start(cache: UnifiedRadixCache) -> LoadTicket | None:
-            m = cache.match_prefix(MatchPrefixParams(key=key))
-            if m.host_hit_length == 0:
-                return None
-            return host_transfers.start_load_back(cache, m.best_match_node, threshold)
-
-        ticket = await svc.call(start, undo=_abort_load_back)
+        ticket = await svc.start_load_back(key, self.config.load_back_threshold)
         if ticket is None:
             return 0
         with anyio.CancelScope(shield=True):
@@ -218,19 +181,7 @@ class HiCacheController(TierEvents):
                 svc,
                 [ticket],
                 host_transfers.copy_load_back,
-                host_transfers.finish_load_back,
+                svc.finish_load_back,
                 TransferKind.LOAD_BACK,
             )
         return loaded
-
-
-def _abort_backups(cache: UnifiedRadixCache, tickets: list[BackupTicket]) -> None:
-    """``undo`` of a backup start whose caller is gone: free the host slots, unpin."""
-    for ticket in tickets:
-        host_transfers.finish_backup(cache, ticket, False)
-
-
-def _abort_load_back(cache: UnifiedRadixCache, ticket: LoadTicket | None) -> None:
-    """``undo`` of a load-back start whose caller is gone: free the device slots, unpin."""
-    if ticket is not None:
-        host_transfers.finish_load_back(cache, ticket, False)

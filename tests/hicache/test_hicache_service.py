@@ -28,7 +28,7 @@ from urc import (
 )
 from urc.host.protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache
-from urc.service._commands import Call
+from urc.service._commands import StartLoadBack
 
 FULL = ComponentType.FULL
 PS = 4
@@ -214,14 +214,15 @@ async def test_cancelled_load_back_leaks_no_pin_and_no_slot() -> None:
 @pytest.mark.asyncio
 async def test_natively_cancelled_load_back_gives_its_reservation_back() -> None:
     """``Task.cancel()`` of a load-back right after the actor reserved its device slots and
-    pinned the host copies: the caller never gets the ticket, the service's ``undo`` aborts
-    it (slots freed, pins dropped), and the node can still be loaded back later."""
+    pinned the host copies (the controller's ``StartLoadBack`` command): the caller never
+    gets the ticket, the service gives it back (aborted: slots freed, pins dropped), and the
+    node can still be loaded back later."""
     cache = build_cache(
         CacheConfig(page_size=PS, kv_size=64, kv_shape=KVShape(2, 2, 4, torch.float32))
     )
     config = HiCacheConfig(host_tokens=256)
     controller = HiCacheController(cache, attach_hicache(cache, config), config)
-    hook = CancelTaskOnApply(Call)
+    hook = CancelTaskOnApply(StartLoadBack)
     tokens = list(range(16))
     async with AsyncUnifiedRadixCache(cache, workers=[controller], trace=hook) as svc:
         with anyio.fail_after(20):

@@ -27,7 +27,9 @@ from urc.eviction import alloc_tokens, evict_host
 from urc.host.protocol import BackupTicket, HostPart, HostTier, LoadTicket, TransferItem
 from urc.key import RadixKey
 from urc.locking import dec_lock_ref, host_lock, inc_lock_ref
+from urc.matching import match_prefix
 from urc.node import FULL_INDEX, ComponentType, TreeNode
+from urc.params import MatchPrefixParams
 
 if TYPE_CHECKING:
     from urc.params import IncLockRefResult
@@ -46,7 +48,9 @@ __all__ = [
     "note_hit",
     "pieces_of",
     "start_backup",
+    "start_due_backups",
     "start_load_back",
+    "start_load_back_of",
     "take_pending_backups",
     "write_backup",
 ]
@@ -194,6 +198,25 @@ def start_backup(state: CacheState, node: TreeNode) -> BackupTicket | None:
     return BackupTicket(chain, [n.key_len for n in chain], items, receipt, tokens, pins)
 
 
+def start_due_backups(state: CacheState, limit: int) -> list[BackupTicket]:
+    """Start the backups of up to ``limit`` due nodes (oldest first): one ticket per node
+    whose backup could start.  A node that could not (an ancestor's backup is in flight, or
+    the host is full) goes back to the queue for the next wake-up (no busy loop)."""
+    tickets = []
+    retry = []
+    for node in take_pending_backups(state, limit):
+        ticket = start_backup(state, node)
+        if ticket is not None:
+            tickets.append(ticket)
+        elif node.id not in state.backups_in_flight and not node.deleted:
+            cd = node.data[FULL_INDEX]
+            if cd is not None and cd.host_value is None and cd.value is not None:
+                retry.append(node)
+    for node in retry:
+        state.pending_backups[node.id] = node
+    return tickets
+
+
 def _unpin(
     state: CacheState,
     chain: list[TreeNode],
@@ -294,6 +317,15 @@ def start_load_back(state: CacheState, node: TreeNode, threshold: int = 0) -> Lo
             if item is not None:
                 items.append((i, item))
     return LoadTicket(nodes, [n.key_len for n in nodes], items, anchor, receipt, device, tokens)
+
+
+def start_load_back_of(state: CacheState, key: RadixKey, threshold: int = 0) -> LoadTicket | None:
+    """:func:`start_load_back` for the host continuation of ``key``'s cached prefix (its
+    match's best node); ``None`` when the hit does not continue on host."""
+    m = match_prefix(state, MatchPrefixParams(key=key))
+    if m.host_hit_length == 0:
+        return None
+    return start_load_back(state, m.best_match_node, threshold)
 
 
 def copy_load_back(tier: HostTier, ticket: LoadTicket) -> None:

@@ -70,7 +70,8 @@ happens then (:data:`~urc.service._call.ON_CANCEL` classifies the commands)::
                          | after the actor applied it,    | the lease it would get is released
                          | before the caller resumed      | by the service (queued at once)
     evict, stats,        | same as match                  | skipped, or applied and the result
-    sanity_check         |                                | dropped (nothing to give back)
+    sanity_check,        |                                | dropped (nothing to give back)
+    evict_host           |                                |
     ---------------------+--------------------------------+-----------------------------------
     release              | anywhere after the call began  | the lease is marked released
                          | (scope or native)              | before the first await: the
@@ -90,14 +91,15 @@ happens then (:data:`~urc.service._call.ON_CANCEL` classifies the commands)::
     slide_req_window,    |                                | the tree took the value; free:
     cache_finished_req,  |                                | freed; a Req holds its outcome;
     cache_unfinished_req,|                                | an insert's unaligned tail and an
-    call,                |                                | unadopted Mamba value stay the
-    attach_worker,       |                                | caller's, as in every other case).
-    detach_worker        |                                | Got: given back by the service --
-                         |                                | alloc / alloc_mamba slots freed,
-                         |                                | a load-back the match started
-                         |                                | dropped (the Req keeps its match),
-                         |                                | a call's result handed to its
-                         |                                | ``undo`` (else dropped), an
+    start_backups,       |                                | unadopted Mamba value stay the
+    finish_backups,      |                                | caller's, as in every other case).
+    start_load_back,     |                                | Got: given back by the service --
+    finish_load_back,    |                                | alloc / alloc_mamba slots freed,
+    call,                |                                | a load-back the match started
+    attach_worker,       |                                | dropped (the Req keeps its match),
+    detach_worker        |                                | started backups and load-backs
+                         |                                | aborted, a call's result handed
+                         |                                | to its ``undo`` (else dropped), an
                          |                                | attached worker detached.  If the
                          |                                | command failed (typed error),
                          |                                | nothing changed: what it passed in

@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, TypeVar, get_args, get_origin
 
 import torch
 
+from urc.host.protocol import BackupTicket, LoadTicket
 from urc.key import RadixKey
 from urc.params import EvictParams, EvictResult
 from urc.reuse_hint import ReuseHint
@@ -32,13 +33,12 @@ if TYPE_CHECKING:
     from urc.service._request_ops import PendingLoad
 
 __all__ = [
-    "COMMAND_TYPES",
-    "OnCancel",
     "Alloc",
     "AllocMamba",
     "AllocReqMamba",
     "AllocReqRow",
     "AttachWorker",
+    "COMMAND_TYPES",
     "CacheFinishedReq",
     "CacheUnfinishedReq",
     "Call",
@@ -46,6 +46,9 @@ __all__ = [
     "CommandKind",
     "DetachWorker",
     "Evict",
+    "EvictHost",
+    "FinishBackups",
+    "FinishLoadBack",
     "FinishReqLoad",
     "Free",
     "FreeMamba",
@@ -55,9 +58,12 @@ __all__ = [
     "Match",
     "MatchOutcome",
     "MatchReq",
+    "OnCancel",
     "Release",
     "SanityCheck",
     "SlideReqWindow",
+    "StartBackups",
+    "StartLoadBack",
     "StartReqLoad",
     "Stats",
     "WriteReqSlots",
@@ -98,6 +104,11 @@ class CommandKind(Enum):
     CACHE_UNFINISHED_REQ = "cache_unfinished_req"
     STATS = "stats"
     SANITY_CHECK = "sanity_check"
+    START_BACKUPS = "start_backups"
+    FINISH_BACKUPS = "finish_backups"
+    START_LOAD_BACK = "start_load_back"
+    FINISH_LOAD_BACK = "finish_load_back"
+    EVICT_HOST = "evict_host"
     CALL = "call"
     ATTACH_WORKER = "attach_worker"
     DETACH_WORKER = "detach_worker"
@@ -326,6 +337,61 @@ class SanityCheck(Returns[None]):
     held: Mapping[ComponentType, int] | None = None
 
 
+# ---------------------------------------------------------------- the host tier's transfers
+@dataclass(frozen=True, slots=True)
+class StartBackups(Returns["list[BackupTicket]"]):
+    """Start the backups of up to ``limit`` due nodes (host slots reserved, nodes pinned):
+    :func:`urc.host.transfers.start_due_backups`.  A caller gone before it got the tickets
+    has them aborted (``give_back``)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.START_BACKUPS
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishBackups(Returns[int]):
+    """Commit (``ok``) or drop the copies of ``tickets`` and unpin; the tokens backed up."""
+
+    kind: ClassVar[CommandKind] = CommandKind.FINISH_BACKUPS
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
+    tickets: tuple[BackupTicket, ...]
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class StartLoadBack(Returns["LoadTicket | None"]):
+    """Start loading the host continuation of ``key``'s cached prefix back to device (at
+    least ``threshold`` tokens): :func:`urc.host.transfers.start_load_back_of`.  A caller
+    gone before it got the ticket has it aborted (``give_back``)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.START_LOAD_BACK
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
+    key: RadixKey
+    threshold: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishLoadBack(Returns[int]):
+    """Commit (``ok``) or drop the loaded device slots of ``tickets`` and unpin; the tokens
+    loaded."""
+
+    kind: ClassVar[CommandKind] = CommandKind.FINISH_LOAD_BACK
+    on_cancel: ClassVar[OnCancel] = OnCancel.AWAIT
+    tickets: tuple[LoadTicket, ...]
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EvictHost(Returns[int]):
+    """Free host-only leaves (no host lock), oldest first, for ``num_tokens`` host slots;
+    the Full tokens freed."""
+
+    kind: ClassVar[CommandKind] = CommandKind.EVICT_HOST
+    on_cancel: ClassVar[OnCancel] = OnCancel.SKIP
+    num_tokens: int
+
+
 @dataclass(frozen=True, slots=True)
 class Call(Returns[_T]):
     """Run ``fn(cache)`` inside the actor (internal: HiCache workers, tests).
@@ -385,13 +451,18 @@ Command: TypeAlias = (
     | CacheUnfinishedReq
     | Stats
     | SanityCheck
+    | StartBackups
+    | FinishBackups
+    | StartLoadBack
+    | FinishLoadBack
+    | EvictHost
     | Call[Any]
     | AttachWorker
     | DetachWorker
 )
 
 #: Every command class (the members of :data:`Command`).
-COMMAND_TYPES: tuple[type[Command], ...] = get_args(Command)
+COMMAND_TYPES: tuple[type[Command], ...] = tuple(get_origin(t) or t for t in get_args(Command))
 
 
 @dataclass(frozen=True, slots=True, eq=False)

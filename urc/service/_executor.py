@@ -19,6 +19,8 @@ import torch
 
 from urc.cache import UnifiedRadixCache
 from urc.errors import InvalidInputError, InvalidLockError, LeaseError, OutOfMemoryError
+from urc.host import transfers as host_transfers
+from urc.host.protocol import BackupTicket, LoadTicket
 from urc.node import TreeNode
 from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams, MatchResult
 from urc.service import _request_ops as request_ops
@@ -34,6 +36,9 @@ from urc.service._commands import (
     Command,
     DetachWorker,
     Evict,
+    EvictHost,
+    FinishBackups,
+    FinishLoadBack,
     FinishReqLoad,
     Free,
     FreeMamba,
@@ -46,6 +51,8 @@ from urc.service._commands import (
     Release,
     SanityCheck,
     SlideReqWindow,
+    StartBackups,
+    StartLoadBack,
     StartReqLoad,
     Stats,
     WriteReqSlots,
@@ -283,6 +290,28 @@ class CommandExecutor:
         self.cache.sanity_check()
         self.cache.check_pools(cmd.held)
 
+    @handles(StartBackups)
+    def _start_backups(self, cmd: StartBackups) -> list[BackupTicket]:
+        return host_transfers.start_due_backups(self.cache, cmd.limit)
+
+    @handles(FinishBackups)
+    def _finish_backups(self, cmd: FinishBackups) -> int:
+        cache, ok = self.cache, cmd.ok
+        return sum(host_transfers.finish_backup(cache, t, ok) for t in cmd.tickets)
+
+    @handles(StartLoadBack)
+    def _start_load_back(self, cmd: StartLoadBack) -> LoadTicket | None:
+        return host_transfers.start_load_back_of(self.cache, cmd.key, cmd.threshold)
+
+    @handles(FinishLoadBack)
+    def _finish_load_back(self, cmd: FinishLoadBack) -> int:
+        cache, ok = self.cache, cmd.ok
+        return sum(host_transfers.finish_load_back(cache, t, ok) for t in cmd.tickets)
+
+    @handles(EvictHost)
+    def _evict_host(self, cmd: EvictHost) -> int:
+        return self.cache.evict_host(cmd.num_tokens)
+
     @handles(Call)
     def _call(self, cmd: Call[Any]) -> Any:
         return cmd.fn(self.cache)
@@ -319,6 +348,7 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
     - slots from ``alloc`` / ``alloc_mamba``: their free;
     - a request match that started a load-back (``pending_load``): that load dropped
       (the request keeps its match and lock);
+    - started backups or a started load-back: aborted (slots freed, nodes unpinned);
     - a ``call`` with an ``undo``: that undo, run on the result;
     - an attached worker (``attach_worker``, whose caller never started it): its detach.
     """
@@ -336,6 +366,10 @@ def give_back(cmd: Command, result: Any) -> list[Command]:
         case MatchReq() | StartReqLoad():
             load = result.pending_load
             return [] if load is None else [FinishReqLoad(cmd.req, load, False)]
+        case StartBackups():
+            return [FinishBackups(tuple(result), False)] if result else []
+        case StartLoadBack():
+            return [] if result is None else [FinishLoadBack((result,), False)]
         case Call(undo=undo) if undo is not None:
             return [Call(lambda cache: undo(cache, result))]
         case AttachWorker(worker=worker):

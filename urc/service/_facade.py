@@ -21,6 +21,7 @@ from anyio.lowlevel import checkpoint_if_cancelled
 
 from urc.cache import UnifiedRadixCache
 from urc.errors import InvalidInputError, LeaseError, ServiceClosedError
+from urc.host.protocol import BackupTicket, LoadTicket
 from urc.key import ExtraKey, RadixKey
 from urc.node import ComponentType
 from urc.params import EvictParams, EvictResult
@@ -39,6 +40,9 @@ from urc.service._commands import (
     Call,
     DetachWorker,
     Evict,
+    EvictHost,
+    FinishBackups,
+    FinishLoadBack,
     FinishReqLoad,
     Free,
     FreeMamba,
@@ -51,6 +55,8 @@ from urc.service._commands import (
     Release,
     SanityCheck,
     SlideReqWindow,
+    StartBackups,
+    StartLoadBack,
     StartReqLoad,
     Stats,
     WriteReqSlots,
@@ -333,6 +339,33 @@ class AsyncUnifiedRadixCache(Lifecycle):
         """``sanity_check()`` plus the pool conservation check; a broken invariant fails the
         service (an ``AssertionError`` is a bug, not a caller error)."""
         await self._submit(SanityCheck(held))
+
+    # ------------------------------------------------------------------ host-tier transfers
+    # The host tier's controller (``hicache.controller``) moves bytes outside the actor in
+    # two phases: it starts a transfer (slots reserved, nodes pinned), copies in a worker
+    # thread, then finishes it (committed or dropped, unpinned).  A caller cancelled natively
+    # after a start never gets its tickets: the service aborts them.
+    async def start_backups(self, limit: int) -> list[BackupTicket]:
+        """Start the backups of up to ``limit`` due nodes (oldest first); their tickets."""
+        return await self._submit(StartBackups(limit))
+
+    async def finish_backups(self, tickets: Sequence[BackupTicket], ok: bool = True) -> int:
+        """Commit (``ok``: every copy succeeded) or drop ``tickets``; tokens backed up."""
+        return await self._submit(FinishBackups(tuple(tickets), ok))
+
+    async def start_load_back(self, key: RadixKey, threshold: int = 0) -> LoadTicket | None:
+        """Start loading the host continuation of ``key``'s cached prefix back to device (at
+        least ``threshold`` tokens); ``None`` when there is none or no device memory."""
+        return await self._submit(StartLoadBack(key, threshold))
+
+    async def finish_load_back(self, tickets: Sequence[LoadTicket], ok: bool = True) -> int:
+        """Commit (``ok``) or drop loads started by :meth:`start_load_back`; tokens loaded."""
+        return await self._submit(FinishLoadBack(tuple(tickets), ok))
+
+    async def evict_host(self, num_tokens: int) -> int:
+        """Free host-only leaves (no host lock), oldest first, for ``num_tokens`` host
+        slots; returns the Full tokens freed."""
+        return await self._submit(EvictHost(num_tokens))
 
     async def call(
         self,
