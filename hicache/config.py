@@ -9,7 +9,7 @@ from hicache.host_layout import HostLayout
 from hicache.storage.keys import KeyScheme
 from hicache.storage.sglang_keys import SGLangNaming
 from urc.errors import ConfigError
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.node import SizeUnit
 
 __all__ = [

@@ -38,7 +38,7 @@ from hicache.config import HiCacheConfig
 from hicache.host_tier import HostMemoryTier
 from urc.cache import UnifiedRadixCache
 from urc.host import transfers as host_transfers
-from urc.host.protocol import TierEvents
+from urc.host_protocol import TierEvents
 from urc.key import RadixKey
 from urc.node import ComponentType
 from urc.service import ServiceObserver, TransferKind

@@ -1,7 +1,7 @@
 """``HostMemoryTier``: the host tier (HiCache L2) the core moves data through.
 
 One :class:`~hicache.host_pool.HostPool` per component mirrors that component's device pool
-(Full KV, SWA KV, Mamba states).  It implements the core's ``urc.host.protocol.HostTier`` protocol:
+(Full KV, SWA KV, Mamba states).  It implements the core's ``urc.host_protocol.HostTier`` protocol:
 allocation bookkeeping is called from the tree's owner only; ``backup``/``load`` copy bytes and
 may run in a worker thread (each copy touches only the slots of its own transfer) and return
 the transfer's completion (:mod:`hicache.transfer_engine`).

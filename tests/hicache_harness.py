@@ -25,7 +25,7 @@ from urc import (
     UnifiedRadixCache,
     build_cache,
 )
-from urc.host.protocol import BackupTicket, LoadTicket, WritePolicy
+from urc.host_protocol import BackupTicket, LoadTicket, WritePolicy
 from urc.node import TreeNode
 from urc.params import MatchResult
 

@@ -25,7 +25,7 @@ from hicache.storage.keys import KeyScheme
 from hicache.storage.sglang_keys import SGLangNaming
 from urc import CacheConfig, ComponentType, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache
 
 SHAPE = KVShape(num_layers=3, num_heads=2, head_dim=4, dtype=torch.float16)

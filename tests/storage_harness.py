@@ -20,7 +20,7 @@ from hicache.storage_worker import RetryPolicy
 from metrics import CacheMetrics
 from urc import CacheConfig, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache, TraceHook
 from urc.service._observer import ServiceObserver
 

@@ -24,7 +24,7 @@ from urc.config import CacheConfig, build_pools
 from urc.errors import InvalidLockError, OutOfMemoryError
 from urc.hooks import ComponentHooks
 from urc.host import transfers as host_transfers
-from urc.host.protocol import HostTier, TierEvents, WritePolicy
+from urc.host_protocol import HostTier, TierEvents, WritePolicy
 from urc.key import RadixKey
 from urc.kv_events import KVEvent, KVEventRecorder
 from urc.node import FULL_INDEX, ComponentType, Tier, TreeNode
@@ -171,7 +171,7 @@ class UnifiedRadixCache(CacheState):
         self.write_back = partial(host_transfers.write_backup, self)
 
     def subscribe(self, events: TierEvents) -> None:
-        """Deliver the tier events (:class:`~urc.host.protocol.TierEvents`) to ``events``
+        """Deliver the tier events (:class:`~urc.host_protocol.TierEvents`) to ``events``
         from now on (after the subscribers already there; subscribing twice delivers
         once)."""
         if events not in self.tier_events:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.node import FULL_INDEX, NUM_COMPONENT_TYPES, ComponentType, TreeNode
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from urc.errors import InvalidInputError
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.locking import dec_lock_ref, inc_lock_ref
 from urc.node import FULL_INDEX, NUM_COMPONENT_TYPES, Tier, TreeNode
 from urc.params import EvictParams, EvictResult

@@ -26,7 +26,7 @@ import torch
 
 from urc.errors import InvalidIndicesError, InvalidInputError, KeyValueMismatchError
 from urc.host import transfers as host_transfers
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.key import RadixKey, TokenIds, check_key
 from urc.node import FULL_INDEX, TreeNode
 from urc.params import InsertParams, InsertResult

@@ -38,7 +38,7 @@ from urc.config import CacheConfig
 from urc.counters import CacheCounters
 from urc.fastpath import select_match_tail, select_walk
 from urc.hooks import ComponentHooks
-from urc.host.protocol import HostTier, TierEvents, WritePolicy
+from urc.host_protocol import HostTier, TierEvents, WritePolicy
 from urc.node import NUM_COMPONENT_TYPES, ComponentData, ComponentType, TreeNode
 from urc.pools.cache_pools import CachePools
 from urc.tree import Tree
@@ -100,7 +100,7 @@ class CacheState:
         # oldest first (``urc.host.transfers``: served in that order, evicted ones pruned).
         self.pending_backups: OrderedDict[int, TreeNode] = OrderedDict()
         self.backups_in_flight: set[int] = set()
-        # The tiers below device that listen (``subscribe``): see ``urc.host.protocol.TierEvents``.
+        # The tiers below device that listen (``subscribe``): see ``urc.host_protocol.TierEvents``.
         self.tier_events: tuple[TierEvents, ...] = ()
         #: KV events for routers (``enable_kv_events``); None: off, and the operations'
         #: emission sites cost one attribute test.

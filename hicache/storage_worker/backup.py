@@ -28,7 +28,7 @@ from hicache.storage_worker.context import WorkerContext
 from hicache.storage_worker.jobs import AuxPages, WriteJob, aux_pages_of, path_of, path_tokens
 from urc.cache import UnifiedRadixCache
 from urc.host import transfers as host_transfers
-from urc.host.protocol import TierEvents
+from urc.host_protocol import TierEvents
 from urc.node import ComponentType, TreeNode
 from urc.service import TransferKind
 

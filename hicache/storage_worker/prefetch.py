@@ -24,7 +24,7 @@ from hicache.config import PrefetchStopPolicy
 from hicache.storage_worker.context import WorkerContext
 from urc.cache import UnifiedRadixCache
 from urc.host import transfers as host_transfers
-from urc.host.protocol import HostPart
+from urc.host_protocol import HostPart
 from urc.key import RadixKey
 from urc.node import ComponentType, Tier, TreeNode
 from urc.service import TransferKind

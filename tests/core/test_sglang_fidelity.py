@@ -21,7 +21,7 @@ from urc import (
     TreeNode,
     build_cache,
 )
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 
 PAGE_SIZES = [1, 4, 16]
 

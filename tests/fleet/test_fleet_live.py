@@ -37,7 +37,7 @@ from urc.apps.replay.config import ReplayConfig
 from urc.apps.replay.options import Capacity
 from urc.apps.replay.source import summarize, synthetic_requests
 from urc.apps.workloads import TraceRequest
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 
 PS = 4
 

@@ -1,5 +1,5 @@
 """``hicache.attach`` (one entry point for the host tier and its workers) and the tier
-events a cache delivers to its subscribers (``urc.host.protocol.TierEvents``)."""
+events a cache delivers to its subscribers (``urc.host_protocol.TierEvents``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hicache.storage.file import FileStorage
 from hicache.storage_worker import StorageWorker
 from urc import CacheConfig, ComponentType, ConfigError, EvictParams, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
-from urc.host.protocol import TierEvents, WritePolicy
+from urc.host_protocol import TierEvents, WritePolicy
 from urc.node import TreeNode
 from urc.service import AsyncUnifiedRadixCache
 

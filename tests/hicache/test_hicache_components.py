@@ -36,7 +36,7 @@ from urc import (
     InvalidLockError,
 )
 from urc.host import transfers as host_transfers
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.node import Tier
 
 

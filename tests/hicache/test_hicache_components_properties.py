@@ -35,7 +35,7 @@ from urc import (
     UnifiedRadixCache,
 )
 from urc.host import transfers as host_transfers
-from urc.host.protocol import BackupTicket, LoadTicket, WritePolicy
+from urc.host_protocol import BackupTicket, LoadTicket, WritePolicy
 from urc.params import MatchResult
 
 

@@ -23,7 +23,7 @@ from urc import (
     build_cache,
 )
 from urc.host import transfers as host_transfers
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 
 FULL = ComponentType.FULL
 

@@ -26,7 +26,7 @@ from urc import (
     RadixKey,
     build_cache,
 )
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache
 from urc.service._commands import StartLoadBack
 

@@ -33,7 +33,7 @@ from hicache.storage_worker import RetryPolicy, StorageWorker
 from urc import CacheConfig, ComponentType, InsertParams, KVShape, RadixKey, build_cache
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError, InvalidInputError
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.params import MatchPrefixParams
 from urc.service import AsyncUnifiedRadixCache, ServiceState
 from urc.service._commands import AttachWorker

@@ -48,7 +48,7 @@ from urc import (
 )
 from urc.cache import UnifiedRadixCache
 from urc.host import transfers as host_transfers
-from urc.host.protocol import HostPart, WritePolicy
+from urc.host_protocol import HostPart, WritePolicy
 from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams
 from urc.service import AsyncUnifiedRadixCache

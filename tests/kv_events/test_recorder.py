@@ -21,7 +21,7 @@ from urc import (
     RadixKey,
     build_cache,
 )
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.kv_events import BlockRemoved, BlockStored, hash_to_int64, page_digests
 
 FULL = ComponentType.FULL

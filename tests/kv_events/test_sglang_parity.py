@@ -33,7 +33,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from urc import ComponentType, MatchPrefixParams, RadixKey, UnifiedRadixCache
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.service import AsyncUnifiedRadixCache, KVEventPublisher, KVEventsConfig
 
 SHIM_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "sglang"

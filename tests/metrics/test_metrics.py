@@ -598,7 +598,7 @@ async def test_write_back_backups_are_backed_up_tokens_not_transfers_and_help_sa
     import hicache
     from hicache.config import HiCacheConfig
     from urc import CacheConfig, KVShape, build_cache
-    from urc.host.protocol import WritePolicy
+    from urc.host_protocol import WritePolicy
     from urc.service import AsyncUnifiedRadixCache
 
     registry = CollectorRegistry()

@@ -301,7 +301,7 @@ def test_parser_choices_are_the_enums_values() -> None:
     from hicache.config import StorageBackupPolicy
     from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
     from urc.eviction_policy import EvictionPolicy
-    from urc.host.protocol import WritePolicy
+    from urc.host_protocol import WritePolicy
 
     assert tuple(p.value for p in EvictionPolicy) == EVICTION_POLICY_VALUES
     assert tuple(p.value for p in WritePolicy) == WRITE_POLICY_VALUES

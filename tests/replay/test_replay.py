@@ -33,7 +33,7 @@ from urc.apps.workloads import (
     synthetic_workload,
 )
 from urc.errors import ConfigError
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.node import Tier
 
 TIMEOUT = 60

@@ -15,7 +15,7 @@ from hicache.config import HiCacheConfig
 from hicache.host_tier import attach_hicache
 from urc import CacheConfig, ComponentType, KVShape, build_cache
 from urc.errors import InvalidInputError, OutOfMemoryError
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.req import Req
 from urc.service import AsyncUnifiedRadixCache, LoadBackPolicy
 from urc.service._commands import CommandKind, MatchOutcome

@@ -30,7 +30,7 @@ from urc.apps.sglang._l3 import (
     storage_config,
 )
 from urc.errors import ConfigError
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 
 pytestmark = pytest.mark.timeout(120)
 

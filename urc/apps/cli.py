@@ -107,7 +107,7 @@ def _config(args: argparse.Namespace) -> ReplayConfig:
     from urc.apps.replay import ModelProfile, ReplayConfig
     from urc.apps.workloads import WorkloadKind
     from urc.eviction_policy import EvictionPolicy
-    from urc.host.protocol import WritePolicy
+    from urc.host_protocol import WritePolicy
 
     return ReplayConfig(
         trace=args.trace,

@@ -40,7 +40,7 @@ from urc.node import ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig
-    from urc.host.protocol import HostTier
+    from urc.host_protocol import HostTier
     from urc.params import (
         DecLockRefParams,
         EvictParams,

@@ -17,7 +17,7 @@ import torch
 from urc.node import ComponentData, ComponentType, TreeNode
 
 if TYPE_CHECKING:
-    from urc.host.protocol import HostPart, HostTier, TransferItem
+    from urc.host_protocol import HostPart, HostTier, TransferItem
     from urc.params import EvictParams
 
 __all__ = ["HostTierHooks"]
@@ -139,7 +139,7 @@ class HostTierHooks:
         - SWA: the SWA pages ``full_device`` maps; no host copy: ``None``, pages freed now.
         - Mamba: a fresh slot (may evict a state); ``None`` without a host state or a slot.
         """
-        from urc.host.protocol import TransferItem
+        from urc.host_protocol import TransferItem
 
         cd = node.data[self.component_type]
         assert cd is not None

@@ -43,14 +43,14 @@ from urc.errors import (
     InvalidInputError,
     InvalidLockError,
 )
-from urc.host.protocol import TransferItem
+from urc.host_protocol import TransferItem
 from urc.lru import LRUList
 from urc.node import FULL_INDEX, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 from urc.params import EvictParams, MatchResult
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig
-    from urc.host.protocol import HostPart
+    from urc.host_protocol import HostPart
     from urc.params import (
         DecLockRefParams,
         IncLockRefResult,

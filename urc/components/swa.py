@@ -67,7 +67,7 @@ from urc.components.swa_window import (
     window_path_validator,
 )
 from urc.errors import ConfigError, InvalidInputError
-from urc.host.protocol import TransferItem
+from urc.host_protocol import TransferItem
 from urc.lru import LinkedLRUList
 from urc.node import FULL_INDEX, ComponentData, ComponentType, Tier, TreeNode
 from urc.pools.swa import SWATokenSlotAllocator

@@ -3,7 +3,7 @@
 Functions of a :class:`~urc.state.CacheState` with a host tier attached; the cache exposes
 them as methods (``write_backup``, ``load_back``, ...; host eviction is in
 :mod:`urc.eviction`).  Transfers are
-two-phase (see :mod:`urc.host.protocol`): ``start_*`` and ``finish_*`` run where the tree is
+two-phase (see :mod:`urc.host_protocol`): ``start_*`` and ``finish_*`` run where the tree is
 owned (the actor), ``copy_*`` only moves bytes and may run in a worker thread.
 
 Pins, so that nothing in flight is ever freed::
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from urc.eviction import alloc_tokens, evict_host
-from urc.host.protocol import BackupTicket, HostPart, HostTier, LoadTicket, TransferItem
+from urc.host_protocol import BackupTicket, HostPart, HostTier, LoadTicket, TransferItem
 from urc.key import RadixKey
 from urc.locking import dec_lock_ref, host_lock, inc_lock_ref
 from urc.matching import match_prefix

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, TypeVar, ge
 
 import torch
 
-from urc.host.protocol import BackupTicket, LoadTicket
+from urc.host_protocol import BackupTicket, LoadTicket
 from urc.key import RadixKey
 from urc.params import EvictParams, EvictResult
 from urc.reuse_hint import ReuseHint

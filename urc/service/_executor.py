@@ -20,7 +20,7 @@ import torch
 from urc.cache import UnifiedRadixCache
 from urc.errors import InvalidInputError, InvalidLockError, LeaseError, OutOfMemoryError
 from urc.host import transfers as host_transfers
-from urc.host.protocol import BackupTicket, LoadTicket
+from urc.host_protocol import BackupTicket, LoadTicket
 from urc.node import TreeNode
 from urc.params import EvictParams, IncLockRefResult, InsertParams, MatchPrefixParams, MatchResult
 from urc.service import _request_ops as request_ops

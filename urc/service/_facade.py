@@ -21,7 +21,7 @@ from anyio.lowlevel import checkpoint_if_cancelled
 
 from urc.cache import UnifiedRadixCache
 from urc.errors import InvalidInputError, LeaseError, ServiceClosedError
-from urc.host.protocol import BackupTicket, LoadTicket
+from urc.host_protocol import BackupTicket, LoadTicket
 from urc.key import ExtraKey, RadixKey
 from urc.node import ComponentType
 from urc.params import EvictParams, EvictResult

@@ -27,7 +27,7 @@ from urc.components.mamba import MambaComponent
 from urc.components.swa import SWAComponent
 from urc.errors import InvalidIndicesError, InvalidInputError, OutOfMemoryError, PoolError
 from urc.host import transfers as host_transfers
-from urc.host.protocol import HostTier, LoadTicket
+from urc.host_protocol import HostTier, LoadTicket
 from urc.key import RadixKey
 from urc.node import ComponentType
 from urc.params import MatchPrefixParams, MatchResult

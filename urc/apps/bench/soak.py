@@ -50,7 +50,7 @@ from hicache.storage.file import FileStorage
 from urc.cache import build_cache
 from urc.config import CacheConfig
 from urc.errors import OutOfMemoryError
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.key import RadixKey
 from urc.node import TreeNode
 from urc.pools.kv_pool import KVShape

@@ -41,7 +41,7 @@ def _base_config(args: argparse.Namespace) -> FleetConfig:
     from urc.apps.fleet.store import L3Kind, SharedStoreConfig
     from urc.apps.replay.config import ReplayConfig
     from urc.apps.replay.options import Capacity
-    from urc.host.protocol import WritePolicy
+    from urc.host_protocol import WritePolicy
 
     agentic = args.trace is not None and is_sessions(args.trace)
     page = args.page_size or (1 if agentic else 16)

@@ -37,7 +37,7 @@ from urc.apps.workloads import DEFAULT_BLOCK_SIZE, WorkloadKind
 from urc.apps.workloads.agentic import AgenticConfig, is_session_archive
 from urc.config import CacheConfig
 from urc.eviction_policy import EvictionPolicy, NextUseOracle
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 from urc.pools.kv_pool import KVShape
 
 __all__ = [

@@ -59,7 +59,7 @@ O(chunk), so a request costs O(prompt) at any chunk size (``python -m
 urc.apps.bench.chunk`` measures it)."""
 
 # The values of enums whose modules import torch (urc.eviction_policy.EvictionPolicy,
-# urc.host.protocol.WritePolicy, hicache.config.StorageBackupPolicy without OFF) or asyncio
+# urc.host_protocol.WritePolicy, hicache.config.StorageBackupPolicy without OFF) or asyncio
 # (urc.apps.workloads.WorkloadKind, and its DEFAULT_BLOCK_SIZE): the parser offers them without
 # importing either; tests/replay/test_cli.py pins each to its source, so a new member fails
 # the suite until it is listed here.

@@ -8,7 +8,7 @@ from typing import Any
 from hicache.config import HiCacheConfig
 from hicache.host_layout import HostLayout
 from hicache.transfer_engine import ThreadTransferEngine, TransferEngine, engine_for
-from urc.host.protocol import WritePolicy
+from urc.host_protocol import WritePolicy
 
 # ``--hicache-storage-backend`` values urc serves as the tree (used by urc.apps.sglang._l3).
 STORAGE_BACKENDS = ("file", "mooncake", "dynamic")

@@ -47,7 +47,7 @@ from hicache.storage_worker import StorageWorker
 from urc.apps.sglang._hicache_options import STORAGE_BACKENDS
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
-from urc.host.protocol import TierEvents
+from urc.host_protocol import TierEvents
 from urc.key import RadixKey
 from urc.node import TreeNode
 
