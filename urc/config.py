@@ -63,6 +63,12 @@ class CacheConfig:
     session_window_s: float = 600.0
     session_hot_gap_s: float = 60.0
     session_quantum_s: float = 20.0
+    # RETURN_TIME: the quantile of the learned reuse gap taken as a path's predicted return,
+    # the horizon past which a gap counts as never, and the resolution of predicted returns
+    # (seconds); see ``urc.return_time_eviction.ReturnTimeStrategy``.
+    return_quantile: float = 0.6
+    return_horizon_s: float = 1024.0
+    return_quantum_s: float = 5.0
     is_eagle: bool = False
     # Reasoning models: a finished request that produced thinking tokens caches its prompt
     # only (SGLang's ``strip_thinking_cache``); its output KV is freed.

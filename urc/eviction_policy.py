@@ -24,8 +24,9 @@ The interface is small:
 Which strategy the cache uses is ``CacheConfig.eviction_policy``; LRU is the default and is
 exactly SGLang's order, and so are LFU, FIFO, MRU, FILO, PRIORITY, SLRU and TLRU (SGLang
 0.5.23's ``evict_policy.py``; ties, which SGLang breaks by access time, cannot occur for
-them); BELADY needs ``CacheConfig.next_use``; SESSION_AWARE (``urc.session_eviction``) uses
-the serving layer's hints (``urc.reuse_hint``) and is LRU without them.  Host-only leaves
+them); BELADY needs ``CacheConfig.next_use``; SESSION_AWARE (``urc.session_eviction``) and
+RETURN_TIME (``urc.return_time_eviction``) use the serving layer's hints (``urc.reuse_hint``)
+and are LRU without them.  Host-only leaves
 are evicted in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU
 lists: they evict when their own pools run out, and the Full order decides which prefixes
 stay.
@@ -43,6 +44,7 @@ from typing import Protocol
 from urc.errors import ConfigError
 from urc.eviction_strategy import EvictionStrategy, HeapKey
 from urc.node import TreeNode
+from urc.return_time_eviction import ReturnTimeStrategy
 from urc.session_eviction import SessionAwareStrategy
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "NewestFirstStrategy",
     "NextUseOracle",
     "OrderByStrategy",
+    "ReturnTimeStrategy",
     "SessionAwareStrategy",
     "SlruStrategy",
     "TlruStrategy",
@@ -79,6 +82,9 @@ class EvictionPolicy(Enum):
     # Serving hints (``urc.reuse_hint``): sessions that went cold first, a stable set of the
     # hot ones kept whole; LRU without hints (``urc.session_eviction``).
     SESSION_AWARE = "session-aware"
+    # Serving hints: a return time predicted per finished request from gaps learned online,
+    # late ones expiring; furthest return first, LRU without hints (``urc.return_time_eviction``).
+    RETURN_TIME = "return-time"
     BELADY = "belady"  # furthest next use: offline, needs ``next_use`` (measurement only)
 
 
@@ -298,10 +304,14 @@ def make_strategy(
     session_window_s: float = 600.0,
     session_hot_gap_s: float = 60.0,
     session_quantum_s: float = 20.0,
+    return_quantile: float = 0.6,
+    return_horizon_s: float = 1024.0,
+    return_quantum_s: float = 5.0,
 ) -> EvictionStrategy:
-    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's, TLRU's and
-    SESSION_AWARE's, see :class:`SlruStrategy`, :class:`TlruStrategy` and
-    :class:`urc.session_eviction.SessionAwareStrategy`; other policies ignore them).
+    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's, TLRU's,
+    SESSION_AWARE's and RETURN_TIME's, see :class:`SlruStrategy`, :class:`TlruStrategy`,
+    :class:`urc.session_eviction.SessionAwareStrategy` and
+    :class:`urc.return_time_eviction.ReturnTimeStrategy`; other policies ignore them).
 
     Raises:
         ConfigError: BELADY without an ``oracle``, or an ``oracle`` with another policy.
@@ -318,4 +328,6 @@ def make_strategy(
         return TlruStrategy(tlru_threshold, tlru_next_prompt_estimate)
     if policy is EvictionPolicy.SESSION_AWARE:
         return SessionAwareStrategy(session_window_s, session_hot_gap_s, session_quantum_s)
+    if policy is EvictionPolicy.RETURN_TIME:
+        return ReturnTimeStrategy(return_quantile, return_horizon_s, return_quantum_s)
     return _SIMPLE[policy]()

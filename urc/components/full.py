@@ -96,6 +96,9 @@ class FullComponent(TreeComponent):
             session_window_s=config.session_window_s,
             session_hot_gap_s=config.session_hot_gap_s,
             session_quantum_s=config.session_quantum_s,
+            return_quantile=config.return_quantile,
+            return_horizon_s=config.return_horizon_s,
+            return_quantum_s=config.return_quantum_s,
         )
         self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release

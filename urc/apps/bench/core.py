@@ -18,6 +18,8 @@ time each call (their calls cost tens of microseconds, the clock reads well unde
 cost of match and insert at 1k- and 128k-token keys (``run_key_scaling``), and the memory a
 10^6-token tree holds (``urc.apps.bench.tree_memory``).
 ``--workload long-context`` runs the phases on :func:`generate_long_context` instead.
+``--hints`` gives every insert a :class:`~urc.reuse_hint.ReuseHint` (see :func:`bench_hint`),
+as a server caching finished requests does: the cost of a policy that uses them.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ from urc.fastpath import common_len
 from urc.key import RadixKey
 from urc.node import ComponentType
 from urc.params import EvictParams, InsertParams, MatchPrefixParams
+from urc.reuse_hint import ReuseHint, StopReason
 
 __all__ = [
     "COMPONENT_SETS",
     "PhaseStats",
+    "bench_hint",
     "generate_long_context",
     "generate_sequences",
     "main",
@@ -171,17 +175,30 @@ def _phase(lat: list[float], tokens: int, seconds: float | None = None) -> Phase
     )
 
 
-class _Driver:
-    """Supplies the per-component parts of an insert (Mamba state slots)."""
+def bench_hint(i: int) -> ReuseHint:
+    """The hint of the bench's ``i``-th insert: one of 64 sessions in turn, three tool calls
+    in four (the rest answers), finished half a second after the previous one."""
+    stop = StopReason.END_TURN if i % 4 == 3 else StopReason.TOOL_USE
+    return ReuseHint(f"s{i % 64}", stop, None, 0.5 * i)
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
+
+class _Driver:
+    """Supplies the per-component parts of an insert (Mamba state slots; with ``hints``,
+    each insert's :func:`bench_hint`)."""
+
+    def __init__(self, cache: UnifiedRadixCache, hints: bool = False) -> None:
         self.cache = cache
         self.mamba = cache.pools.mamba if cache.has_component(ComponentType.MAMBA) else None
+        self.hints = hints
+        self.inserts = 0
 
     def insert(self, seq: list[int]) -> tuple[InsertParams, Callable[[Any], None]]:
         value = self.cache.token_to_kv_pool_allocator.alloc(len(seq))
         assert value is not None, "bench pool too small"
         params = InsertParams(key=RadixKey(seq), value=value)
+        if self.hints:
+            params.reuse_hint = bench_hint(self.inserts)
+        self.inserts += 1
         if self.mamba is None:
             return params, _noop
         slot = self.mamba.alloc(1)
@@ -223,17 +240,19 @@ def run_phases(
     page_size: int,
     seqs: list[list[int]],
     kv_events: bool = False,
+    hints: bool = False,
     **config: Any,
 ) -> dict[str, Any]:
     """Run the phases on a fresh cache (``config``: more ``CacheConfig`` fields);
-    returns per-phase figures.  ``kv_events``: with the cache's KV events on, taken after the
-    insert and the evict phase (outside the phases' timings: the drain, where the page hashes
-    are computed, is reported on its own)."""
+    returns per-phase figures.  ``hints``: every insert carries a :func:`bench_hint`.
+    ``kv_events``: with the cache's KV events on, taken after the insert and the evict
+    phase (outside the phases' timings: the drain, where the page hashes are computed, is
+    reported on its own)."""
     total = sum(len(s) for s in seqs)
     cache = build_cache(make_config(components, page_size, total + 1024, **config))
     if kv_events:
         cache.enable_kv_events()
-    driver = _Driver(cache)
+    driver = _Driver(cache, hints)
     _settle()  # the workload itself (lists of millions of ints) is not the cache's
     clock = time.perf_counter
     lat: list[float] = []
@@ -525,6 +544,11 @@ def main(argv: list[str] | None = None) -> None:
         help="record KV events (urc.kv_events) during the phases",
     )
     ap.add_argument(
+        "--hints",
+        action="store_true",
+        help="give every insert a reuse hint (session, stop reason, finish), as a server does",
+    )
+    ap.add_argument(
         "--scaling",
         action="store_true",
         help="also measure 1e4/1e5/1e6 trees, per-token cost at 1k vs 128k-token keys, and "
@@ -551,12 +575,15 @@ def main(argv: list[str] | None = None) -> None:
             "eviction_policy": args.eviction_policy,
             "partial_leaf_eviction": args.partial_leaf_eviction,
             "kv_events": args.kv_events,
+            "hints": args.hints,
         },
         "results": {},
     }
     for name in names:
         for ps in args.page_sizes:
-            entry = run_phases(COMPONENT_SETS[name], ps, seqs, args.kv_events, **eviction)
+            entry = run_phases(
+                COMPONENT_SETS[name], ps, seqs, args.kv_events, args.hints, **eviction
+            )
             if args.scaling:
                 entry["scaling"] = run_scaling(
                     COMPONENT_SETS[name], ps, args.chunk_len, [10**4, 10**5, 10**6]

@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--policies",
         type=_policies,
-        default="lru,tlru,slru,session-aware,belady",
+        default="lru,tlru,slru,session-aware,return-time,belady",
         help="eviction policies, comma list",
     )
     ap.add_argument("--concurrency", type=_concurrency, default=100.0, help="mean sessions running")

@@ -76,6 +76,7 @@ EVICTION_POLICY_VALUES = (
     "tlru",
     "fork-aware",
     "session-aware",
+    "return-time",
     "belady",
 )
 WRITE_POLICY_VALUES = ("write_through", "write_through_selective", "write_back")

@@ -1,0 +1,328 @@
+"""The return-time eviction policy (``urc.return_time_eviction``) and its gap model.
+
+Without hints it evicts exactly as LRU (the same victims, in the same order: property test);
+with hints, expired and unhinted leaves go first, then the furthest predicted return; a
+prediction moves later (and expires) as its session stays away, through the timer queue;
+gaps are learned from the requests that extend a cached path, and paths not extended within
+the horizon count as never.  Invariants under random operations with hints are checked for
+every policy in ``tests/core/test_reuse_hint.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from urc import (
+    CacheConfig,
+    ComponentType,
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+    RadixKey,
+    build_cache,
+)
+from urc.cache import UnifiedRadixCache
+from urc.errors import ConfigError
+from urc.eviction_policy import EvictionPolicy
+from urc.gap_model import GapHistogram, gap_edges
+from urc.return_time_eviction import ReturnTimeStrategy
+from urc.reuse_hint import ReuseHint, StopReason
+
+PS = 4
+TOOL = StopReason.TOOL_USE
+END = StopReason.END_TURN
+
+
+def _cache(policy: EvictionPolicy = EvictionPolicy.RETURN_TIME, **kw: Any) -> UnifiedRadixCache:
+    kw.setdefault("kv_size", 64 * PS)
+    return build_cache(CacheConfig(page_size=PS, max_num_reqs=4, eviction_policy=policy, **kw))
+
+
+def _insert(cache: UnifiedRadixCache, tokens: list[int], hint: ReuseHint | None = None) -> None:
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    prefix = m.device_indices
+    own = cache.token_to_kv_pool_allocator.alloc(len(tokens) - prefix.shape[0])
+    assert own is not None
+    cache.insert(
+        InsertParams(
+            key=RadixKey(tokens),
+            value=torch.cat([prefix, own]),
+            prev_prefix_len=prefix.shape[0],
+            reuse_hint=hint,
+        )
+    )
+    cache.sanity_check()
+    cache.check_pools({ComponentType.FULL: 0})
+
+
+def _session(n: int, pages: int = 2) -> list[int]:
+    return [n * 1000 + i for i in range(pages * PS)]
+
+
+def _survivors(cache: UnifiedRadixCache, sessions: list[int]) -> list[int]:
+    out = []
+    for s in sessions:
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(s))))
+        if m.device_indices.shape[0]:
+            out.append(s)
+    return out
+
+
+def _strategy(cache: UnifiedRadixCache) -> ReturnTimeStrategy:
+    s = cache.full.strategy
+    assert isinstance(s, ReturnTimeStrategy)
+    return s
+
+
+# ------------------------------------------------------------------ the gap model
+def test_gap_edges_double_up_to_the_horizon() -> None:
+    assert gap_edges(20.0) == (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 20.0)
+
+
+@pytest.mark.parametrize(
+    ("gaps", "nevers", "j", "q", "expected"),
+    [
+        ([3.0] * 4, 0, 0, 0.5, 3.0),  # bin [2, 4): halfway through its counts
+        ([3.0] * 4, 4, 0, 0.5, 4.0),  # half never: the end of the last returning bin
+        ([3.0] * 4, 5, 0, 0.5, None),  # more than half never: expired
+        ([3.0] * 4 + [40.0] * 4, 0, 3, 0.5, 48.0),  # late: only the later gaps count
+        ([3.0] * 4, 0, 3, 0.5, None),  # past every observed gap
+    ],
+)
+def test_gap_histogram_predicts_the_conditional_quantile(
+    gaps: list[float], nevers: int, j: int, q: float, expected: float | None
+) -> None:
+    h = GapHistogram(gap_edges(100.0), None, prior_weight=0.0)
+    for g in gaps:
+        h.add(g)
+    for _ in range(nevers):
+        h.add_never()
+    assert h.predict(j, q) == expected
+
+
+def test_gap_histogram_counts_gaps_past_the_horizon_as_never_and_halves_old_counts() -> None:
+    h = GapHistogram(gap_edges(100.0), 5.0, prior_weight=1.0)
+    h.add(100.0)
+    assert h.never == 1.0
+    for _ in range(70000):
+        h.add(1.5)
+    assert h.total <= 65536.0
+    assert h.counts[h.bin_of(1.5)] > 30000.0
+
+
+# ------------------------------------------------------------------ the order
+def test_an_answer_goes_before_a_tool_call_that_is_due() -> None:
+    # Session 1 answered at t=100 (back in minutes), session 2 called a tool at t=90 (back
+    # in seconds): the furthest predicted return goes first, although LRU would keep 2.
+    for policy, kept in ((EvictionPolicy.RETURN_TIME, [2]), (EvictionPolicy.LRU, [1])):
+        cache = _cache(policy)
+        _insert(cache, _session(2), ReuseHint("s2", TOOL, finished_at_s=90.0))
+        _insert(cache, _session(1), ReuseHint("s1", END, finished_at_s=100.0))
+        cache.evict(EvictParams(num_tokens=2 * PS))
+        cache.sanity_check()
+        assert _survivors(cache, [1, 2]) == kept, policy
+
+
+def test_a_late_tool_call_expires_before_a_pending_answer() -> None:
+    # Session 1 called a tool at t=0 and has not come back by t=100: no tool gap seen so
+    # far was that long, so its prediction has expired (the timer queue lowered its key);
+    # session 2's answer at t=100 is still pending.  The session-aware policy keeps 1.
+    for policy, kept in ((EvictionPolicy.RETURN_TIME, [2]), (EvictionPolicy.SESSION_AWARE, [1])):
+        cache = _cache(policy)
+        _insert(cache, _session(1), ReuseHint("s1", TOOL, finished_at_s=0.0))
+        _insert(cache, _session(3))  # an unhinted leaf: its eviction re-keys 1's entry
+        cache.evict(EvictParams(num_tokens=2 * PS))
+        assert _survivors(cache, [1, 3]) == [1]
+        _insert(cache, _session(2), ReuseHint("s2", END, finished_at_s=100.0))
+        cache.evict(EvictParams(num_tokens=2 * PS))
+        cache.sanity_check()
+        assert _survivors(cache, [1, 2]) == kept, policy
+
+
+def test_unhinted_leaves_go_first_in_lru_order() -> None:
+    cache = _cache()
+    _insert(cache, _session(1), ReuseHint("s1", END, finished_at_s=1.0))
+    _insert(cache, _session(2))
+    _insert(cache, _session(3))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert _survivors(cache, [1, 2, 3]) == [1, 3]
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert _survivors(cache, [1, 2, 3]) == [1]
+
+
+def test_a_servers_own_expected_gap_wins_over_the_learned_one() -> None:
+    # Both called a tool at t=10; the server expects session 1 back in 500 s.
+    cache = _cache()
+    _insert(cache, _session(1), ReuseHint("s1", TOOL, 500.0, finished_at_s=10.0))
+    _insert(cache, _session(2), ReuseHint("s2", TOOL, finished_at_s=10.0))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert _survivors(cache, [1, 2]) == [2]
+
+
+# ------------------------------------------------------------------ learning
+def test_gaps_are_learned_from_requests_that_extend_a_path() -> None:
+    cache = _cache(kv_size=256 * PS)
+    model = _strategy(cache)._models[TOOL]
+    before = model.counts[model.bin_of(100.0)]
+    tokens = _session(1, pages=1)
+    for i in range(5):
+        tokens = tokens + [50_000 + 10 * i + k for k in range(PS)]
+        _insert(cache, tokens, ReuseHint("s1", TOOL, finished_at_s=100.0 * i))
+    # Four extensions, each 100 s after the previous: four gaps in the [64, 128) bin.
+    assert model.counts[model.bin_of(100.0)] == before + 4
+    # A request of the session that does not extend the path is no reuse.
+    _insert(cache, _session(7), ReuseHint("s1", TOOL, finished_at_s=500.0))
+    assert model.counts[model.bin_of(100.0)] == before + 4
+
+
+def test_a_path_not_extended_within_the_horizon_counts_as_never() -> None:
+    cache = _cache(return_horizon_s=64.0)
+    model = _strategy(cache)._models[END]
+    never = model.never
+    _insert(cache, _session(1), ReuseHint("s1", END, finished_at_s=0.0))
+    _insert(cache, _session(2), ReuseHint("s2", END, finished_at_s=30.0))
+    assert model.never == never
+    _insert(cache, _session(3), ReuseHint("s3", END, finished_at_s=65.0))
+    assert model.never == never + 1  # session 1's path, at its horizon
+
+
+def test_learned_long_tool_gaps_keep_a_late_session_pending() -> None:
+    # Tool calls of this workload come back after ~100 s: at age 40 s a tool call is due,
+    # not expired, so it outlives an answer.
+    cache = _cache(kv_size=256 * PS)
+    tokens = _session(9, pages=1)
+    for i in range(12):
+        tokens = tokens + [60_000 + 10 * i + k for k in range(PS)]
+        _insert(cache, tokens, ReuseHint("s9", TOOL, finished_at_s=100.0 * i))
+    cache.evict(EvictParams(num_tokens=1 << 20))
+    _insert(cache, _session(1), ReuseHint("s1", TOOL, finished_at_s=2000.0))
+    _insert(cache, _session(2), ReuseHint("s2", END, finished_at_s=2040.0))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert _survivors(cache, [1, 2]) == [1]
+
+
+def _loop(cache: UnifiedRadixCache, sid: str, base: int, times: list[float]) -> None:
+    """Session ``sid`` calls tools at ``times``, each request extending the previous one."""
+    tokens = [base + k for k in range(PS)]
+    for i, t in enumerate(times):
+        tokens = tokens + [base + 100 + 10 * i + k for k in range(PS)]
+        _insert(cache, tokens, ReuseHint(sid, TOOL, finished_at_s=t))
+
+
+def test_a_sessions_own_slow_gaps_keep_it_pending_when_others_would_expire() -> None:
+    # Six sessions called tools every 5 s, then stopped; session "x" every 100 s.  Most tool
+    # calls still missing after 40 s never came back, so a newcomer's expires at 40 s; "x"'s
+    # own gaps keep it pending: the newcomer goes first, and an answer pending since stays.
+    cache = _cache(kv_size=512 * PS)
+    for n in range(6):
+        _loop(cache, f"f{n}", 100_000 * (n + 1), [5.0 * i for i in range(6)])
+    _loop(cache, "x", 900_000, [100.0 * i for i in range(6)])
+    cache.evict(EvictParams(num_tokens=1 << 20))
+    _insert(cache, _session(1), ReuseHint("x", TOOL, finished_at_s=2000.0))
+    _insert(cache, _session(2), ReuseHint("new", TOOL, finished_at_s=2000.0))
+    _insert(cache, _session(3), ReuseHint("z", END, finished_at_s=2040.0))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert _survivors(cache, [1, 2, 3]) == [1, 3]
+    # Without the session's own gaps, "x" is a newcomer too.
+    cache = _cache(kv_size=512 * PS)
+    cache.full.strategy._own_weight = 0.0  # type: ignore[attr-defined]
+    for n in range(6):
+        _loop(cache, f"f{n}", 100_000 * (n + 1), [5.0 * i for i in range(6)])
+    _loop(cache, "x", 900_000, [100.0 * i for i in range(6)])
+    cache.evict(EvictParams(num_tokens=1 << 20))
+    _insert(cache, _session(1), ReuseHint("x", TOOL, finished_at_s=2000.0))
+    _insert(cache, _session(2), ReuseHint("new", TOOL, finished_at_s=2000.0))
+    _insert(cache, _session(3), ReuseHint("z", END, finished_at_s=2040.0))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert _survivors(cache, [1, 2, 3]) == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"return_quantile": 0.0},
+        {"return_quantile": 1.0},
+        {"return_horizon_s": 1.0},
+        {"return_quantum_s": 0.0},
+        {"return_quantum_s": float("nan")},
+    ],
+)
+def test_return_time_parameters_are_checked(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        _cache(**kwargs)
+
+
+# ------------------------------------------------------------------ LRU without hints
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.lists(st.integers(0, 3), min_size=1, max_size=5)),
+        st.tuples(st.just("match"), st.lists(st.integers(0, 3), min_size=1, max_size=5)),
+        st.tuples(st.just("lock"), st.lists(st.integers(0, 3), min_size=1, max_size=5)),
+        st.tuples(st.just("unlock"), st.integers(0, 9)),
+        st.tuples(st.just("evict"), st.integers(1, 12)),
+    ),
+    max_size=40,
+)
+
+
+def _contents(cache: UnifiedRadixCache) -> list[tuple[int, ...]]:
+    """Every device path's tokens (what is cached, independent of node ids)."""
+    out = []
+    stack = [(cache.root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        for child in node.children.values():
+            if child.full.value is not None:
+                path = prefix + tuple(int(t) for t in child.key)
+                out.append(path)
+                stack.append((child, path))
+    return sorted(out)
+
+
+def _run(cache: UnifiedRadixCache, program: list[tuple[Any, ...]]) -> list[Any]:
+    """Apply ``program``; return what is cached after each eviction (the victims' trace)."""
+    alloc = cache.token_to_kv_pool_allocator
+    locks: list[Any] = []
+    trace: list[Any] = []
+    for op in program:
+        kind = op[0]
+        if kind in ("insert", "match", "lock"):
+            tokens = [b * 100 + i for b in op[1] for i in range(PS)]
+            m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+            if kind == "insert":
+                own = alloc.alloc(len(tokens) - m.device_indices.shape[0])
+                if own is not None:
+                    cache.insert(
+                        InsertParams(
+                            key=RadixKey(tokens),
+                            value=torch.cat([m.device_indices, own]),
+                            prev_prefix_len=m.device_indices.shape[0],
+                        )
+                    )
+            elif kind == "lock":
+                locks.append((m.last_device_node, cache.inc_lock_ref(m.last_device_node)))
+        elif kind == "unlock" and locks:
+            node, receipt = locks.pop(op[1] % len(locks))
+            cache.dec_lock_ref(node, receipt.to_dec_params())
+        elif kind == "evict":
+            freed = cache.evict(EvictParams(num_tokens=op[1] * PS)).num_tokens_evicted
+            trace.append((freed, _contents(cache)))
+        cache.sanity_check()
+        cache.check_pools({ComponentType.FULL: 0})
+    return trace
+
+
+@pytest.mark.parametrize("partial", [False, True])
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(program=_ops)
+def test_without_hints_return_time_evicts_exactly_as_lru(
+    partial: bool, program: list[tuple[Any, ...]]
+) -> None:
+    kw = {"kv_size": 24 * PS, "partial_leaf_eviction": partial}
+    lru = _run(_cache(EvictionPolicy.LRU, **kw), program)
+    assert _run(_cache(**kw), program) == lru
