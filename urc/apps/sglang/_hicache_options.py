@@ -8,14 +8,11 @@ from typing import Any
 from hicache.config import HiCacheConfig
 from hicache.host_layout import HostLayout
 from hicache.transfer_engine import ThreadTransferEngine, TransferEngine, engine_for
+from urc.apps.sglang._l3 import STORAGE_BACKENDS, attach_storage
 from urc.host_protocol import WritePolicy
-
-# ``--hicache-storage-backend`` values urc serves as the tree (used by urc.apps.sglang._l3).
-STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
 
 __all__ = [
     "HOST_LAYOUTS",
-    "STORAGE_BACKENDS",
     "hicache_config",
     "hicache_refusals",
     "start_storage",
@@ -64,8 +61,6 @@ def start_storage(cache: Any, memory: Any) -> None:
     if memory.hicache_storage_backend is None or cache.host is None:
         return
     from sglang.srt.runtime_context import get_parallel, get_serving
-
-    from urc.apps.sglang._l3 import attach_storage
 
     parallel = get_parallel()
     cache.attach_l3(

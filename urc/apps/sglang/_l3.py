@@ -44,14 +44,17 @@ from hicache.storage.base import StorageBackend
 from hicache.storage.keys import KeyScheme
 from hicache.storage.sglang_keys import SGLangNaming
 from hicache.storage_worker import StorageWorker
-from urc.apps.sglang._hicache_options import STORAGE_BACKENDS
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.host_protocol import TierEvents
 from urc.key import RadixKey
 from urc.node import TreeNode
 
+#: ``--hicache-storage-backend`` values urc serves as the tree.
+STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
+
 __all__ = [
+    "STORAGE_BACKENDS",
     "SchedulerActor",
     "SchedulerStorage",
     "attach_storage",
