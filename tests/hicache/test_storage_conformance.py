@@ -222,7 +222,11 @@ async def test_a_stalled_store_hits_the_deadline_and_serves_again(
     pages = make_pages(2, 8)
     keys = backend.keys(2, "stall")
     async with await backend.open(op_timeout_s=0.5) as store:
-        assert await store.put(keys, pages) == 2
+        with anyio.fail_after(30):
+            # A loaded machine can miss the short deadline before the stall too (a counted
+            # miss, not a failure): store the pages first, whatever it takes.
+            while await store.put(keys, pages) != 2:
+                await anyio.sleep(0.1)
         backend.stall()
         try:
             with anyio.fail_after(20):
