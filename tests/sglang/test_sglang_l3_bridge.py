@@ -292,6 +292,26 @@ def test_the_file_backend_uses_sglangs_directory_rule(
     asyncio.run(store.close())
 
 
+def test_a_capacity_limited_dynamic_file_store_owns_this_ranks_sglang_pages(
+    sglang: None, tmp_path: Path
+) -> None:
+    """``dynamic`` opens urc's store with this rank's suffix: a capacity-limited file store
+    stores (and may evict) this rank's SGLang pages instead of refusing them as another
+    deployment's."""
+    extra = {"store": "file", "path": str(tmp_path), "capacity_bytes": 1 << 20}
+
+    async def put_one() -> int:
+        store = await open_store("dynamic", extra, NAMING.suffix)()
+        try:
+            page = torch.arange(64, dtype=torch.uint8)
+            key = sglang_page_keys(list(range(4)), 4, NAMING)[0]
+            return await store.put([key], [page], raise_errors=True)
+        finally:
+            await store.close()
+
+    assert asyncio.run(put_one()) == 1
+
+
 def _key(tokens: list[int]) -> Any:
     from urc import RadixKey
 

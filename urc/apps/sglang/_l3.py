@@ -394,11 +394,13 @@ def attach_storage(
     naming = SGLangNaming(model_name or "", tp_rank, tp_size)
     config = storage_config(prefetch_policy, naming, cache.page_size, extra)
     settings = {k: v for k, v in extra.items() if k not in _CONTROLLER_KEYS}
-    return SchedulerStorage(cache, tier, open_store(backend, settings), config, backend)
+    return SchedulerStorage(
+        cache, tier, open_store(backend, settings, naming.suffix), config, backend
+    )
 
 
 def open_store(
-    backend: str, extra_config: Mapping[str, Any] | None
+    backend: str, extra_config: Mapping[str, Any] | None, sglang_suffix: str | None = None
 ) -> Callable[[], Awaitable[StorageBackend]]:
     """How to open urc's store for ``--hicache-storage-backend backend`` with
     ``--hicache-storage-backend-extra-config`` (parsed): ``file`` -- ``HiCacheFile``'s
@@ -407,7 +409,8 @@ def open_store(
     settings (``master_server_address`` or ``MOONCAKE_MASTER``, ``protocol``,
     ``global_segment_size``, ``local_hostname``, ``metadata_server``); ``dynamic`` -- urc's
     own store as ``urc.apps.sglang.hicache_storage`` reads the extra config (``store``:
-    file, valkey or mooncake, and its settings).  Raises :class:`~urc.errors.ConfigError`
+    file, valkey or mooncake, and its settings; ``sglang_suffix``, this rank's page-name
+    suffix, is what a capacity-limited file store owns).  Raises :class:`~urc.errors.ConfigError`
     for another backend or a setting urc cannot serve."""
     extra = dict(extra_config or {})
     if backend == "file":
@@ -436,7 +439,7 @@ def open_store(
         async def open_dynamic() -> StorageBackend:
             from urc.apps.sglang.hicache_storage import build_store
 
-            return await build_store(extra)
+            return await build_store(extra, sglang_suffix)
 
         return open_dynamic
     raise ConfigError(
