@@ -168,10 +168,6 @@ def test_flush_cache_empties_both_caches(pair: ServerPair, report: Callable[[str
     assert counts[0] == counts[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the plug-in publishes no AllBlocksCleared at start-up (issue 45 item 2, i44)",
-)
 def test_the_start_up_publishes_all_blocks_cleared_as_the_default_does(
     pair: ServerPair, report: Callable[[str], None]
 ) -> None:
