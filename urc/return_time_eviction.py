@@ -314,12 +314,18 @@ class ReturnTimeStrategy(EvictionStrategy):
         model = stamp.model
         if fixed is not None:
             # The server's own estimate: kept until twice the gap (a quantum at least).
-            late = age > 2 * fixed + self._quantum
+            # Compared as the timer's own time: ``now - at`` may round below it.
+            due = stamp.at + 2 * fixed + self._quantum
+            late = now >= due
             ret = None if late else stamp.at + fixed
-            nxt = None if late else stamp.at + 2 * fixed + self._quantum
+            nxt = None if late else due
             j = model.bins
         else:
             j = model.bin_of(age)
+            # ``now - at`` may round below the edge whose timer fired: never re-arm a timer
+            # that is already due (it would fire again at once, forever).
+            while j < model.bins and stamp.at + self._edges[j + 1] <= now:
+                j += 1
             own = None if stamp.session is None else stamp.session.own.get(stamp.stop)
             if j >= model.bins:
                 gap = None

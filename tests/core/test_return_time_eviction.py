@@ -326,3 +326,13 @@ def test_without_hints_return_time_evicts_exactly_as_lru(
     kw = {"kv_size": 24 * PS, "partial_leaf_eviction": partial}
     lru = _run(_cache(EvictionPolicy.LRU, **kw), program)
     assert _run(_cache(**kw), program) == lru
+
+
+def test_timers_at_float_rounded_times_fire_once_and_end() -> None:
+    # Finish times 0.1 s apart: ``(at + edge) - at`` rounds below ``edge`` for some of them;
+    # a timer re-armed at its own due time would fire forever (it hung the bench).
+    cache = _cache(kv_size=512 * PS)
+    for i in range(200):
+        _insert(cache, _session(i % 40), ReuseHint(f"s{i % 7}", TOOL, finished_at_s=0.1 * i))
+    _insert(cache, _session(99), ReuseHint("z", END, finished_at_s=5000.0))
+    assert not _strategy(cache)._timers or _strategy(cache)._timers[0][0] > 5000.0
