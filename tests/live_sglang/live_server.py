@@ -412,10 +412,15 @@ class LiveServer:
     def abort(self, rid: str) -> int:
         return self._post("/abort_request", {"rid": rid})[0]
 
-    def flush_cache(self, timeout: float = 30.0) -> bool:
+    def flush_cache(self, timeout: float = 30.0, attempts: int = 3) -> bool:
         """``/flush_cache``, letting SGLang wait up to ``timeout`` s for the scheduler to turn
-        idle (it refuses while a finished request's last batch is still being processed)."""
-        return self._post(f"/flush_cache?timeout={timeout}", None)[0] == 200
+        idle (it refuses while a finished request's last batch is still being processed),
+        asked up to ``attempts`` times: on a busy host one wait can end before the turn does."""
+        for _ in range(attempts):
+            if self._post(f"/flush_cache?timeout={timeout}", None)[0] == 200:
+                return True
+            self.settle(1.0)
+        return False
 
     # -- KV events ------------------------------------------------------------------------
 
