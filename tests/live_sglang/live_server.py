@@ -37,6 +37,7 @@ __all__ = [
     "LLAMA",
     "MELLUM_SWA",
     "START_TIMEOUT",
+    "SWA_POOL_AS_LARGE_AS_FULL",
     "Comparison",
     "GenRequest",
     "GenResult",
@@ -103,9 +104,12 @@ LLAMA = TinyModel(
 # A model class SGLang 0.5.23 treats as hybrid sliding-window (``is_hybrid_swa_model``):
 # Mellum with one sliding-window layer and one full-attention layer, both with dense MLPs
 # (``num_experts`` must still be positive: SGLang sizes its expert map from it).  The window
-# (1024) is longer than the live prompts: SGLang's CPU attention (torch_native) gathers a
-# request's whole prefix from the SWA pool, so once a slot past the window has been freed it
-# indexes out of the pool (``IndexError`` in ``_run_sdpa_forward_extend``, with either cache).
+# (1024) is longer than the live prompts.  SGLang's CPU attention (torch_native) writes a
+# sliding-window layer's KV at SWA slots but reads it back at the request's *full-pool* slots
+# (``req_to_token``): any full slot at or past the SWA pool's size indexes out of it
+# (``IndexError`` in ``_run_sdpa_forward_extend``, with either cache, as soon as the allocator
+# hands out a high slot), and so does a prefix whose out-of-window slots were freed.  Servers of
+# this model therefore run with ``SWA_POOL_AS_LARGE_AS_FULL``.
 MELLUM_SWA = TinyModel(
     "mellum-swa",
     {
@@ -133,6 +137,9 @@ MELLUM_SWA = TinyModel(
         "torch_dtype": "bfloat16",
     },
 )
+
+# SGLang flags for a MELLUM_SWA server: an SWA pool as large as the full one (see MELLUM_SWA)
+SWA_POOL_AS_LARGE_AS_FULL = ("--swa-full-tokens-ratio", "1.0")
 
 
 @dataclass(frozen=True)
@@ -328,6 +335,21 @@ class LiveServer:
 
     def log_tail(self, lines: int = 15) -> str:
         return " | ".join(self.log().strip().splitlines()[-lines:])
+
+    def last_error(self, lines: int = 12) -> str:
+        """The end of the log's last traceback (its last ``lines``, down to the exception line),
+        or the log's tail if it has none: what a crashed scheduler said, without the
+        interpreter's shutdown noise after it."""
+        log = self.log().splitlines()
+        starts = [i for i, line in enumerate(log) if "Traceback (most recent call last)" in line]
+        if not starts:
+            return self.log_tail(lines)
+        block = log[starts[-1] :]
+        end = next(
+            (i for i, line in enumerate(block[1:], 1) if line[:1] not in (" ", "\t", "")),
+            len(block) - 1,
+        )
+        return " | ".join(block[max(0, end + 1 - lines) : end + 1])
 
     def tree_cache_line(self) -> str:
         m = _TREE.search(self.log())

@@ -112,6 +112,10 @@ def finish_case(
         )
         cmp.extra["events"] = counts
     report(f"[{pair.config.label}] {cmp.summary()}")
+    if cmp.requests_ok != (len(cmp.default), len(cmp.urc)):
+        # a failed request is explained by the server's own log, not by the client's error
+        for server in (pair.default, pair.urc):
+            report(f"[{pair.config.label}] {server.config.backend} log: {server.last_error()}")
     assert leaks == ([], []), f"leak reports: {leaks}"
     return counts
 
