@@ -21,6 +21,7 @@ after ``str(key)``; ``FileStorage`` names SGLang-scheme files as ``HiCacheFile``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -108,6 +109,11 @@ class PageKey:
 
     def __str__(self) -> str:
         return f"urc{self.version}:{self.component.value}:{self.digest.hex()}"
+
+    def __hash__(self) -> int:
+        # Equal keys have equal digests; a bytes object caches its hash (the generated
+        # hash would rebuild a tuple and hash the Enum on every index lookup).
+        return hash(self.digest)
 
 
 @dataclass(frozen=True)
@@ -218,16 +224,30 @@ def parse_page_key(key: str) -> PageKey:
     pages hashed under another format.  SGLang-scheme keys (``sglang:...``) parse to a Full
     :class:`SGLangPageKey`.
     """
-    match = KEY_PATTERN.fullmatch(key) if isinstance(key, str) else None
+    if not isinstance(key, str):
+        raise InvalidStorageKeyError(f"not a page key: {key!r}")
+    return _parse_key_string(key)
+
+
+_COMPONENT_OF = {component.value: component for component in StorageComponent}
+
+
+# The storage worker names a chain's pages from its root on every write (each job checks
+# which leading pages are stored), so the same keys are parsed over and over: a bounded
+# memo of the parsed (immutable) keys makes a repeat a lookup.  Malformed keys raise and
+# are not kept.
+@functools.lru_cache(maxsize=1 << 16)
+def _parse_key_string(key: str) -> PageKey:
+    match = KEY_PATTERN.fullmatch(key)
     if match is None:  # urc's keys first: they cost nothing extra
-        sgl = SGLANG_KEY_PATTERN.fullmatch(key) if isinstance(key, str) else None
+        sgl = SGLANG_KEY_PATTERN.fullmatch(key)
         if sgl is None:
             raise InvalidStorageKeyError(f"not a page key: {key!r}")
         return SGLangPageKey(0, StorageComponent.FULL, bytes.fromhex(sgl.group(1)), sgl.group(2))
-    version = int(match.group(1))
-    if version != KEY_FORMAT_VERSION:
+    version, component, digest = match.groups()
+    if int(version) != KEY_FORMAT_VERSION:
         raise InvalidStorageKeyError(f"unsupported key format version {version} in {key!r}")
-    return PageKey(version, StorageComponent(match.group(2)), bytes.fromhex(match.group(3)))
+    return PageKey(KEY_FORMAT_VERSION, _COMPONENT_OF[component], bytes.fromhex(digest))
 
 
 def validate_keys(keys: Sequence[str]) -> list[PageKey]:

@@ -116,5 +116,38 @@ async def test_a_small_fleet_runs_on_a_valkey_cluster_l3(valkey_cluster: ValkeyC
     assert run.ok, run.check_errors
     assert run.requests == 60 and run.replica_requests == [20, 20, 20]
     assert run.l3 == "valkey"
+    assert run.l3_pages_written > 0 and run.l3_failures == 0
     # Round-robin sends a conversation's turns to other replicas: some reach them via L3.
     assert run.hit_tokens["storage"] > 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["file", "valkey-cluster", "mooncake"])
+async def test_a_settled_request_has_its_l3_writes_landed_when_the_replica_frees_its_slot(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    config = _replay(host=3000)
+    summary = await summarize(config)
+    sizes = ReplicaSizes(6000, 3000, summary.max_request_tokens)
+    first = next(iter(synthetic_requests(config)))
+    pages = first.input_length // PS
+    with anyio.fail_after(60):
+        async with AsyncExitStack() as stack:
+            store = await stack.enter_async_context(
+                open_shared_store(_store(kind, request, tmp_path))
+            )
+            storage = StorageConfig(backup_policy=StorageBackupPolicy.WRITE_THROUGH)
+            a, b = [
+                await stack.enter_async_context(open_replica(i, config, sizes, store, storage))
+                for i in range(2)
+            ]
+            await a.slot.acquire()
+            assert await a.serve(first, settle=True) == (0, 0)
+            assert a.storage is not None
+            # No waiting here: the slot came back only once the writes had landed.
+            written = a.storage.stats.pages_written
+            await b.slot.acquire()
+            local, from_l3 = await b.serve(first, settle=True)
+    assert written == pages and a.storage.stats.errors == 0
+    assert local == 0 and from_l3 == pages * PS
+    assert a.check() is None and b.check() is None

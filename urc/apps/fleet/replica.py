@@ -11,6 +11,7 @@ can be checked request by request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from urc.service import (
 )
 
 __all__ = ["Replica", "ReplicaSizes", "open_replica"]
+
+_POLL_S = 0.001
+_STALLED_POLLS = 100  # 0.1 s without a backup's progress: give up waiting for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,7 @@ class Replica:
         self.host_tokens = host_tokens
         self._loop = loop
         self.slot = anyio.Semaphore(1)
+        self._serving = anyio.Semaphore(1)
         self.requests = 0
         self.prompt_tokens = 0
 
@@ -85,18 +90,43 @@ class Replica:
     def rejected(self) -> int:
         return self._loop.rejected
 
-    async def serve(self, tr: TraceRequest) -> tuple[int, int]:
-        """Serve ``tr`` (the caller holds :attr:`slot`; it is released here).  Returns the
-        prompt tokens it found on this replica (device + host) and in L3."""
+    async def serve(self, tr: TraceRequest, *, settle: bool = False) -> tuple[int, int]:
+        """Serve ``tr`` (the caller holds :attr:`slot`; it is released here).  With
+        ``settle`` the replica's queued L3 writes land before the slot is released, so its
+        next request (and a session's next turn, wherever it goes) sees them: a write-through
+        lands in milliseconds, well inside a real trace's gaps, which the replay compresses
+        away.  Returns the prompt tokens it found on this replica (device + host) and in L3."""
         hits = self._loop.hits
         before = (hits[Tier.DEVICE] + hits[Tier.HOST], hits[Tier.STORAGE])
         self.requests += 1
         self.prompt_tokens += tr.input_length
-        await self._loop._serve(tr, self.slot)
+        try:
+            await self._serving.acquire()  # released by the serving loop
+            await self._loop._serve(tr, self._serving)
+            if settle and self.storage is not None:
+                await self._settle(self.storage)
+        finally:
+            self.slot.release()
         return (
             hits[Tier.DEVICE] + hits[Tier.HOST] - before[0],
             hits[Tier.STORAGE] - before[1],
         )
+
+    async def _settle(self, storage: StorageWorker) -> None:
+        """Wait for the host backups the request started (an L3 write is queued when its
+        host copy commits), then for every queued L3 write.  A backup that makes no progress
+        while nothing copies (a host tier full of pinned pages) is not waited for."""
+        cache, controller = self.cache, self._loop.controller
+        assert controller is not None, "an L3 worker comes with a host tier"
+        stalled, last = 0, (-1, -1)
+        while cache.pending_backups or cache.backups_in_flight or controller.in_flight:
+            now = (len(cache.pending_backups), controller.backed_up_tokens)
+            stalled = stalled + 1 if now == last and not controller.in_flight else 0
+            if stalled > _STALLED_POLLS:
+                break
+            last = now
+            await anyio.sleep(_POLL_S)  # the backup loop runs meanwhile
+        await storage.flush(math.inf)
 
     async def flush(self) -> None:
         """Let queued L3 writes land."""

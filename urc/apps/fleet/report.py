@@ -7,7 +7,9 @@ its index predicted on the chosen replica against what that replica actually had
 over- and under-predicted shares, and the mean error in prompt shares; and the share exact
 when the overlap is read again as the replica starts the request), the event lag
 (publish to apply, p50/p99/max), what the subscriber recovered (gaps, batches replayed), and
-the wall time.
+the L3 pages written and the L3 failures (storage calls that failed plus writes
+dropped: a run with failures reads L3 hits as a lower bound, and its row says so), and the
+wall time.
 
 A sweep (:class:`FleetSweep`) holds the runs over N and policies with, per N, two
 references: ``bound`` (one replica with N times the capacity: what a fleet that shared one
@@ -66,6 +68,8 @@ class FleetRun:
     replayed_batches: int
     dropped_batches: int
     lost_batches: int
+    l3_pages_written: int
+    l3_failures: int
     wall_s: float
     total_s: float
     check_errors: list[str]
@@ -139,6 +143,8 @@ class FleetSweep:
             bound = self.bound(r.fleet)
             share = f"{r.hit_rate / bound.hit_rate:.3f}" if bound and bound.hit_rate else "-"
             ok = "" if r.ok else " (check FAILED)"
+            if r.l3_failures:
+                ok += f" ({r.l3_failures} L3 failures)"
             out.append(
                 f"| {r.fleet} | {r.label}{ok} | {r.hit_rate:.4f} | {r.tier_rate('device'):.4f} "
                 f"| {r.tier_rate('host'):.4f} | {r.tier_rate('storage'):.4f} | {share} "

@@ -20,8 +20,10 @@ think time: a median 8.8 s after a tool call in the agentic sessions), by which 
 router has long applied that answer's events (the event lag here is milliseconds).  With
 ``FleetConfig.causal`` (the default) the fleet keeps that order: a session's request waits
 until its previous request was served and the router has applied every event published by
-then.  Without it, the router decides on whatever arrived, which in compressed time is
-far staler than a real router's view (the accuracy columns show how much).
+then; and a replica's L3 writes land before it takes its next request (a write-through lands
+in milliseconds, long before a real session's next turn).  Without it, the router decides
+on whatever arrived, which in compressed time is far staler than a real router's view (the
+accuracy columns show how much).
 
 The run ends with every replica's L3 writes flushed, every publisher drained, the subscriber
 caught up (:meth:`~urc.apps.fleet.subscriber.EventSubscriber.catch_up`), and the core's
@@ -66,7 +68,8 @@ class FleetConfig:
     names the run in reports (default: the policy); ``fleet`` the N it stands for (a
     reference run on one replica stands for N; default: ``replicas``).  ``causal``: a
     session's request is routed only once its previous request was served and the router
-    has applied every event published by then (see the module docstring)."""
+    has applied every event published by then, and a replica's L3 writes land before it
+    takes its next request (see the module docstring)."""
 
     replay: ReplayConfig
     replicas: int
@@ -117,7 +120,7 @@ async def _route_all(
         at_serve = indexes[rep.index].overlap(hashes) * ps
         done = session_done.get(tr.session_id) if tr.session_id is not None else None
         try:
-            local, _from_l3 = await rep.serve(tr)
+            local, _from_l3 = await rep.serve(tr, settle=config.causal)
         finally:
             if done is not None:
                 done.set()
@@ -252,6 +255,7 @@ def _summarize_run(
     count = len(predicted) or 1
     exact_at_serve = sum(1 for p, a in zip(at_serve, actual, strict=True) if p == a)
     stats = subscriber.stats
+    l3 = [r.storage.stats for r in replicas if r.storage is not None]
     rc = config.replay
     unit = 1
     if rc.agentic:
@@ -290,6 +294,8 @@ def _summarize_run(
         replayed_batches=stats.replayed,
         dropped_batches=stats.dropped,
         lost_batches=stats.lost,
+        l3_pages_written=sum(w.pages_written for w in l3),
+        l3_failures=sum(w.errors + w.dropped_writes for w in l3),
         wall_s=wall_s,
         total_s=total_s,
         check_errors=errors,

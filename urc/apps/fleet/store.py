@@ -4,7 +4,10 @@ A prefix one replica wrote to L3 is found by another because L3 page keys are ch
 of the tokens (:mod:`hicache.storage.keys`), the same on every replica.  Kinds:
 
 * ``file`` (the embedded default): :class:`~hicache.storage.file.FileStorage` in a
-  directory (a fresh temporary one unless given);
+  directory (a fresh temporary one unless given: in memory-backed ``/dev/shm`` where the
+  machine has it, since the replay models no disk time and creating files on a disk
+  dominated a run), with no per-call deadline: a replay waits for its store, so an L3 write
+  is never dropped because the machine was busy;
 * ``valkey``: :class:`~hicache.storage.valkey.ValkeyStorage` on a Valkey (or Redis) node
   or cluster (``--valkey host:port[,host:port...]``; more than one address: a cluster);
 * ``mooncake``: :class:`~hicache.storage.mooncake.MooncakeStorage` on a running
@@ -31,6 +34,8 @@ from hicache.storage.base import StorageBackend
 
 __all__ = ["L3Kind", "SharedStoreConfig", "open_shared_store"]
 
+_MEMORY_TEMP = Path("/dev/shm")
+
 
 class L3Kind(str, Enum):
     """Which store the fleet shares (``none``: no L3)."""
@@ -43,12 +48,14 @@ class L3Kind(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class SharedStoreConfig:
-    """``kind``; ``directory`` (file; ``None``: a fresh temporary directory, removed after
-    the run); ``valkey`` addresses (more than one: a cluster); ``mooncake_master``
+    """``kind``; ``directory`` (file; ``None``: a fresh temporary directory under
+    ``temp_parent`` -- ``None``: the system's temporary directory -- removed after the
+    run); ``valkey`` addresses (more than one: a cluster); ``mooncake_master``
     (``host:port``)."""
 
     kind: L3Kind = L3Kind.NONE
     directory: Path | None = None
+    temp_parent: Path | None = _MEMORY_TEMP if _MEMORY_TEMP.is_dir() else None
     valkey: tuple[tuple[str, int], ...] = ()
     mooncake_master: str | None = None
 
@@ -65,12 +72,12 @@ async def open_shared_store(config: SharedStoreConfig) -> AsyncIterator[StorageB
         from hicache.storage.file import FileStorage
 
         if config.directory is not None:
-            store = await FileStorage.open(config.directory)
+            store = await FileStorage.open(config.directory, op_timeout_s=None)
             async with store:
                 yield store
             return
-        with tempfile.TemporaryDirectory(prefix="urc-fleet-l3-") as tmp:
-            store = await FileStorage.open(Path(tmp))
+        with tempfile.TemporaryDirectory(prefix="urc-fleet-l3-", dir=config.temp_parent) as tmp:
+            store = await FileStorage.open(Path(tmp), op_timeout_s=None)
             async with store:
                 yield store
         return

@@ -102,7 +102,13 @@ def echo_run(run: FleetRun) -> None:
         f"urc fleet: N={run.fleet} {run.label}: hit {run.hit_rate:.4f} "
         f"(device {run.tier_rate('device'):.4f}, host {run.tier_rate('host'):.4f}, "
         f"L3 {run.tier_rate('storage'):.4f}), load max/mean {run.request_skew:.2f} req "
-        f"{run.token_skew:.2f} tok, pred exact {run.exact_share:.1%}, {run.wall_s:.1f} s",
+        f"{run.token_skew:.2f} tok, pred exact {run.exact_share:.1%}, "
+        + (
+            f"L3 {run.l3_pages_written} pages written, {run.l3_failures} failures, "
+            if run.l3 != "none"
+            else ""
+        )
+        + f"{run.wall_s:.1f} s",
         file=sys.stderr,
         flush=True,
     )
