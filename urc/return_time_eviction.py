@@ -31,9 +31,12 @@ a server gives when it caches a finished request:
   crosses a bin edge (about twenty times in ``horizon_s``), and only downwards (a later
   return, or expiry).  Each stamp holds one entry in a heap of (next edge, stamp); the
   hints advance the clock (the latest ``finished_at_s``, or ``time.monotonic()``), and each
-  hint first fires the timers that are due: their nodes get a fresh Full-heap entry
-  (``note_hint`` returns them, as it returns the nodes a hint lowered).  So every operation
-  stays O(log n) (amortized: O(bins) timer steps per hint), and the key is one int,
+  hint first fires the timers that are due.  A stamp's nodes are a run of one root path,
+  so only its deepest node on device can be a leaf: that one gets a fresh Full-heap entry
+  (``note_hint`` returns it, as it returns the nodes a hint lowered); the others read the
+  new key when they become leaves.  The stamp finds that node from its tail through parent
+  links, stepping once over each node deleted under it.  So a timer step is O(log n), a
+  hint O(its path) plus amortized O(bins) timer steps, and the key is one int,
   ``stamp.base + last_access_time``, as cheap to read as the session-aware policy's.
 
 Sessions are remembered in first-seen order (for the tie-break and the open stamps a later
@@ -94,18 +97,19 @@ class _Stamp:
     """One finished request's prediction, shared by the nodes of its path."""
 
     __slots__ = (
+        "armed",
         "at",
         "base",
         "bin",
         "fixed_gap",
         "length",
         "model",
-        "nodes",
         "open",
         "probe",
         "rank",
         "session",
         "stop",
+        "tail",
     )
 
     def __init__(
@@ -129,7 +133,10 @@ class _Stamp:
         self.probe: Any = None
         # Whether a later request of its session may still extend it (its gap not counted).
         self.open = False
-        self.nodes: list[TreeNode] | None = None  # None once no timer will re-key it
+        # The deepest node of its path that carries it (see ``_leaf``); its nodes are a
+        # contiguous run of one root path, so only the deepest can be a leaf.
+        self.tail: TreeNode | None = None
+        self.armed = True  # False once no timer will re-key it
 
 
 class ReturnTimeStrategy(EvictionStrategy):
@@ -229,10 +236,9 @@ class ReturnTimeStrategy(EvictionStrategy):
             session,
             hint.stop,
         )
-        stamp.nodes = list(path)
         if ends:
             stamp.length = ends[-1]
-            last = path[-1]
+            last = stamp.tail = path[-1]
             stamp.probe = last.key[last.key_len - 1] if last.key_len else None
         if session is not None and ends and hint.expected_gap_s is None:
             stamp.open = True
@@ -249,10 +255,9 @@ class ReturnTimeStrategy(EvictionStrategy):
         return dropped
 
     def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
-        st = lower.eviction_state
-        upper.eviction_state = st
-        if st is not None and st.nodes is not None:
-            st.nodes.append(upper)  # re-keyed with its stamp from now on
+        # ``upper`` is ``lower``'s new parent: the stamp's tail (below it) finds it through
+        # the parent links when ``lower`` goes.
+        upper.eviction_state = lower.eviction_state
 
     # ------------------------------------------------------------------ internals
     def _session(self, session_id: str | None) -> _Session | None:
@@ -346,7 +351,7 @@ class ReturnTimeStrategy(EvictionStrategy):
             q = math.floor(ret / self._quantum) + _QUANTUM_BIAS
             stamp.base = _PENDING + (((((1 << 62) - q) << _RANK_BITS) + stamp.rank) << _CLOCK_BITS)
         if nxt is None:
-            stamp.nodes = None
+            stamp.armed = False
             if stamp.open and j >= model.bins:
                 stamp.open = False  # not extended within the horizon: a never
                 model.add_never()
@@ -358,18 +363,41 @@ class ReturnTimeStrategy(EvictionStrategy):
         return stamp.base < old
 
     def _fire(self, now: float) -> list[TreeNode]:
-        """Advance every stamp whose timer is due at ``now``; the nodes whose key dropped."""
+        """Advance every stamp whose timer is due at ``now``; the nodes whose key dropped
+        (at most one per stamp: its only possible device leaf)."""
         timers = self._timers
         out: list[TreeNode] = []
         while timers and timers[0][0] <= now:
             _, _, stamp = heapq.heappop(timers)
-            nodes = stamp.nodes
-            if nodes is None:
+            if not stamp.armed:
                 continue
-            live = [n for n in nodes if n.eviction_state is stamp]
-            if not live and not stamp.open:
-                stamp.nodes = None  # superseded and already counted: nothing to re-key
+            carried, leaf = _leaf(stamp)
+            if not carried and not stamp.open:
+                stamp.armed = False  # superseded and already counted: nothing to re-key
                 continue
-            if self._advance(stamp, now):
-                out.extend(live)
+            if self._advance(stamp, now) and leaf is not None:
+                out.append(leaf)
         return out
+
+
+def _leaf(stamp: _Stamp) -> tuple[bool, TreeNode | None]:
+    """Whether any node still carries ``stamp``, and the deepest one on device (the only one
+    of its path that can be a device leaf: the others have it below them).
+
+    The stamp's nodes are a contiguous run of one root path (a later hint re-stamps a
+    prefix of it; a split hands the stamp to the new parent), so they are found from the
+    tail up through parent links.  Deleted nodes are gone for good: the tail moves above
+    them (each node is passed once, amortized O(1)).  Nodes evicted to the host tier are
+    passed each time (a load-back may bring them to the device again)."""
+    node = stamp.tail
+    while node is not None and node.deleted:
+        node = node.parent
+    if node is None or node.eviction_state is not stamp:
+        stamp.tail = None
+        return False, None
+    stamp.tail = node
+    while node.evicted:
+        node = node.parent
+        if node is None or node.eviction_state is not stamp:
+            return True, None
+    return True, node

@@ -336,3 +336,69 @@ def test_timers_at_float_rounded_times_fire_once_and_end() -> None:
         _insert(cache, _session(i % 40), ReuseHint(f"s{i % 7}", TOOL, finished_at_s=0.1 * i))
     _insert(cache, _session(99), ReuseHint("z", END, finished_at_s=5000.0))
     assert not _strategy(cache)._timers or _strategy(cache)._timers[0][0] > 5000.0
+
+
+# ------------------------------------------------------------------ cost of the timers
+def _chain(cache: UnifiedRadixCache, session: int, pages: int) -> list[Any]:
+    """Insert ``session``'s prompt one page longer at a time (one node per page); returns
+    the path's nodes, root excluded, top first."""
+    for n in range(1, pages + 1):
+        _insert(cache, _session(session, n))
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(session, pages))))
+    path = []
+    node = m.last_device_node
+    while node is not cache.root:
+        path.append(node)
+        node = node.parent
+    return path[::-1]
+
+
+@pytest.mark.parametrize("evicted", [0, 1, 3])
+def test_a_timer_step_rekeys_only_the_deepest_node_left_of_a_stamps_path(evicted: int) -> None:
+    # One stamp over a 6-node path; its timer re-keys only the path's one possible leaf (the
+    # deepest node still cached), however deep the path: the others read the new key when
+    # they become leaves.  (It re-keyed every node of the path at every step: 40x LRU's
+    # insert cost on bench.core --hints.)
+    cache = _cache()
+    path = _chain(cache, 1, 6)
+    _insert(cache, _session(1, 6), ReuseHint("s1", TOOL, finished_at_s=0.0))
+    assert all(n.eviction_state is path[-1].eviction_state for n in path)
+    if evicted:
+        cache.evict(EvictParams(num_tokens=evicted * PS))
+        cache.sanity_check()
+        cache.check_pools({ComponentType.FULL: 0})
+        assert all(n.deleted for n in path[-evicted:])
+    # Late: the tool call's prediction expires, its key drops.
+    dropped = _strategy(cache).note_hint([], ReuseHint(finished_at_s=2000.0))
+    assert dropped == [path[-1 - evicted]]
+
+
+def test_a_superseded_stamp_stops_its_timers() -> None:
+    # The session's next request re-stamps the whole path: the old stamp carries no node,
+    # its gap is counted, so its next timer step disarms it (no re-key, no more timers).
+    cache = _cache()
+    _insert(cache, _session(1, 1), ReuseHint("s1", TOOL, finished_at_s=0.0))
+    old = _strategy(cache)._timers[0][2]
+    _insert(cache, _session(1, 2), ReuseHint("s1", TOOL, finished_at_s=5.0))
+    assert not old.open
+    assert _strategy(cache).note_hint([], ReuseHint(finished_at_s=2000.0)) == [
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(1, 2)))).last_device_node
+    ]
+    assert not old.armed and all(t[2] is not old for t in _strategy(cache)._timers)
+
+
+def test_rehinted_leaves_keep_the_full_heap_within_twice_the_nodes() -> None:
+    # Each hint that lowers a leaf's key pushes a fresh heap entry; compaction must drop the
+    # entries it superseded (it kept every entry of a live leaf: the heap grew without
+    # bound and every insert compacted it again).
+    cache = _cache()
+    for i in range(300):
+        s = i % 4
+        # 10 s apart: each hint moves the leaf's predicted return by a quantum or more.
+        _insert(cache, _session(s), ReuseHint(f"s{s}", TOOL, finished_at_s=10.0 * i))
+        heap = cache.full._heap
+        assert len(heap) <= 2 * cache.tree.num_nodes + 64, (i, len(heap), cache.tree.num_nodes)
+    cache.evict(EvictParams(num_tokens=8 * PS))
+    cache.sanity_check()
+    cache.check_pools({ComponentType.FULL: 0})
+    assert _survivors(cache, [0, 1, 2, 3]) == []

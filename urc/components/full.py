@@ -169,10 +169,13 @@ class FullComponent(TreeComponent):
         self._dead.clear()
 
     def _compact(self) -> None:
-        """Drop entries of nodes that are gone or no longer leaves (keeps the heap O(nodes))."""
+        """Drop entries of nodes that are gone or no longer leaves, and entries a node's
+        fresh one superseded (``note_hint``; orphaned ones too): keeps the heap O(nodes)."""
         keep = []
         for entry in self._heap:
             node = entry[2]
+            if node.heap_entry is not entry:
+                continue  # superseded or orphaned: the node's own entry, if any, is elsewhere
             if self.is_device_leaf(node):
                 keep.append(entry)
             else:
@@ -286,10 +289,13 @@ class FullComponent(TreeComponent):
         """A finished request's ``path`` was inserted with ``hint``: the strategy re-keys
         it; a node whose key dropped gets a fresh heap entry (the old one, larger, is
         dropped when it surfaces), so keys that only grew stay lazily honoured."""
+        heap = self._heap
         for node in self.strategy.note_hint(path, hint):
             if node.heap_entry is not None:
                 entry = node.heap_entry = (self._key(node), node.id, node)
-                heapq.heappush(self._heap, entry)
+                heapq.heappush(heap, entry)
+        if len(heap) > 2 * self.tree.num_nodes + 64:
+            self._compact()  # drops the entries these superseded
 
     def uses_hook(self, name: str) -> bool:
         return name != "on_insert_end" or self._rekey_on_release
