@@ -68,6 +68,41 @@ def test_a_usage_error_is_one_line_naming_the_flag_before_torch_is_imported(
     assert line.startswith(f"urc fleet: error: argument {flag}: "), line
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "problem"),
+    [
+        ("--num-requests", "0", "must be > 0, got 0"),
+        ("--num-requests", "x", "not an integer: 'x'"),
+        ("--session-concurrency", "0", "must be a finite number > 0, got '0'"),
+        ("--session-concurrency", "inf", "must be a finite number > 0, got 'inf'"),
+        ("--trace", "missing.jsonl", "missing.jsonl: no such file or directory"),
+        ("--json", "no/such/dir/out.json", "directory no/such/dir does not exist"),
+    ],
+)
+def test_a_flag_both_commands_take_is_refused_in_the_same_words(
+    flag: str,
+    value: str,
+    problem: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    lines = []
+    for command in ("replay", "fleet"):
+        try:
+            status = main([command, flag, value])
+        except SystemExit as exc:  # argparse's own type errors exit
+            status = exc.code
+        assert status == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        lines.append(line)
+    assert lines == [
+        f"urc {command}: error: argument {flag}: {problem} (see 'urc {command} --help')"
+        for command in ("replay", "fleet")
+    ]
+
+
 def test_help_answers_before_torch_and_shows_no_empty_default(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE.format(argv=["fleet", "--help"])],

@@ -32,6 +32,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from urc.apps._arguments import usage_error
 from urc.apps.fleet.arguments import FLEET_HELP
 from urc.apps.replay.arguments import (
     REPLAY_HELP,
@@ -144,8 +145,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def _usage_error(flag: str, problem: str) -> int:
-    print(f"{_PROG}: error: argument {flag}: {problem} (see '{_PROG} --help')", file=sys.stderr)
-    return 2
+    return usage_error(_PROG, flag, problem)
 
 
 def _failure_status(exc: BaseException) -> int | None:

@@ -1,16 +1,26 @@
 """``urc fleet``'s flags and the checks made before anything heavy is imported.
 
 Standard library only: ``urc fleet --help`` and every usage error (one line naming the flag,
-exit status 2) answer before torch, the cache or the service are imported.
+exit status 2) answer before torch, the cache or the service are imported.  The parser, the
+value types and the path checks are ``urc replay``'s (:mod:`urc.apps._arguments`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 from pathlib import Path
-from typing import NoReturn
+
+from urc.apps._arguments import (
+    HelpFormatter,
+    Parser,
+    directory_problem,
+    non_negative_float,
+    output_path_problem,
+    positive_float,
+    positive_int,
+    trace_problem,
+)
 
 __all__ = [
     "FLEET_HELP",
@@ -33,25 +43,6 @@ _WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _SESSION_SUFFIXES = (".tar.xz", ".txz", ".tar.gz", ".tgz", ".tar")
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors: ``urc fleet: error: argument --flag: problem``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` only where there is a default to show and the help text does
-    not already say it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action)
-
-
 def parse_tokens(text: str) -> int:
     """``"1M"`` (2**20), ``"512k"`` (2**19), ``"65536"`` -> tokens.  Raises ``ValueError``."""
     t = text.strip().upper().replace("_", "")
@@ -69,7 +60,7 @@ def _tokens(text: str) -> int:
         return parse_tokens(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a token count (1048576, 1M, 512k), got {text!r}"
+            f"not a token count (1048576, 1M, 512k): {text!r}"
         ) from None
 
 
@@ -79,7 +70,7 @@ def _replica_counts(text: str) -> tuple[int, ...]:
     except ValueError:
         counts = ()
     if not counts or any(n < 1 for n in counts):
-        raise argparse.ArgumentTypeError(f"expected replica counts >= 1 (4,8), got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be replica counts >= 1 (4,8), got {text!r}")
     return counts
 
 
@@ -93,40 +84,10 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def _rate(text: str) -> float:
-    value = _non_negative(text)
+    value = non_negative_float(text)
     if value >= 1:
-        raise argparse.ArgumentTypeError(f"expected a share in [0, 1), got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1), got {text!r}")
     return value
 
 
@@ -136,7 +97,7 @@ def _subset(text: str) -> tuple[int, int]:
     except ValueError:
         k, n = -1, 0
     if not 0 <= k < n:
-        raise argparse.ArgumentTypeError(f"expected k/n with 0 <= k < n, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be k/n with 0 <= k < n, got {text!r}")
     return k, n
 
 
@@ -145,7 +106,7 @@ def _addresses(text: str) -> tuple[tuple[str, int], ...]:
     for part in text.split(","):
         host, sep, port = part.strip().rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(f"expected host:port[,host:port...], got {text!r}")
+            raise argparse.ArgumentTypeError(f"not host:port[,host:port...]: {text!r}")
         out.append((host, int(port)))
     return tuple(out)
 
@@ -153,7 +114,7 @@ def _addresses(text: str) -> tuple[tuple[str, int], ...]:
 def _address(text: str) -> str:
     _addresses(text)
     if "," in text:
-        raise argparse.ArgumentTypeError(f"expected one host:port, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be one host:port, got {text!r}")
     return text.strip()
 
 
@@ -174,17 +135,17 @@ def build_parser() -> Parser:
         help="agentic sessions (a directory or .tar.xz of session files) or a Mooncake "
         "JSON-lines trace; none: the built-in multi-turn chat workload",
     )
-    w.add_argument("--num-requests", type=_positive_int, default=None, help="cap the workload")
+    w.add_argument("--num-requests", type=positive_int, default=None, help="cap the workload")
     w.add_argument(
         "--session-concurrency",
-        type=_positive,
+        type=positive_float,
         default=4.0,
         help="agentic sessions running on average PER REPLICA: N replicas serve N times as many",
     )
     w.add_argument(
         "--subset", type=_subset, default=None, help="agentic: every n-th session from the k-th"
     )
-    w.add_argument("--block-size", type=_positive_int, default=512, help="Mooncake tokens per id")
+    w.add_argument("--block-size", type=positive_int, default=512, help="Mooncake tokens per id")
     w.add_argument("--seed", type=int, default=0, help="arrivals, random routing, event drops")
     f = p.add_argument_group("fleet")
     f.add_argument("--replicas", type=_replica_counts, default="4", help="N, or a list: 4,8")
@@ -201,13 +162,13 @@ def build_parser() -> Parser:
     )
     f.add_argument(
         "--overlap-weight",
-        type=_non_negative,
+        type=non_negative_float,
         default=1.0,
         help="kv-aware: weight of tokens to prefill against the load (Dynamo's)",
     )
     f.add_argument(
         "--load-window-s",
-        type=_positive,
+        type=positive_float,
         default=30.0,
         help="seconds of the trace's clock a routed prompt counts as a replica's load",
     )
@@ -240,7 +201,7 @@ def build_parser() -> Parser:
     )
     c.add_argument(
         "--page-size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="cache page in cache tokens (default: 1 for agentic blocks, 16 otherwise)",
     )
@@ -258,33 +219,6 @@ def build_parser() -> Parser:
     return p
 
 
-def _output_problem(path: Path) -> str | None:
-    if str(path) == "-":
-        return None
-    if path.is_dir():
-        return f"{path} is a directory"
-    parent = path.parent
-    if parent.exists() and not parent.is_dir():
-        return f"{parent} is not a directory"
-    if not parent.is_dir():
-        return f"directory {parent} does not exist"
-    if path.exists() and not os.access(path, os.W_OK):
-        return f"{path} is not writable"
-    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {parent} is not writable"
-    return None
-
-
-def _trace_problem(path: Path) -> str | None:
-    if not path.exists():
-        return f"{path}: no such file or directory"
-    if path.is_dir():
-        return None if any(path.glob("*.json")) else f"{path} holds no session files (*.json)"
-    if not os.access(path, os.R_OK):
-        return f"{path} is not readable"
-    return None
-
-
 def is_sessions(path: Path) -> bool:
     """Whether ``path`` names agentic session files rather than a Mooncake trace."""
     return path.is_dir() or path.name.endswith(_SESSION_SUFFIXES)
@@ -292,7 +226,7 @@ def is_sessions(path: Path) -> bool:
 
 def check_args(args: argparse.Namespace) -> tuple[str, str] | None:
     """The first flag that does not fit, as ``(flag, problem)``; ``None`` when all do."""
-    if args.trace is not None and (problem := _trace_problem(args.trace)):
+    if args.trace is not None and (problem := trace_problem(args.trace)):
         return "--trace", problem
     if args.subset is not None and (args.trace is None or not is_sessions(args.trace)):
         return "--subset", "applies to agentic session traces only"
@@ -308,13 +242,13 @@ def check_args(args: argparse.Namespace) -> tuple[str, str] | None:
         return "--mooncake-master", "applies to --l3 mooncake only"
     if args.l3 == "mooncake" and args.mooncake_master is None:
         return "--l3", "mooncake needs --mooncake-master host:port"
-    if args.l3_dir is not None and args.l3_dir.exists() and not args.l3_dir.is_dir():
-        return "--l3-dir", f"{args.l3_dir} exists and is not a directory"
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None and (problem := _output_problem(path)):
+        if path is not None and (problem := output_path_problem(path)):
             return flag, problem
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         return "--plot", "needs matplotlib (pip install matplotlib)"
     if args.no_references and not args.policies:
         return "--policies", "nothing to run"
+    if args.l3_dir is not None and (problem := directory_problem(args.l3_dir)):
+        return "--l3-dir", problem
     return None

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from urc.apps._arguments import usage_error
 from urc.apps.fleet.arguments import PROG, build_parser, check_args, is_sessions
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -26,11 +27,6 @@ __all__ = ["main"]
 
 _INTERRUPTED = 130
 _CHUNK = 1 << 20  # one prefill chunk per prompt: chunking changes no hit in a prefill-only run
-
-
-def _usage_error(flag: str, problem: str) -> int:
-    print(f"{PROG}: error: argument {flag}: {problem} (see '{PROG} --help')", file=sys.stderr)
-    return 2
 
 
 def _base_config(args: argparse.Namespace) -> FleetConfig:
@@ -138,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(list(sys.argv[2:] if argv is None else argv))
         problem = check_args(args)
         if problem is not None:
-            return _usage_error(*problem)
+            return usage_error(PROG, *problem)
         try:
             sweep = _run(args)
         except Exception as raised:

@@ -6,19 +6,28 @@ error answer in a fraction of a second.  :func:`check_replay_args` applies the r
 :func:`~urc.apps.replay.options.check_options` to the parsed flags, then what only the command
 line has: a ``--trace`` that can be read, ``--json`` / ``--plot`` / ``--l3-dir`` paths that
 can be written, matplotlib for ``--plot``.  Every problem is one line that names the flag.
+The parser, the value types and the path checks are the ones ``urc fleet`` uses
+(:mod:`urc.apps._arguments`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from urc.apps._arguments import (
+    HelpFormatter,
+    Parser,
+    directory_problem,
+    number,
+    output_path_problem,
+    positive_float,
+    positive_int,
+    trace_problem,
+)
 from urc.apps.replay.options import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_L3_BACKUP,
@@ -101,33 +110,6 @@ def _endpoint(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _speed(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -136,25 +118,6 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
     return value
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors: ``<prog>: error: argument --flag: problem``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` only where the help text does not already say the default and
-    there is one to show (not ``None`` or a switch's ``False``)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action)
 
 
 def _choice_option(
@@ -202,7 +165,7 @@ def add_replay_parser(sub: Any) -> None:
     src.add_argument(
         "--num-requests",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="requests to replay (a trace: the first N; synthetic: its size, default 2000)",
     )
@@ -217,7 +180,7 @@ def add_replay_parser(sub: Any) -> None:
     src.add_argument(
         "--session-concurrency",
         metavar="N",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="agentic sessions (--trace DIR or .tar.xz): Poisson session arrivals at this "
         f"mean number running (default: {DEFAULT_SESSION_CONCURRENCY:g})",
@@ -225,7 +188,7 @@ def add_replay_parser(sub: Any) -> None:
     src.add_argument(
         "--block-size",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"tokens per hash id of a Mooncake-format --trace (default: {TRACE_BLOCK_SIZE})",
     )
@@ -241,7 +204,7 @@ def add_replay_parser(sub: Any) -> None:
     cache.add_argument(
         "--window",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"SWA window (tokens; --model swa; default: {DEFAULT_WINDOW})",
     )
@@ -255,7 +218,7 @@ def add_replay_parser(sub: Any) -> None:
     cache.add_argument(
         "--mamba-states",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="Mamba state slots (--model mamba; default: device tokens / chunk size + "
         "2 x concurrency)",
@@ -318,7 +281,7 @@ def add_replay_parser(sub: Any) -> None:
     cache.add_argument(
         "--page-size",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         help="tree page (a power of two)",
     )
@@ -327,14 +290,14 @@ def add_replay_parser(sub: Any) -> None:
     loop.add_argument(
         "--concurrency",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         help="requests in flight at once",
     )
     loop.add_argument(
         "--chunk-size",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_CHUNK_SIZE,
         help="prefill chunk (tokens, a multiple of --page-size; SGLang's "
         "--chunked-prefill-size). A chunk's cache_unfinished_req resumes the insert where the "
@@ -349,7 +312,7 @@ def add_replay_parser(sub: Any) -> None:
     loop.add_argument(
         "--speed",
         metavar="X",
-        type=_speed,
+        type=number,
         default=0.0,
         help="pace arrivals at timestamp / SPEED (1 = real time); 0 replays as fast as "
         "possible, in timestamp order",
@@ -413,46 +376,6 @@ def add_replay_parser(sub: Any) -> None:
     )
 
 
-def _probe_write(directory: Path) -> str | None:
-    """Create and remove a file in ``directory``: the only test that holds for root (whom
-    ``os.access`` always allows) and for ``/proc`` or ``/sys``, which refuse new files."""
-    try:
-        fd, name = tempfile.mkstemp(dir=directory, prefix=".urc-write-probe-")
-    except OSError as exc:
-        return f"cannot create files in directory {directory}: {exc.strerror or exc}"
-    os.close(fd)
-    os.unlink(name)
-    return None
-
-
-def output_path_problem(path: Path) -> str | None:
-    """Why ``path`` cannot receive an output file, or ``None`` when it can (``-``: stdout).
-
-    Checked before a run starts, so a finished run is never lost to a bad path: an existing
-    file is opened for appending (nothing is written), a new one is probed by creating and
-    removing a file beside it."""
-    if str(path) == "-":
-        return None
-    if path.is_dir():
-        return f"{path} is a directory (give a file name)"
-    parent = path.parent
-    for above in (parent, *parent.parents):
-        if above.exists():
-            if not above.is_dir():
-                return f"{above} is not a directory"
-            break
-    if not parent.is_dir():
-        return f"directory {parent} does not exist"
-    if path.exists():
-        try:
-            with path.open("ab"):
-                pass
-        except OSError as exc:
-            return f"cannot write {path}: {exc.strerror or exc}"
-        return None
-    return _probe_write(parent)
-
-
 _DEFAULTS: dict[str, object] = {
     "seed": DEFAULT_SEED,
     "session_concurrency": DEFAULT_SESSION_CONCURRENCY,
@@ -478,29 +401,6 @@ def host_tokens(args: argparse.Namespace) -> Capacity:
     if args.host_tokens is not None:
         return args.host_tokens  # type: ignore[no-any-return]
     return Capacity(tokens=0) if args.sweep is not None else DEFAULT_HOST_TOKENS
-
-
-def _trace_problem(path: Path) -> str | None:
-    if not path.exists():
-        return f"{path}: no such file"
-    if path.is_dir():
-        if not any(path.glob("*.json")):
-            return f"{path} is a directory without session files (*.json)"
-        return None
-    if not os.access(path, os.R_OK):
-        return f"{path} is not readable"
-    return None
-
-
-def _l3_dir_problem(path: Path) -> str | None:
-    """Creates the directory (the run would) so that a path that cannot be one fails now."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        return f"{path} exists and is not a directory"
-    except OSError as exc:
-        return f"cannot create directory {path}: {exc.strerror or exc}"
-    return _probe_write(path)
 
 
 def _no_effect_problem(args: argparse.Namespace) -> tuple[str, str] | None:
@@ -581,7 +481,7 @@ def check_replay_args(args: argparse.Namespace) -> tuple[str, str] | None:
             return "--plot", "has no effect without --sweep"
         if importlib.util.find_spec("matplotlib") is None:
             return "--plot", 'needs matplotlib, which is not installed (pip install -e ".[plot]")'
-    if args.trace is not None and (problem := _trace_problem(args.trace)) is not None:
+    if args.trace is not None and (problem := trace_problem(args.trace)) is not None:
         return "--trace", problem
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None and (problem := output_path_problem(path)) is not None:
@@ -593,6 +493,6 @@ def check_replay_args(args: argparse.Namespace) -> tuple[str, str] | None:
                 f"needs pyzmq and msgspec ({', '.join(missing)} not installed: "
                 'pip install -e ".[events]")'
             )
-    if args.l3_dir is not None and (problem := _l3_dir_problem(args.l3_dir)) is not None:
+    if args.l3_dir is not None and (problem := directory_problem(args.l3_dir)) is not None:
         return "--l3-dir", problem
     return None
