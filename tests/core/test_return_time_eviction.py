@@ -14,17 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from hint_harness import PS, hint_cache, insert, session, survivors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from urc import (
-    CacheConfig,
     ComponentType,
     EvictParams,
     InsertParams,
     MatchPrefixParams,
     RadixKey,
-    build_cache,
 )
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
@@ -33,44 +32,12 @@ from urc.gap_model import GapHistogram, gap_edges
 from urc.return_time_eviction import ReturnTimeStrategy
 from urc.reuse_hint import ReuseHint, StopReason
 
-PS = 4
 TOOL = StopReason.TOOL_USE
 END = StopReason.END_TURN
 
 
 def _cache(policy: EvictionPolicy = EvictionPolicy.RETURN_TIME, **kw: Any) -> UnifiedRadixCache:
-    kw.setdefault("kv_size", 64 * PS)
-    return build_cache(CacheConfig(page_size=PS, max_num_reqs=4, eviction_policy=policy, **kw))
-
-
-def _insert(cache: UnifiedRadixCache, tokens: list[int], hint: ReuseHint | None = None) -> None:
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
-    prefix = m.device_indices
-    own = cache.token_to_kv_pool_allocator.alloc(len(tokens) - prefix.shape[0])
-    assert own is not None
-    cache.insert(
-        InsertParams(
-            key=RadixKey(tokens),
-            value=torch.cat([prefix, own]),
-            prev_prefix_len=prefix.shape[0],
-            reuse_hint=hint,
-        )
-    )
-    cache.sanity_check()
-    cache.check_pools({ComponentType.FULL: 0})
-
-
-def _session(n: int, pages: int = 2) -> list[int]:
-    return [n * 1000 + i for i in range(pages * PS)]
-
-
-def _survivors(cache: UnifiedRadixCache, sessions: list[int]) -> list[int]:
-    out = []
-    for s in sessions:
-        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(s))))
-        if m.device_indices.shape[0]:
-            out.append(s)
-    return out
+    return hint_cache(policy, **kw)
 
 
 def _strategy(cache: UnifiedRadixCache) -> ReturnTimeStrategy:
@@ -121,11 +88,11 @@ def test_an_answer_goes_before_a_tool_call_that_is_due() -> None:
     # in seconds): the furthest predicted return goes first, although LRU would keep 2.
     for policy, kept in ((EvictionPolicy.RETURN_TIME, [2]), (EvictionPolicy.LRU, [1])):
         cache = _cache(policy)
-        _insert(cache, _session(2), ReuseHint("s2", TOOL, finished_at_s=90.0))
-        _insert(cache, _session(1), ReuseHint("s1", END, finished_at_s=100.0))
+        insert(cache, session(2), ReuseHint("s2", TOOL, finished_at_s=90.0))
+        insert(cache, session(1), ReuseHint("s1", END, finished_at_s=100.0))
         cache.evict(EvictParams(num_tokens=2 * PS))
         cache.sanity_check()
-        assert _survivors(cache, [1, 2]) == kept, policy
+        assert survivors(cache, [1, 2]) == kept, policy
 
 
 def test_a_late_tool_call_expires_before_a_pending_answer() -> None:
@@ -134,34 +101,34 @@ def test_a_late_tool_call_expires_before_a_pending_answer() -> None:
     # session 2's answer at t=100 is still pending.  The session-aware policy keeps 1.
     for policy, kept in ((EvictionPolicy.RETURN_TIME, [2]), (EvictionPolicy.SESSION_AWARE, [1])):
         cache = _cache(policy)
-        _insert(cache, _session(1), ReuseHint("s1", TOOL, finished_at_s=0.0))
-        _insert(cache, _session(3))  # an unhinted leaf: its eviction re-keys 1's entry
+        insert(cache, session(1), ReuseHint("s1", TOOL, finished_at_s=0.0))
+        insert(cache, session(3))  # an unhinted leaf: its eviction re-keys 1's entry
         cache.evict(EvictParams(num_tokens=2 * PS))
-        assert _survivors(cache, [1, 3]) == [1]
-        _insert(cache, _session(2), ReuseHint("s2", END, finished_at_s=100.0))
+        assert survivors(cache, [1, 3]) == [1]
+        insert(cache, session(2), ReuseHint("s2", END, finished_at_s=100.0))
         cache.evict(EvictParams(num_tokens=2 * PS))
         cache.sanity_check()
-        assert _survivors(cache, [1, 2]) == kept, policy
+        assert survivors(cache, [1, 2]) == kept, policy
 
 
 def test_unhinted_leaves_go_first_in_lru_order() -> None:
     cache = _cache()
-    _insert(cache, _session(1), ReuseHint("s1", END, finished_at_s=1.0))
-    _insert(cache, _session(2))
-    _insert(cache, _session(3))
+    insert(cache, session(1), ReuseHint("s1", END, finished_at_s=1.0))
+    insert(cache, session(2))
+    insert(cache, session(3))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2, 3]) == [1, 3]
+    assert survivors(cache, [1, 2, 3]) == [1, 3]
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2, 3]) == [1]
+    assert survivors(cache, [1, 2, 3]) == [1]
 
 
 def test_a_servers_own_expected_gap_wins_over_the_learned_one() -> None:
     # Both called a tool at t=10; the server expects session 1 back in 500 s.
     cache = _cache()
-    _insert(cache, _session(1), ReuseHint("s1", TOOL, 500.0, finished_at_s=10.0))
-    _insert(cache, _session(2), ReuseHint("s2", TOOL, finished_at_s=10.0))
+    insert(cache, session(1), ReuseHint("s1", TOOL, 500.0, finished_at_s=10.0))
+    insert(cache, session(2), ReuseHint("s2", TOOL, finished_at_s=10.0))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2]) == [2]
+    assert survivors(cache, [1, 2]) == [2]
 
 
 # ------------------------------------------------------------------ learning
@@ -169,14 +136,14 @@ def test_gaps_are_learned_from_requests_that_extend_a_path() -> None:
     cache = _cache(kv_size=256 * PS)
     model = _strategy(cache)._models[TOOL]
     before = model.counts[model.bin_of(100.0)]
-    tokens = _session(1, pages=1)
+    tokens = session(1, pages=1)
     for i in range(5):
         tokens = tokens + [50_000 + 10 * i + k for k in range(PS)]
-        _insert(cache, tokens, ReuseHint("s1", TOOL, finished_at_s=100.0 * i))
+        insert(cache, tokens, ReuseHint("s1", TOOL, finished_at_s=100.0 * i))
     # Four extensions, each 100 s after the previous: four gaps in the [64, 128) bin.
     assert model.counts[model.bin_of(100.0)] == before + 4
     # A request of the session that does not extend the path is no reuse.
-    _insert(cache, _session(7), ReuseHint("s1", TOOL, finished_at_s=500.0))
+    insert(cache, session(7), ReuseHint("s1", TOOL, finished_at_s=500.0))
     assert model.counts[model.bin_of(100.0)] == before + 4
 
 
@@ -184,10 +151,10 @@ def test_a_path_not_extended_within_the_horizon_counts_as_never() -> None:
     cache = _cache(return_horizon_s=64.0)
     model = _strategy(cache)._models[END]
     never = model.never
-    _insert(cache, _session(1), ReuseHint("s1", END, finished_at_s=0.0))
-    _insert(cache, _session(2), ReuseHint("s2", END, finished_at_s=30.0))
+    insert(cache, session(1), ReuseHint("s1", END, finished_at_s=0.0))
+    insert(cache, session(2), ReuseHint("s2", END, finished_at_s=30.0))
     assert model.never == never
-    _insert(cache, _session(3), ReuseHint("s3", END, finished_at_s=65.0))
+    insert(cache, session(3), ReuseHint("s3", END, finished_at_s=65.0))
     assert model.never == never + 1  # session 1's path, at its horizon
 
 
@@ -195,15 +162,15 @@ def test_learned_long_tool_gaps_keep_a_late_session_pending() -> None:
     # Tool calls of this workload come back after ~100 s: at age 40 s a tool call is due,
     # not expired, so it outlives an answer.
     cache = _cache(kv_size=256 * PS)
-    tokens = _session(9, pages=1)
+    tokens = session(9, pages=1)
     for i in range(12):
         tokens = tokens + [60_000 + 10 * i + k for k in range(PS)]
-        _insert(cache, tokens, ReuseHint("s9", TOOL, finished_at_s=100.0 * i))
+        insert(cache, tokens, ReuseHint("s9", TOOL, finished_at_s=100.0 * i))
     cache.evict(EvictParams(num_tokens=1 << 20))
-    _insert(cache, _session(1), ReuseHint("s1", TOOL, finished_at_s=2000.0))
-    _insert(cache, _session(2), ReuseHint("s2", END, finished_at_s=2040.0))
+    insert(cache, session(1), ReuseHint("s1", TOOL, finished_at_s=2000.0))
+    insert(cache, session(2), ReuseHint("s2", END, finished_at_s=2040.0))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2]) == [1]
+    assert survivors(cache, [1, 2]) == [1]
 
 
 def _loop(cache: UnifiedRadixCache, sid: str, base: int, times: list[float]) -> None:
@@ -211,7 +178,7 @@ def _loop(cache: UnifiedRadixCache, sid: str, base: int, times: list[float]) -> 
     tokens = [base + k for k in range(PS)]
     for i, t in enumerate(times):
         tokens = tokens + [base + 100 + 10 * i + k for k in range(PS)]
-        _insert(cache, tokens, ReuseHint(sid, TOOL, finished_at_s=t))
+        insert(cache, tokens, ReuseHint(sid, TOOL, finished_at_s=t))
 
 
 def test_a_sessions_own_slow_gaps_keep_it_pending_when_others_would_expire() -> None:
@@ -223,11 +190,11 @@ def test_a_sessions_own_slow_gaps_keep_it_pending_when_others_would_expire() -> 
         _loop(cache, f"f{n}", 100_000 * (n + 1), [5.0 * i for i in range(6)])
     _loop(cache, "x", 900_000, [100.0 * i for i in range(6)])
     cache.evict(EvictParams(num_tokens=1 << 20))
-    _insert(cache, _session(1), ReuseHint("x", TOOL, finished_at_s=2000.0))
-    _insert(cache, _session(2), ReuseHint("new", TOOL, finished_at_s=2000.0))
-    _insert(cache, _session(3), ReuseHint("z", END, finished_at_s=2040.0))
+    insert(cache, session(1), ReuseHint("x", TOOL, finished_at_s=2000.0))
+    insert(cache, session(2), ReuseHint("new", TOOL, finished_at_s=2000.0))
+    insert(cache, session(3), ReuseHint("z", END, finished_at_s=2040.0))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2, 3]) == [1, 3]
+    assert survivors(cache, [1, 2, 3]) == [1, 3]
     # Without the session's own gaps, "x" is a newcomer too.
     cache = _cache(kv_size=512 * PS)
     cache.full.strategy._own_weight = 0.0  # type: ignore[attr-defined]
@@ -235,11 +202,11 @@ def test_a_sessions_own_slow_gaps_keep_it_pending_when_others_would_expire() -> 
         _loop(cache, f"f{n}", 100_000 * (n + 1), [5.0 * i for i in range(6)])
     _loop(cache, "x", 900_000, [100.0 * i for i in range(6)])
     cache.evict(EvictParams(num_tokens=1 << 20))
-    _insert(cache, _session(1), ReuseHint("x", TOOL, finished_at_s=2000.0))
-    _insert(cache, _session(2), ReuseHint("new", TOOL, finished_at_s=2000.0))
-    _insert(cache, _session(3), ReuseHint("z", END, finished_at_s=2040.0))
+    insert(cache, session(1), ReuseHint("x", TOOL, finished_at_s=2000.0))
+    insert(cache, session(2), ReuseHint("new", TOOL, finished_at_s=2000.0))
+    insert(cache, session(3), ReuseHint("z", END, finished_at_s=2040.0))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2, 3]) == [2, 3]
+    assert survivors(cache, [1, 2, 3]) == [2, 3]
 
 
 @pytest.mark.parametrize(
@@ -333,18 +300,18 @@ def test_timers_at_float_rounded_times_fire_once_and_end() -> None:
     # a timer re-armed at its own due time would fire forever (it hung the bench).
     cache = _cache(kv_size=512 * PS)
     for i in range(200):
-        _insert(cache, _session(i % 40), ReuseHint(f"s{i % 7}", TOOL, finished_at_s=0.1 * i))
-    _insert(cache, _session(99), ReuseHint("z", END, finished_at_s=5000.0))
+        insert(cache, session(i % 40), ReuseHint(f"s{i % 7}", TOOL, finished_at_s=0.1 * i))
+    insert(cache, session(99), ReuseHint("z", END, finished_at_s=5000.0))
     assert not _strategy(cache)._timers or _strategy(cache)._timers[0][0] > 5000.0
 
 
 # ------------------------------------------------------------------ cost of the timers
-def _chain(cache: UnifiedRadixCache, session: int, pages: int) -> list[Any]:
-    """Insert ``session``'s prompt one page longer at a time (one node per page); returns
+def _chain(cache: UnifiedRadixCache, s: int, pages: int) -> list[Any]:
+    """Insert session ``s``'s prompt one page longer at a time (one node per page); returns
     the path's nodes, root excluded, top first."""
     for n in range(1, pages + 1):
-        _insert(cache, _session(session, n))
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(session, pages))))
+        insert(cache, session(s, n))
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(session(s, pages))))
     path = []
     node = m.last_device_node
     while node is not cache.root:
@@ -361,7 +328,7 @@ def test_a_timer_step_rekeys_only_the_deepest_node_left_of_a_stamps_path(evicted
     # insert cost on bench.core --hints.)
     cache = _cache()
     path = _chain(cache, 1, 6)
-    _insert(cache, _session(1, 6), ReuseHint("s1", TOOL, finished_at_s=0.0))
+    insert(cache, session(1, 6), ReuseHint("s1", TOOL, finished_at_s=0.0))
     assert all(n.eviction_state is path[-1].eviction_state for n in path)
     if evicted:
         cache.evict(EvictParams(num_tokens=evicted * PS))
@@ -377,12 +344,12 @@ def test_a_superseded_stamp_stops_its_timers() -> None:
     # The session's next request re-stamps the whole path: the old stamp carries no node,
     # its gap is counted, so its next timer step disarms it (no re-key, no more timers).
     cache = _cache()
-    _insert(cache, _session(1, 1), ReuseHint("s1", TOOL, finished_at_s=0.0))
+    insert(cache, session(1, 1), ReuseHint("s1", TOOL, finished_at_s=0.0))
     old = _strategy(cache)._timers[0][2]
-    _insert(cache, _session(1, 2), ReuseHint("s1", TOOL, finished_at_s=5.0))
+    insert(cache, session(1, 2), ReuseHint("s1", TOOL, finished_at_s=5.0))
     assert not old.open
     assert _strategy(cache).note_hint([], ReuseHint(finished_at_s=2000.0)) == [
-        cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(1, 2)))).last_device_node
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(session(1, 2)))).last_device_node
     ]
     assert not old.armed and all(t[2] is not old for t in _strategy(cache)._timers)
 
@@ -395,10 +362,10 @@ def test_rehinted_leaves_keep_the_full_heap_within_twice_the_nodes() -> None:
     for i in range(300):
         s = i % 4
         # 10 s apart: each hint moves the leaf's predicted return by a quantum or more.
-        _insert(cache, _session(s), ReuseHint(f"s{s}", TOOL, finished_at_s=10.0 * i))
+        insert(cache, session(s), ReuseHint(f"s{s}", TOOL, finished_at_s=10.0 * i))
         heap = cache.full._heap
         assert len(heap) <= 2 * cache.tree.num_nodes + 64, (i, len(heap), cache.tree.num_nodes)
     cache.evict(EvictParams(num_tokens=8 * PS))
     cache.sanity_check()
     cache.check_pools({ComponentType.FULL: 0})
-    assert _survivors(cache, [0, 1, 2, 3]) == []
+    assert survivors(cache, [0, 1, 2, 3]) == []

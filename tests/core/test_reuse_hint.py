@@ -15,6 +15,7 @@ import anyio
 import pytest
 import torch
 from cache_harness import POLICY_CONFIGS, start_request
+from hint_harness import PS, hint_cache, insert, session, survivors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,41 +35,9 @@ from urc.reuse_hint import ReuseHint, StopReason
 from urc.service import AsyncUnifiedRadixCache
 from urc.session_eviction import SessionAwareStrategy
 
-PS = 4
-
 
 def _cache(policy: EvictionPolicy = EvictionPolicy.SESSION_AWARE, **kw: Any) -> UnifiedRadixCache:
-    kw.setdefault("kv_size", 64 * PS)
-    return build_cache(CacheConfig(page_size=PS, max_num_reqs=4, eviction_policy=policy, **kw))
-
-
-def _insert(cache: UnifiedRadixCache, tokens: list[int], hint: ReuseHint | None = None) -> None:
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
-    prefix = m.device_indices
-    own = cache.token_to_kv_pool_allocator.alloc(len(tokens) - prefix.shape[0])
-    assert own is not None
-    cache.insert(
-        InsertParams(
-            key=RadixKey(tokens),
-            value=torch.cat([prefix, own]),
-            prev_prefix_len=prefix.shape[0],
-            reuse_hint=hint,
-        )
-    )
-    cache.sanity_check()
-
-
-def _session(n: int, pages: int = 2) -> list[int]:
-    return [n * 1000 + i for i in range(pages * PS)]
-
-
-def _survivors(cache: UnifiedRadixCache, sessions: list[int]) -> list[int]:
-    out = []
-    for s in sessions:
-        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(s))))
-        if m.device_indices.shape[0]:
-            out.append(s)
-    return out
+    return hint_cache(policy, **kw)
 
 
 def test_tool_call_session_outlives_an_answered_one_finished_later() -> None:
@@ -76,11 +45,11 @@ def test_tool_call_session_outlives_an_answered_one_finished_later() -> None:
     # person types next).  Evicting one session's worth keeps session 1; LRU keeps 2.
     for policy, kept in ((EvictionPolicy.SESSION_AWARE, [1]), (EvictionPolicy.LRU, [2])):
         cache = _cache(policy)
-        _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=100.0))
-        _insert(cache, _session(2), ReuseHint("s2", StopReason.END_TURN, finished_at_s=110.0))
+        insert(cache, session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=100.0))
+        insert(cache, session(2), ReuseHint("s2", StopReason.END_TURN, finished_at_s=110.0))
         cache.evict(EvictParams(num_tokens=2 * PS))
         cache.sanity_check()
-        assert _survivors(cache, [1, 2]) == kept, policy
+        assert survivors(cache, [1, 2]) == kept, policy
 
 
 def test_within_one_quantum_the_older_session_goes_first() -> None:
@@ -88,12 +57,12 @@ def test_within_one_quantum_the_older_session_goes_first() -> None:
     # older session goes first, whatever their recency (LRU evicts session 2, the one used
     # less recently).
     cache = _cache()
-    _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=101.0))
-    _insert(cache, _session(2), ReuseHint("s2", StopReason.TOOL_USE, finished_at_s=102.0))
-    _insert(cache, _session(2), ReuseHint("s2", StopReason.TOOL_USE, finished_at_s=103.0))
-    _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=104.0))
+    insert(cache, session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=101.0))
+    insert(cache, session(2), ReuseHint("s2", StopReason.TOOL_USE, finished_at_s=102.0))
+    insert(cache, session(2), ReuseHint("s2", StopReason.TOOL_USE, finished_at_s=103.0))
+    insert(cache, session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=104.0))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2]) == [2]
+    assert survivors(cache, [1, 2]) == [2]
 
 
 def test_a_hint_that_lowers_a_cached_leafs_key_is_honoured() -> None:
@@ -103,33 +72,33 @@ def test_a_hint_that_lowers_a_cached_leafs_key_is_honoured() -> None:
     # (An eviction of an unhinted session 3 first re-keys session 1's heap entry to its
     # tool-call key, so that entry is larger than the key the answer leaves.)
     cache = _cache()
-    _insert(cache, _session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=100.0))
-    _insert(cache, _session(3))
+    insert(cache, session(1), ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=100.0))
+    insert(cache, session(3))
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 3]) == [1]
-    _insert(cache, _session(2), ReuseHint("s2", StopReason.END_TURN, finished_at_s=200.0))
-    _insert(cache, _session(1), ReuseHint("s1", StopReason.END_TURN, finished_at_s=101.0))
+    assert survivors(cache, [1, 3]) == [1]
+    insert(cache, session(2), ReuseHint("s2", StopReason.END_TURN, finished_at_s=200.0))
+    insert(cache, session(1), ReuseHint("s1", StopReason.END_TURN, finished_at_s=101.0))
     cache.evict(EvictParams(num_tokens=2 * PS))
     cache.sanity_check()
-    assert _survivors(cache, [1, 2]) == [2]
+    assert survivors(cache, [1, 2]) == [2]
 
 
 def test_a_session_without_hints_goes_before_hinted_ones() -> None:
     cache = _cache()
-    _insert(cache, _session(1), ReuseHint("s1", StopReason.END_TURN, finished_at_s=1.0))
-    _insert(cache, _session(2))  # no hint, used later
+    insert(cache, session(1), ReuseHint("s1", StopReason.END_TURN, finished_at_s=1.0))
+    insert(cache, session(2))  # no hint, used later
     cache.evict(EvictParams(num_tokens=2 * PS))
-    assert _survivors(cache, [1, 2]) == [1]
+    assert survivors(cache, [1, 2]) == [1]
 
 
 def test_insert_params_session_id_names_the_hints_session() -> None:
     cache = _cache()
     hint = ReuseHint(None, StopReason.TOOL_USE, finished_at_s=5.0)
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(1))))
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(session(1))))
     own = cache.token_to_kv_pool_allocator.alloc(2 * PS)
     assert own is not None and m.device_indices.shape[0] == 0
     cache.insert(
-        InsertParams(key=RadixKey(_session(1)), value=own, session_id="abc", reuse_hint=hint)
+        InsertParams(key=RadixKey(session(1)), value=own, session_id="abc", reuse_hint=hint)
     )
     strategy = cache.full.strategy
     assert isinstance(strategy, SessionAwareStrategy)
@@ -144,10 +113,10 @@ def test_a_hint_of_the_wrong_type_is_refused_and_changes_nothing(bad: object) ->
     own = cache.token_to_kv_pool_allocator.alloc(2 * PS)
     assert own is not None
     with pytest.raises(InvalidInputError):
-        cache.insert(InsertParams(key=RadixKey(_session(1)), value=own, reuse_hint=bad))  # type: ignore[arg-type]
+        cache.insert(InsertParams(key=RadixKey(session(1)), value=own, reuse_hint=bad))  # type: ignore[arg-type]
     assert cache.num_nodes == before
     cache.token_to_kv_pool_allocator.free(own)
-    req = start_request(cache, _session(2), 0)
+    req = start_request(cache, session(2), 0)
     assert req is not None
     req.kv_committed_len = req.kv_allocated_len = 2 * PS
     with pytest.raises(InvalidInputError):
@@ -192,7 +161,7 @@ def test_insert_session_id_of_the_wrong_type_is_refused_and_changes_nothing(bad:
     own = cache.token_to_kv_pool_allocator.alloc(2 * PS)
     assert own is not None
     params = InsertParams(
-        key=RadixKey(_session(1)),
+        key=RadixKey(session(1)),
         value=own,
         session_id=bad,
         reuse_hint=ReuseHint(),  # type: ignore[arg-type]
@@ -212,14 +181,14 @@ def test_a_bad_session_id_does_not_fail_the_service() -> None:
     async def main() -> None:
         async with AsyncUnifiedRadixCache(_cache()) as svc:
             with anyio.fail_after(10):
-                req = await svc.call(lambda c: start_request(c, _session(1), 0))
+                req = await svc.call(lambda c: start_request(c, session(1), 0))
                 assert req is not None
                 req.kv_committed_len = req.kv_allocated_len = 2 * PS
                 with pytest.raises(InvalidInputError):
                     hint = ReuseHint(["a"], StopReason.TOOL_USE)  # type: ignore[arg-type]
                     await svc.cache_finished_req(req, hint=hint)
                 await svc.cache_finished_req(req, hint=ReuseHint("a", StopReason.TOOL_USE))
-                assert (await svc.match(_session(1))).prefix_len == 2 * PS
+                assert (await svc.match(session(1))).prefix_len == 2 * PS
                 await svc.sanity_check({ComponentType.FULL: 0})
 
     anyio.run(main)
@@ -234,7 +203,7 @@ def test_session_table_bytes_do_not_grow_with_session_id_length() -> None:
     assert isinstance(strategy, SessionAwareStrategy)
     for i in range(300):
         sid = f"{i:08d}" + "x" * (1 << 20)
-        _insert(cache, _session(i), ReuseHint(sid, StopReason.TOOL_USE, finished_at_s=float(i)))
+        insert(cache, session(i), ReuseHint(sid, StopReason.TOOL_USE, finished_at_s=float(i)))
         del sid
     assert len(strategy._ranks) == 300
     table_bytes = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in strategy._ranks.items())
@@ -251,11 +220,11 @@ def test_session_policy_parameters_are_checked(kwargs: dict[str, float]) -> None
 
 def test_cache_finished_req_passes_the_hint_to_the_policy() -> None:
     cache = _cache()
-    req = start_request(cache, _session(1), 0)
+    req = start_request(cache, session(1), 0)
     assert req is not None
     req.kv_committed_len = req.kv_allocated_len = 2 * PS
     cache.cache_finished_req(req, hint=ReuseHint("s1", StopReason.TOOL_USE, finished_at_s=1.0))
-    leaf = cache.match_prefix(MatchPrefixParams(key=RadixKey(_session(1)))).last_device_node
+    leaf = cache.match_prefix(MatchPrefixParams(key=RadixKey(session(1)))).last_device_node
     assert leaf.eviction_state is not None  # the path carries the hinted key base
     cache.sanity_check()
     cache.check_pools({ComponentType.FULL: 0})
@@ -266,7 +235,7 @@ def test_service_cache_finished_req_passes_the_hint() -> None:
         cache = _cache()
         async with AsyncUnifiedRadixCache(cache) as svc:
             with anyio.fail_after(10):
-                req = await svc.call(lambda c: start_request(c, _session(1), 0))
+                req = await svc.call(lambda c: start_request(c, session(1), 0))
                 assert req is not None
                 req.kv_committed_len = req.kv_allocated_len = 2 * PS
                 hint = ReuseHint("s1", StopReason.END_TURN, finished_at_s=3.0)
@@ -276,7 +245,7 @@ def test_service_cache_finished_req_passes_the_hint() -> None:
                 states = await svc.call(
                     lambda c: (
                         c.match_prefix(
-                            MatchPrefixParams(key=RadixKey(_session(1)))
+                            MatchPrefixParams(key=RadixKey(session(1)))
                         ).last_device_node.eviction_state
                     )
                 )
