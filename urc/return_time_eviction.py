@@ -23,6 +23,9 @@ a server gives when it caches a finished request:
   reason's distribution counting as ``own_prior`` of the session's gaps.  A session whose
   tool calls take minutes stays pending that long; one whose requests come in seconds
   expires as soon as it is late.
+* **Sub-agents apart.**  A hint with a ``parent_id`` (a sub-agent's flow) counts its gaps
+  in distributions of their own: a sub-agent's final answer goes to its parent and never
+  comes back (prior: never), where a person answers a main agent's minutes later.
 * **The order.**  Leaves without a hint and leaves whose prediction expired go first, least
   recently used first (so without hints the order is exactly LRU's); then the pending ones,
   furthest predicted return first, quantized to ``quantum_s``; within a quantum the session
@@ -63,7 +66,7 @@ from urc.gap_model import GapHistogram, gap_edges, predict_gap
 from urc.node import TreeNode
 from urc.reuse_hint import ReuseHint, StopReason
 
-__all__ = ["PRIOR_GAPS_S", "ReturnTimeStrategy"]
+__all__ = ["PRIOR_GAPS_S", "SUB_AGENT_PRIOR_GAPS_S", "ReturnTimeStrategy"]
 
 PRIOR_GAPS_S: dict[StopReason | None, float | None] = {
     StopReason.TOOL_USE: 9.0,  # median gap after a tool call in the agentic traces
@@ -73,6 +76,12 @@ PRIOR_GAPS_S: dict[StopReason | None, float | None] = {
     None: 15.0,
 }
 """Each stop reason's prior gap (seconds; ``None``: never), before anything is learned."""
+
+SUB_AGENT_PRIOR_GAPS_S: dict[StopReason | None, float | None] = {
+    **PRIOR_GAPS_S,
+    StopReason.END_TURN: None,  # a sub-agent's answer goes to its parent: its flow ends
+}
+"""The same for sub-agents' flows (hints with a ``parent_id``), learned apart from the rest."""
 
 _CLOCK_BITS = 48  # last_access_time (a logical clock: one tick per node touched)
 _RANK_BITS = 40  # sessions first seen, counted
@@ -199,7 +208,12 @@ class ReturnTimeStrategy(EvictionStrategy):
         self._edges = gap_edges(horizon_s, bin_ratio)
         self._own_weight = own_weight
         self._own_prior = own_prior
-        self._models = {s: GapHistogram(self._edges, g) for s, g in PRIOR_GAPS_S.items()}
+        # Per (stop reason, whether the flow is a sub-agent's): their gaps differ.
+        self._models = {
+            (s, sub): GapHistogram(self._edges, g)
+            for sub, priors in ((False, PRIOR_GAPS_S), (True, SUB_AGENT_PRIOR_GAPS_S))
+            for s, g in priors.items()
+        }
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._next_rank = 0
         self._now = -math.inf
@@ -230,7 +244,7 @@ class ReturnTimeStrategy(EvictionStrategy):
             self._observe(session, path, ends, at)
         stamp = _Stamp(
             at,
-            self._models[hint.stop],
+            self._models[hint.stop, hint.parent_id is not None],
             self._next_rank if session is None else session.rank,
             hint.expected_gap_s,
             session,

@@ -45,11 +45,15 @@ class ReuseHint:
         finished_at_s: when the request finished, in seconds on any clock the caller uses
             for every hint to one cache (a replay uses its trace's clock);  ``None``: the
             policy reads ``time.monotonic()``.
+        parent_id: the session that started this one, for a sub-agent's flow (its own
+            ``session_id``; a sub-agent's final answer goes to its parent, not back to
+            it).  ``None``: a top-level session, or unknown.
 
     Raises:
         InvalidInputError: a ``session_id`` that is not a ``str``, a ``stop`` that is not a
             :class:`StopReason`, times that are not real numbers, a negative or non-finite
-            ``expected_gap_s`` or a non-finite ``finished_at_s``.  A hint that constructs is
+            ``expected_gap_s`` or a non-finite ``finished_at_s``, a ``parent_id`` that is not
+            a ``str``, or one without a ``session_id`` or equal to it.  A hint that constructs is
             one every policy accepts: nothing in it can fail inside the cache.
     """
 
@@ -57,12 +61,18 @@ class ReuseHint:
     stop: StopReason | None = None
     expected_gap_s: float | None = None
     finished_at_s: float | None = None
+    parent_id: str | None = None
 
     def __post_init__(self) -> None:
         sid = self.session_id
-        if sid is not None and not isinstance(sid, str):
+        for name, v in (("session_id", sid), ("parent_id", self.parent_id)):
+            if v is not None and not isinstance(v, str):
+                raise InvalidInputError(
+                    f"{name} must be a str or None, got {v!r} ({type(v).__name__})"
+                )
+        if self.parent_id is not None and (sid is None or sid == self.parent_id):
             raise InvalidInputError(
-                f"session_id must be a str or None, got {sid!r} ({type(sid).__name__})"
+                f"parent_id {self.parent_id!r} needs a session_id of its own, got {sid!r}"
             )
         for name in ("expected_gap_s", "finished_at_s"):
             v = getattr(self, name)

@@ -122,6 +122,19 @@ def test_unhinted_leaves_go_first_in_lru_order() -> None:
     assert survivors(cache, [1, 2, 3]) == [1]
 
 
+def test_a_sub_agents_final_answer_goes_before_a_main_agents_answer() -> None:
+    # A sub-agent's answer goes to its parent: its flow ends (learned apart from the main
+    # agents' answers, prior never), so its path expires at once.  Learned together, the
+    # main agent's later answer would be the furthest return and go first.
+    cache = _cache()
+    insert(cache, session(1), ReuseHint("s1/a", END, finished_at_s=0.0, parent_id="s1"))
+    insert(cache, session(2), ReuseHint("s2", END, finished_at_s=10.0))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    cache.sanity_check()
+    cache.check_pools({ComponentType.FULL: 0})
+    assert survivors(cache, [1, 2]) == [2]
+
+
 def test_a_servers_own_expected_gap_wins_over_the_learned_one() -> None:
     # Both called a tool at t=10; the server expects session 1 back in 500 s.
     cache = _cache()
@@ -134,7 +147,7 @@ def test_a_servers_own_expected_gap_wins_over_the_learned_one() -> None:
 # ------------------------------------------------------------------ learning
 def test_gaps_are_learned_from_requests_that_extend_a_path() -> None:
     cache = _cache(kv_size=256 * PS)
-    model = _strategy(cache)._models[TOOL]
+    model = _strategy(cache)._models[TOOL, False]
     before = model.counts[model.bin_of(100.0)]
     tokens = session(1, pages=1)
     for i in range(5):
@@ -147,9 +160,22 @@ def test_gaps_are_learned_from_requests_that_extend_a_path() -> None:
     assert model.counts[model.bin_of(100.0)] == before + 4
 
 
+def test_a_sub_agents_gaps_are_learned_apart_from_the_main_agents() -> None:
+    cache = _cache(kv_size=256 * PS)
+    models = _strategy(cache)._models
+    main, sub = models[TOOL, False], models[TOOL, True]
+    j = main.bin_of(100.0)
+    before = main.counts[j], sub.counts[j]
+    tokens = session(1, pages=1)
+    for i in range(3):
+        tokens = tokens + [50_000 + 10 * i + k for k in range(PS)]
+        insert(cache, tokens, ReuseHint("s1/a", TOOL, finished_at_s=100.0 * i, parent_id="s1"))
+    assert (main.counts[j], sub.counts[j]) == (before[0], before[1] + 2)
+
+
 def test_a_path_not_extended_within_the_horizon_counts_as_never() -> None:
     cache = _cache(return_horizon_s=64.0)
-    model = _strategy(cache)._models[END]
+    model = _strategy(cache)._models[END, False]
     never = model.never
     insert(cache, session(1), ReuseHint("s1", END, finished_at_s=0.0))
     insert(cache, session(2), ReuseHint("s2", END, finished_at_s=30.0))

@@ -146,6 +146,10 @@ def test_hint_fields_are_checked(kwargs: dict[str, float]) -> None:
         {"expected_gap_s": "5"},
         {"expected_gap_s": True},
         {"finished_at_s": [1.0]},
+        {"session_id": "a", "parent_id": 5},
+        {"session_id": "a", "parent_id": b"p"},
+        {"parent_id": "p"},  # a sub-agent's flow has a session of its own
+        {"session_id": "a", "parent_id": "a"},
     ],
 )
 def test_hint_fields_of_the_wrong_type_are_refused_at_construction(kwargs: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from trace_paths import trace_dir
 
 from urc.apps.replay import Capacity, ReplayConfig, run_replay
 from urc.apps.replay.agentic_sweep import parse_tokens, sweep, table
+from urc.apps.replay.driver import _hint
 from urc.apps.workloads.agentic import (
     AgenticConfig,
     AgenticFormatError,
@@ -80,6 +81,13 @@ def test_sessions_become_flows_with_a_shared_prefix_and_seeded_arrivals(tmp_path
     # The sub-agent reuses its parent's block 1 (same local id), not the other session's.
     sub = [r for r in reqs if r.session_id == "trace_0001/agent_001"]
     assert sub[0].input_ids[0] == a[0] and len(sub) == 2
+    # Its requests name the flow that started it (the hint's parent_id); the others none.
+    assert {r.parent_session_id for r in sub} == {"trace_0001"}
+    assert {r.parent_session_id for r in reqs if r not in sub} == {None}
+    # The replay's hints carry it.
+    flows = {(h.session_id, h.parent_id) for h in map(_hint, reqs) if h is not None}
+    sub_flow = ("trace_0001/agent_001", "trace_0001")
+    assert flows == {("trace_0001", None), ("trace_0002", None), sub_flow}
     # The same seed gives the same workload; another seed other arrival times.
     assert [r.timestamp_ms for r in load_agentic(AgenticConfig(d, concurrency=2, seed=1))] == [
         r.timestamp_ms for r in reqs

@@ -109,13 +109,14 @@ _STOPS = {s.value: s for s in StopReason}
 
 def _hint(tr: TraceRequest) -> ReuseHint | None:
     """What a server would know when ``tr`` finishes (workloads with sessions only): its
-    session, its stop reason, and the finish on the trace's clock."""
+    session (and a sub-agent's parent), its stop reason, and the finish on the trace's
+    clock."""
     if tr.session_id is None:
         return None
     stop = _STOPS.get(tr.stop or "", StopReason.OTHER)
     # The replay serves a request at its arrival (no model time passes in the cache's
     # order of events), so that is when it finishes on the cache's clock.
-    return ReuseHint(tr.session_id, stop, None, tr.timestamp_ms / 1000)
+    return ReuseHint(tr.session_id, stop, None, tr.timestamp_ms / 1000, tr.parent_session_id)
 
 
 # ---------------------------------------------------------------------- memory admission

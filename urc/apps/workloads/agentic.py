@@ -20,7 +20,8 @@ What the replay assumes (:class:`AgenticConfig`; the report repeats it):
   shuffled by ``seed``; every request keeps its recorded time within its session (think and
   model times as recorded).  The workload is the merge of all sessions by arrival time.
 * **Flows.**  Main-agent and side requests are the session's flow (``session_id`` = the
-  file's id); each sub-agent is a flow of its own (``<id>/<agent_id>``).  Ids are local to
+  file's id); each sub-agent is a flow of its own (``<id>/<agent_id>``, the flow that
+  started it in its requests' ``parent_session_id``).  Ids are local to
   the file, so a sub-agent shares blocks with its parent exactly where the file says so.
 * **The shared prefix.**  The first ``(tool_tokens + system_tokens) // block_size`` blocks
   of a flow's first request are the agent's tools and system prompt: with ``share_prefix``
@@ -104,6 +105,7 @@ class AgenticConfig:
 class _Flow:
     flow_id: str
     ops: list[tuple[int, int, str, int, array[int]]]  # (t_ms, common, stop, model_ms, new)
+    parent: str | None = None  # a sub-agent's: the flow that started it
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,7 @@ class AgenticWorkload:
                 session_id=flow.flow_id,
                 stop=stop,
                 model_time_ms=model_ms,
+                parent_session_id=flow.parent,
             )
 
 
@@ -192,9 +195,9 @@ class _Loader:
         flows: list[_Flow] = []
         end = 0.0
 
-        def add_flow(fid: str, spec: dict[str, Any], t0: float) -> None:
+        def add_flow(fid: str, spec: dict[str, Any], t0: float, parent: str | None) -> None:
             nonlocal end
-            flow = _Flow(fid, [])
+            flow = _Flow(fid, [], parent)
             flows.append(flow)
             head = (int(spec.get("tool_tokens", 0)) + int(spec.get("system_tokens", 0))) // bs
             agent = (int(spec.get("tool_tokens", 0)), int(spec.get("system_tokens", 0)))
@@ -208,7 +211,7 @@ class _Loader:
                 if r.get("type") == "subagent":
                     if not isinstance(r.get("requests"), list):
                         raise AgenticFormatError(name, "a subagent without requests")
-                    add_flow(f"{sid}/{r.get('agent_id', len(flows))}", r, t)
+                    add_flow(f"{sid}/{r.get('agent_id', len(flows))}", r, t, fid)
                     continue
                 local = r.get("hash_ids")
                 if not isinstance(local, list):
@@ -232,7 +235,7 @@ class _Loader:
                 )
                 prev = glob
 
-        add_flow(sid, data, 0.0)
+        add_flow(sid, data, 0.0, None)
         return [f for f in flows if f.ops], end
 
     def _shared(self, agent: tuple[int, int], i: int) -> int:

@@ -33,6 +33,8 @@ class TraceRequest:
             ``"end_turn"``, ``""``), or ``None`` when the workload does not say.
         model_time_ms: how long the model took to answer (the finish is at
             ``timestamp_ms + model_time_ms``); 0 when unknown.
+        parent_session_id: for a sub-agent's request, the session that started it;
+            ``None`` otherwise.
 
     Raises:
         ValueError: if ``input_length != len(input_ids)`` or a length or time is negative.
@@ -48,6 +50,7 @@ class TraceRequest:
     session_id: str | None = None
     stop: str | None = None
     model_time_ms: int = 0
+    parent_session_id: str | None = None
 
     def __post_init__(self) -> None:
         # Cheap O(1) checks only: the record is built once per request on the hot path.
