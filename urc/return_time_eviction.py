@@ -25,7 +25,10 @@ a server gives when it caches a finished request:
   expires as soon as it is late.
 * **Sub-agents apart.**  A hint with a ``parent_id`` (a sub-agent's flow) counts its gaps
   in distributions of their own: a sub-agent's final answer goes to its parent and never
-  comes back (prior: never), where a person answers a main agent's minutes later.
+  comes back (prior: never), where a person answers a main agent's minutes later.  Its
+  parent waits on it: the parent's latest tool call (the one that started it) is due when
+  the sub-agent next returns, or at once when it answered, for as long again (a quantum at
+  least), then its own prediction again (O(1) per hint).
 * **The order.**  Leaves without a hint and leaves whose prediction expired go first, least
   recently used first (so without hints the order is exactly LRU's); then the pending ones,
   furthest predicted return first, quantized to ``quantum_s``; within a quantum the session
@@ -93,11 +96,13 @@ _OPEN_PER_SESSION = 4  # a session's stamps that a later request may still exten
 
 
 class _Session:
-    __slots__ = ("open", "own", "rank")
+    __slots__ = ("open", "own", "rank", "tool")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.open: list[_Stamp] = []
+        # Its latest tool call's stamp: the one a sub-agent it started keeps due.
+        self.tool: _Stamp | None = None
         # The session's own gaps, per stop reason: counts per bin, then never.
         self.own: dict[StopReason | None, list[float]] = {}
 
@@ -111,14 +116,18 @@ class _Stamp:
         "base",
         "bin",
         "fixed_gap",
+        "hold",
+        "hold_due",
         "length",
         "model",
         "open",
         "probe",
         "rank",
+        "ret",
         "session",
         "stop",
         "tail",
+        "timer",
     )
 
     def __init__(
@@ -146,6 +155,12 @@ class _Stamp:
         # contiguous run of one root path, so only the deepest can be a leaf.
         self.tail: TreeNode | None = None
         self.armed = True  # False once no timer will re-key it
+        self.timer = 0  # the sequence number of its live timer (older ones are skipped)
+        # A sub-agent's parent: due at ``hold`` (its sub-agent's predicted return) until
+        # ``hold_due``; then its own prediction again.
+        self.hold: float | None = None
+        self.hold_due = 0.0
+        self.ret: float | None = None  # the predicted return (None: expired)
 
 
 class ReturnTimeStrategy(EvictionStrategy):
@@ -266,7 +281,31 @@ class ReturnTimeStrategy(EvictionStrategy):
             node.eviction_state = stamp
             if old is not None and base < old.base:
                 dropped.append(node)
+        if session is not None and hint.stop is StopReason.TOOL_USE and ends:
+            session.tool = stamp
+        if hint.parent_id is not None:
+            self._hold_parent(hint.parent_id, stamp, dropped)
         return dropped
+
+    def _hold_parent(self, parent_id: str, child: _Stamp, dropped: list[TreeNode]) -> None:
+        """A sub-agent's request finished: its parent, waiting on it, is due when the
+        sub-agent next returns (at once, when it answered: the answer goes to the parent),
+        for as long again (a quantum at least); its path's key may drop (``dropped``)."""
+        parent = self._sessions.get(parent_id)
+        st = None if parent is None else parent.tool
+        if st is None or st.at > child.at:
+            return
+        carried, leaf = _leaf(st)
+        if not carried:
+            parent.tool = None  # type: ignore[union-attr]
+            return
+        now = self._now
+        ret = now if child.ret is None else max(child.ret, now)
+        st.hold = ret
+        st.hold_due = ret + (ret - now) + self._quantum
+        st.armed = True
+        if self._advance(st, now) and leaf is not None:
+            dropped.append(leaf)
 
     def note_split(self, upper: TreeNode, lower: TreeNode) -> None:
         # ``upper`` is ``lower``'s new parent: the stamp's tail (below it) finds it through
@@ -331,7 +370,14 @@ class ReturnTimeStrategy(EvictionStrategy):
         old = stamp.base
         fixed = stamp.fixed_gap
         model = stamp.model
-        if fixed is not None:
+        ret: float | None
+        nxt: float | None
+        hold = stamp.hold
+        if hold is not None and now < stamp.hold_due:
+            ret = hold
+            nxt = stamp.hold_due
+            j = stamp.bin
+        elif fixed is not None:
             # The server's own estimate: kept until twice the gap (a quantum at least).
             # Compared as the timer's own time: ``now - at`` may round below it.
             due = stamp.at + 2 * fixed + self._quantum
@@ -340,6 +386,7 @@ class ReturnTimeStrategy(EvictionStrategy):
             nxt = None if late else due
             j = model.bins
         else:
+            stamp.hold = None
             j = model.bin_of(age)
             # ``now - at`` may round below the edge whose timer fired: never re-arm a timer
             # that is already due (it would fire again at once, forever).
@@ -359,6 +406,7 @@ class ReturnTimeStrategy(EvictionStrategy):
             ret = None if gap is None else stamp.at + gap
             nxt = stamp.at + self._edges[j + 1] if j < model.bins else None
         stamp.bin = j
+        stamp.ret = ret
         if ret is None:
             stamp.base = 0
         else:
@@ -373,6 +421,7 @@ class ReturnTimeStrategy(EvictionStrategy):
                     self._own(stamp.session, stamp.stop, model.bins)
         else:
             self._seq += 1
+            stamp.timer = self._seq
             heapq.heappush(self._timers, (nxt, self._seq, stamp))
         return stamp.base < old
 
@@ -382,8 +431,8 @@ class ReturnTimeStrategy(EvictionStrategy):
         timers = self._timers
         out: list[TreeNode] = []
         while timers and timers[0][0] <= now:
-            _, _, stamp = heapq.heappop(timers)
-            if not stamp.armed:
+            _, seq, stamp = heapq.heappop(timers)
+            if not stamp.armed or seq != stamp.timer:
                 continue
             carried, leaf = _leaf(stamp)
             if not carried and not stamp.open:

@@ -135,6 +135,25 @@ def test_a_sub_agents_final_answer_goes_before_a_main_agents_answer() -> None:
     assert survivors(cache, [1, 2]) == [2]
 
 
+def test_a_parent_waiting_on_its_sub_agent_stays_due_until_it_answers() -> None:
+    cache = _cache()
+    insert(cache, session(1), ReuseHint("s1", TOOL, finished_at_s=0.0))  # starts a sub-agent
+    insert(cache, session(2), ReuseHint("s2", TOOL, finished_at_s=0.0))
+    insert(cache, session(3), ReuseHint("s1/a", TOOL, finished_at_s=100.0, parent_id="s1"))
+    # At 100 s both tool calls are late (expired: the prior's gap is 9 s), but session 1
+    # waits on its sub-agent: due when the sub-agent is, so session 2 goes first.
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert survivors(cache, [1, 2, 3]) == [1, 3]
+    # The sub-agent answers: its flow ends (expired), its parent is due at once.
+    insert(cache, session(4), ReuseHint("s1/a", END, finished_at_s=130.0, parent_id="s1"))
+    cache.evict(EvictParams(num_tokens=4 * PS))
+    assert survivors(cache, [1, 3, 4]) == [1]
+    # Held for as long again (a quantum at least), then its own prediction again: expired.
+    insert(cache, session(5), ReuseHint("s5", TOOL, finished_at_s=1000.0))
+    cache.evict(EvictParams(num_tokens=2 * PS))
+    assert survivors(cache, [1, 5]) == [5]
+
+
 def test_a_servers_own_expected_gap_wins_over_the_learned_one() -> None:
     # Both called a tool at t=10; the server expects session 1 back in 500 s.
     cache = _cache()
