@@ -196,6 +196,26 @@ class HostPool:
             )
         return self.engine.submit(Lane.LOAD, lambda: self._load_staged(device_indices, host_units))
 
+    def load_buffers(
+        self,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        buffers: Sequence[int] | None = None,
+    ) -> None:
+        """Copy host slots ``host_indices`` of the device buffers numbered ``buffers``
+        (positions in ``device_buffers``; ``None``: all) back into device slots
+        ``device_indices``, on the calling thread, and return once they have landed (pools
+        on the CPU).  For a caller that runs a load in parts on its own thread -- one
+        model layer's buffers at a time -- and signals each part (SGLang's layer-wise
+        load-back); :meth:`load` is the whole transfer on the pool's engine."""
+        if self.device.type != "cpu":
+            raise ConfigError(
+                f"load_buffers copies on the calling thread (CPU pools), not on {self.device}"
+            )
+        hu = self._host_units(device_indices, host_indices)
+        if hu is not None:
+            self._scatter_local(device_indices, hu, buffers)
+
     # ------------------------------------------------------------------ internals
     def _host_units(
         self, device_indices: torch.Tensor, host_indices: torch.Tensor
@@ -234,10 +254,14 @@ class HostPool:
             else:
                 copy_pages(m.device, du, m.host, hu)
 
-    def _scatter_local(self, device_indices: torch.Tensor, hu: np.ndarray) -> None:
-        """Load, pools on the CPU (:mod:`hicache._cpu_copy`)."""
+    def _scatter_local(
+        self, device_indices: torch.Tensor, hu: np.ndarray, buffers: Sequence[int] | None = None
+    ) -> None:
+        """Load, pools on the CPU (:mod:`hicache._cpu_copy`): every buffer, or those
+        numbered ``buffers``."""
         du = _page_numbers(device_indices.numpy(), self.page_size)
-        for m in self._mirrors:
+        mirrors = self._mirrors if buffers is None else [self._mirrors[i] for i in buffers]
+        for m in mirrors:
             if m.rows is not None:
                 load_rows(m.rows, self._slots(hu), self._slots(du), 4 * self.page_size)
             else:

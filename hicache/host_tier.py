@@ -9,11 +9,14 @@ the transfer's completion (:mod:`hicache.transfer_engine`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 from hicache.config import HiCacheConfig
 from hicache.host_pool import HostPool
-from hicache.transfer_engine import Completion, TransferEngine
+from hicache.transfer_engine import Completion, Lane, TransferEngine
 from urc.cache import UnifiedRadixCache
 from urc.errors import ConfigError
 from urc.node import ComponentType, SizeUnit
@@ -65,6 +68,22 @@ class HostMemoryTier:
 
     def load(self, ct: ComponentType, host: torch.Tensor, device: torch.Tensor) -> Completion:
         return self.pools[ct].load(host, device)
+
+    def load_buffers(
+        self,
+        ct: ComponentType,
+        host: torch.Tensor,
+        device: torch.Tensor,
+        buffers: Sequence[int] | None = None,
+    ) -> None:
+        """Copy ``ct``'s host slots back to device for the device buffers numbered
+        ``buffers`` only, on the calling thread (:meth:`HostPool.load_buffers`)."""
+        self.pools[ct].load_buffers(host, device, buffers)
+
+    def submit(self, lane: Lane, work: Callable[[], Any]) -> Completion:
+        """Run ``work`` on the pools' transfer engine, on ``lane`` (its worker thread on a
+        :class:`~hicache.transfer_engine.ThreadTransferEngine`); returns its completion."""
+        return next(iter(self.pools.values())).engine.submit(lane, work)
 
     def usage(self, ct: ComponentType = ComponentType.FULL) -> float:
         """Fraction of ``ct``'s host pool in use."""

@@ -8,13 +8,25 @@ before the copy completed would show as wrong host bytes.
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 from deferred_engine import DeferredEngine
 from hicache_harness import FULL, InFlight, check, insert, make, match, seq, zero_device
 
-from urc import EvictParams, UnifiedRadixCache
+from hicache.config import HiCacheConfig
+from hicache.host_tier import attach_hicache
+from hicache.transfer_engine import TransferEngine
+from urc import CacheConfig, EvictParams, KVShape, UnifiedRadixCache, build_cache
 from urc.apps.sglang._hicache import HiCacheSurface
+from urc.apps.sglang._load_back import LayerLoadCounter, layer_plan
+from urc.config import build_pools
+from urc.host_protocol import WritePolicy
+from urc.node import ComponentType
+from urc.params import MatchResult
+from urc.pools.kv_pool import KVPool
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -122,3 +134,146 @@ def test_without_a_host_tier_the_surface_is_inert() -> None:
     assert sched.cache_controller is None and sched.idle() and not sched.enable_storage
     assert sched.attach_storage_backend("file")[0] is False
     assert sched.detach_storage_backend()[0] is True
+
+
+# ---------------------------------------------------------------------- layer-wise load-backs
+class LayeredKVPool(KVPool):
+    """urc's KV pool seen as SGLang's ``MHATokenToKVPool``: one K and one V buffer per
+    layer (views of ``kv``), so the host tier mirrors them buffer by buffer."""
+
+    __slots__ = ()
+
+    def slot_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        layers = range(self.shape.num_layers)
+        return [(self.kv[0, i], 0) for i in layers] + [(self.kv[1, i], 0) for i in layers]
+
+
+LAYERS = 4
+
+
+def layered(ps: int, engine: TransferEngine) -> tuple[UnifiedRadixCache, Scheduler]:
+    """A write-back cache over per-layer buffers with layer-wise load-backs on ``engine``."""
+    config = CacheConfig(
+        components=(FULL,),
+        page_size=ps,
+        kv_size=64 * ps,
+        kv_shape=KVShape(LAYERS, 2, 4, torch.float32),
+    )
+    pools = build_pools(config)
+    pools.kv_pool = LayeredKVPool(config.kv_size, config.kv_shape)
+    core = build_cache(config, pools)
+    hc = HiCacheConfig(write_policy=WritePolicy.WRITE_BACK, host_tokens=128 * ps)
+    attach_hicache(core, hc, engine)
+    sched = Scheduler(core)
+    plan = layer_plan([(FULL, i) for i in range(LAYERS)], {FULL: LAYERS})
+    sched.enable_layerwise_load_back(LayerLoadCounter(LAYERS), plan)
+    return core, sched
+
+
+def on_host(core: UnifiedRadixCache, tokens: list[int]) -> tuple[MatchResult, torch.Tensor]:
+    """Insert ``tokens``, demote them to host, zero the device; returns the host hit and
+    the bytes the device held."""
+    assert insert(core, tokens)
+    node = match(core, tokens).last_device_node
+    want = kv_of(core, core.path_device_indices(node)).clone()
+    core.evict(EvictParams(num_tokens=10**6))
+    zero_device(core)
+    hit = match(core, tokens)
+    assert hit.host_hit_length == len(tokens)
+    return hit, want
+
+
+def kv_of(core: UnifiedRadixCache, slots: torch.Tensor) -> torch.Tensor:
+    return core.pools.kv_pool.kv[:, :, slots]  # type: ignore[union-attr]
+
+
+def load_params(hit: MatchResult) -> SimpleNamespace:
+    """SGLang's ``InitLoadBackParams`` as the plug-in reads it."""
+    return SimpleNamespace(
+        best_match_node=hit.best_match_node, req=SimpleNamespace(last_node=hit.last_device_node)
+    )
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_a_load_back_is_committed_at_once_and_the_forward_waits_layer_by_layer(ps: int) -> None:
+    engine = DeferredEngine()
+    core, sched = layered(ps, engine)
+    tokens = seq(1, 3, ps)
+    hit, want = on_host(core, tokens)
+    loaded, node = sched.init_load_back(load_params(hit))  # type: ignore[misc]
+    # The slots are the tree's now (a request's prefix points at them); the copy is queued.
+    assert loaded == len(tokens) and node is hit.best_match_node
+    assert match(core, tokens).device_prefix_len == len(tokens)
+    slots = core.path_device_indices(node)
+    assert engine.pending() == 0 and not sched.idle()
+    assert core.full_protected_size() == len(tokens)  # pinned until the copy completed
+    sched.check()
+    index = sched.ready_to_load_host_cache()  # the new batch's consumer slot
+    counter = sched.load_counter
+    assert counter is not None and index == 0 and engine.pending() == 1
+    assert not counter.done(index) and not bool(kv_of(core, slots).any())
+    # The copy runs on another thread; the forward reads layer l once wait_until(l) returns.
+    copier = threading.Thread(target=engine.submitted[-1].wait)
+    counter.set_consumer(index)
+    copier.start()
+    for layer in range(LAYERS):
+        counter.wait_until(layer)
+        assert torch.equal(kv_of(core, slots)[:, layer], want[:, layer]), layer
+    copier.join()
+    sched.check_hicache_events()  # the copy completed: the pins are released
+    assert sched.idle() and core.full_protected_size() == 0
+    assert sched.ready_to_load_host_cache() == -1  # nothing queued, nothing in flight
+    sched.check()
+
+
+def test_a_batch_that_starts_no_copy_waits_for_the_one_in_flight() -> None:
+    engine = DeferredEngine()
+    core, sched = layered(4, engine)
+    hit, _ = on_host(core, seq(1, 2, 4))
+    sched.init_load_back(load_params(hit))
+    index = sched.ready_to_load_host_cache()
+    assert sched.ready_to_load_host_cache() == index  # still in flight
+    engine.submitted[-1].wait()
+    assert sched.ready_to_load_host_cache() == -1
+    sched.check_hicache_events()
+    assert sched.idle()
+    sched.check()
+
+
+def test_load_backs_queued_by_a_batch_never_formed_start_at_the_next_turn() -> None:
+    engine = DeferredEngine()
+    core, sched = layered(4, engine)
+    hit, want = on_host(core, seq(1, 2, 4))
+    _, node = sched.init_load_back(load_params(hit))  # type: ignore[misc]
+    sched.check_hicache_events()
+    assert engine.pending() == 1 and not sched.idle()
+    # Its batch never formed; the next one reads the slots: it waits for that copy.
+    assert sched.ready_to_load_host_cache() == 0
+    sched.wait_for_backups()  # /flush_cache, shutdown: every copy waited for, pins released
+    assert sched.idle() and core.full_protected_size() == 0
+    assert torch.equal(kv_of(core, core.path_device_indices(node)), want)
+    sched.check()
+
+
+def test_a_failed_layer_copy_releases_the_forward_and_raises_at_the_turn() -> None:
+    core, sched = layered(4, DeferredEngine())
+    hit, _ = on_host(core, seq(1, 2, 4))
+    sched.init_load_back(load_params(hit))
+    sched.load_plan = (((FULL, (99,)),),) * LAYERS  # a buffer the pool does not have
+    index = sched.ready_to_load_host_cache()
+    counter = sched.load_counter
+    assert counter is not None
+    with pytest.raises(IndexError):
+        sched.wait_for_backups()
+    assert counter.done(index)  # no forward waits forever on it
+
+
+def test_layer_plan_names_each_model_layers_k_and_v_buffers() -> None:
+    swa = ComponentType.SWA
+    plan = layer_plan([(FULL, 0), (swa, 0), (swa, 1), (FULL, 1)], {FULL: 2, swa: 2})
+    assert plan == (
+        ((FULL, (0, 2)),),
+        ((swa, (0, 2)),),
+        ((swa, (1, 3)),),
+        ((FULL, (1, 3)),),
+    )

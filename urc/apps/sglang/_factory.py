@@ -9,6 +9,7 @@ from typing import Any
 from urc.apps.sglang._hicache_options import (
     hicache_config,
     hicache_refusals,
+    start_layerwise_load_back,
     start_storage,
     storage_refusals,
     transfer_engine,
@@ -241,5 +242,6 @@ def create_cache(ctx: Any) -> Any:
             core, _hicache_config(allocator, _memory()), transfer_engine(allocator.device)
         )
     cache = SGLangRadixCache(core, params, host)
+    start_layerwise_load_back(cache, ctx)
     start_storage(cache, _memory())
     return cache

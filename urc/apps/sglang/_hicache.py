@@ -28,11 +28,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hicache.transfer_engine import Lane
+from urc.apps.sglang._load_back import (
+    LayerLoadCounter,
+    LayerPlan,
+    PendingLoad,
+    commit_load_back,
+    load_work,
+    release_load_back,
+)
 from urc.host import transfers as host_transfers
 from urc.node import ComponentType, TreeNode
 
 if TYPE_CHECKING:
     from hicache.host_tier import HostMemoryTier
+    from hicache.transfer_engine import Completion
     from urc.apps.sglang._l3 import SchedulerStorage
     from urc.cache import UnifiedRadixCache
 
@@ -58,6 +68,8 @@ class HostTierController:
         self.write_fence_stream: Any = None
 
     def has_inflight_device_transfers(self) -> bool:
+        """No CUDA copy of urc's is in flight on a stream SGLang would have to gate on:
+        False (urc's copies on CUDA complete before ``init_load_back`` returns)."""
         return False
 
 
@@ -76,8 +88,16 @@ class HiCacheSurface:
         SGLang's own cache without HiCache)."""
         #: Write-through backups whose copies are in flight: ticket and completions.
         self.ongoing_write_through: dict[int, tuple[Any, list[Any]]] = {}
-        # Load-backs complete inside ``init_load_back``: none is in flight between turns.
-        self.ongoing_load_back: dict[int, Any] = {}
+        #: Load-backs committed to the tree whose copies have not completed (queued or
+        #: in flight), by id; empty while load-backs are synchronous.
+        self.ongoing_load_back: dict[int, PendingLoad] = {}
+        #: Layer-wise load-backs (:meth:`enable_layerwise_load_back`): the counter the KV
+        #: pool waits on, the host buffers of each layer, the loads not started yet, and
+        #: the last transfer started (its producer slot and completion).
+        self.load_counter: LayerLoadCounter | None = None
+        self.load_plan: LayerPlan = ()
+        self._load_queue: list[PendingLoad] = []
+        self._last_load: tuple[int, Completion] | None = None
         #: urc's L3 store inside the scheduler (``--hicache-storage-backend``), or None.
         self.l3: SchedulerStorage | None = None
         self.hicache_storage_pass_prefix_keys = False
@@ -91,30 +111,97 @@ class HiCacheSurface:
         )
 
     # ------------------------------------------------------------------ load-back
+    def enable_layerwise_load_back(self, counter: LayerLoadCounter, plan: LayerPlan) -> None:
+        """Run load-backs off the scheduler thread from now on, signalling ``counter`` layer
+        by layer (``plan``: the host buffers of each model layer); the caller registers
+        ``counter`` where the forward waits on it (SGLang's KV pool and model worker)."""
+        if self.host is None:
+            raise ValueError("layer-wise load-backs need the host tier")
+        if len(plan) != counter.num_layers:
+            raise ValueError(
+                f"a plan of {len(plan)} layers for a {counter.num_layers}-layer counter"
+            )
+        self.load_counter = counter
+        self.load_plan = plan
+        if self.cache_controller is not None:
+            self.cache_controller.layer_done_counter = counter
+
     def init_load_back(self, params: Any) -> tuple[int, TreeNode] | None:
         """Load the host-only part of the path to ``params.best_match_node`` to device.
         Returns ``(tokens loaded, the node the request's prefix now ends on)``: all the
         promised host hit, or ``(0, req.last_node)`` when device memory could not be found
-        (SGLang then recomputes).  The copy has completed when this returns."""
+        (SGLang then recomputes).  Layer-wise (:meth:`enable_layerwise_load_back`): the
+        device slots are the tree's on return and the copy is queued (started by
+        :meth:`ready_to_load_host_cache`; the batch's forward waits layer by layer);
+        otherwise the copy has completed when this returns."""
         node = params.best_match_node
-        loaded = self.urc.load_back(node) if self.host is not None else 0
-        if loaded == 0:
+        if self.host is None:
             return 0, params.req.last_node
-        return loaded, node
+        if self.load_counter is None:
+            loaded = self.urc.load_back(node)
+            return (loaded, node) if loaded else (0, params.req.last_node)
+        ticket = host_transfers.start_load_back(self.urc, node)
+        if ticket is None:
+            return 0, params.req.last_node
+        pending = commit_load_back(self.urc, ticket)
+        self._load_queue.append(pending)
+        self.ongoing_load_back[id(pending)] = pending
+        return pending.tokens, node
 
     def load_back_is_cache_owned(self) -> bool:
         """The loaded slots belong to the tree (``cache_protected_len`` covers them)."""
         return True
 
     def ready_to_load_host_cache(self) -> int:
-        """The forward's layer-wise wait index: -1, no load-back is in flight."""
-        return -1
+        """Start the queued load-backs as one transfer on the host tier's load worker and
+        return its producer slot: the new batch's ``hicache_consumer_index``, whose forward
+        waits for each layer it reads.  Nothing queued: the slot of a transfer still in
+        flight (the batch may read slots it fills), else -1."""
+        counter = self.load_counter
+        if counter is None:
+            return -1
+        if not self._load_queue:
+            last = self._last_load
+            return last[0] if last is not None and not last[1].done() else -1
+        return self._start_loads(counter)
+
+    def _start_loads(self, counter: LayerLoadCounter) -> int:
+        """Submit the queued load-backs; returns their producer slot."""
+        assert self.host is not None
+        loads, self._load_queue = self._load_queue, []
+        index = counter.update_producer()
+        completion = self.host.submit(
+            Lane.LOAD, load_work(self.host, loads, self.load_plan, counter, index)
+        )
+        for pending in loads:
+            pending.completion = completion
+            pending.producer = index
+        self._last_load = (index, completion)
+        return index
+
+    def _finish_load_backs(self, wait: bool = False) -> None:
+        """Release the pins of the load-backs whose copies completed (``wait``: start the
+        queued ones and wait for every one)."""
+        if wait and self._load_queue and self.load_counter is not None:
+            self._start_loads(self.load_counter)
+        ongoing = self.ongoing_load_back
+        for key in list(ongoing):
+            completion = ongoing[key].completion
+            if completion is None or not (wait or completion.done()):
+                continue
+            completion.wait()  # a failed copy raises here
+            release_load_back(self.urc, ongoing.pop(key))
 
     # ------------------------------------------------------------------ backups
     def check_hicache_events(self) -> None:
         """Commit the backups whose copies completed, start the write-through backups that
         came due (evicting unpinned host leaves when the host pool is full), and run the
         tree steps the L3 worker queued."""
+        self._finish_load_backs()
+        if self._load_queue and self.load_counter is not None:
+            # Queued by a batch that was not formed: start them (a later batch that reads
+            # their slots waits for this transfer, see ready_to_load_host_cache).
+            self._start_loads(self.load_counter)
         self.flush_pending_backups()
         if self.l3 is not None:
             self.l3.run_calls()
@@ -152,8 +239,9 @@ class HiCacheSurface:
             core.pending_backups[node.id] = node
 
     def wait_for_backups(self) -> None:
-        """Wait for every backup copy in flight and commit them (what the scheduler's idle
-        turns reach by polling)."""
+        """Wait for every backup and load-back copy in flight and commit / release them
+        (what the scheduler's idle turns reach by polling)."""
+        self._finish_load_backs(wait=True)
         self._finish_backups(wait=True)
 
     def _finish_backups(self, wait: bool = False) -> None:

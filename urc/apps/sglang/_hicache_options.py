@@ -9,12 +9,15 @@ from hicache.config import HiCacheConfig
 from hicache.host_layout import HostLayout
 from hicache.transfer_engine import ThreadTransferEngine, TransferEngine, engine_for
 from urc.apps.sglang._l3 import STORAGE_BACKENDS, attach_storage
+from urc.apps.sglang._load_back import LayerLoadCounter, layer_plan
 from urc.host_protocol import WritePolicy
+from urc.node import ComponentType
 
 __all__ = [
     "HOST_LAYOUTS",
     "hicache_config",
     "hicache_refusals",
+    "start_layerwise_load_back",
     "start_storage",
     "storage_refusals",
     "transfer_engine",
@@ -101,3 +104,38 @@ def transfer_engine(device: Any) -> TransferEngine:
 
     device = torch.device(device)
     return ThreadTransferEngine() if device.type == "cpu" else engine_for(device)
+
+
+def start_layerwise_load_back(cache: Any, ctx: Any) -> None:
+    """On a CPU device, run the plug-in's load-backs layer by layer on the host tier's load
+    worker, as SGLang's own HiCache does on CUDA: a :class:`LayerLoadCounter` registered on
+    SGLang's KV pool (``register_layer_transfer_counter``: its reads of layer ``l`` wait
+    for it) and model worker (``register_hicache_layer_transfer_counter``: the batch's
+    consumer slot), with the plan of SGLang's per-layer K/V buffers (an ``SWAKVPool``'s
+    ``layers_mapping`` names each model layer's half).  Elsewhere (CUDA, or no model worker
+    to make a batch the consumer) load-backs stay synchronous."""
+    import torch
+
+    worker = getattr(ctx, "tp_worker", None)
+    if cache.host is None or worker is None:
+        return
+    allocator = ctx.params.token_to_kv_pool_allocator
+    if torch.device(allocator.device).type != "cpu":
+        return
+    kv = allocator.get_kvcache()
+    if ctx.is_hybrid_swa:
+        layers = [
+            (ComponentType.SWA if is_swa else ComponentType.FULL, i)
+            for i, is_swa in (kv.layers_mapping[g] for g in range(kv.layer_num))
+        ]
+        layers_of = {
+            ComponentType.FULL: kv.full_kv_pool.layer_num,
+            ComponentType.SWA: kv.swa_kv_pool.layer_num,
+        }
+    else:
+        layers = [(ComponentType.FULL, i) for i in range(kv.layer_num)]
+        layers_of = {ComponentType.FULL: kv.layer_num}
+    counter = LayerLoadCounter(len(layers))
+    cache.enable_layerwise_load_back(counter, layer_plan(layers, layers_of))
+    kv.register_layer_transfer_counter(counter)
+    worker.register_hicache_layer_transfer_counter(counter)
