@@ -47,6 +47,7 @@ else:  # pragma: no cover
 __all__ = [
     "IMPORT_CHAIN",
     "SGLANG_VERSION",
+    "SIDE_EXTRAS",
     "SideEnv",
     "SideEnvUnavailable",
     "ensure",
@@ -100,6 +101,11 @@ IMPORT_CHAIN = (
     "gguf",
     "openai==2.8.0",
 )
+#: The project's extras the live cases need inside the server process, installed into an
+#: environment built before they were added too (their own stamp, ``EXTRAS``): ``mooncake``,
+#: the Mooncake store's client for the ``--hicache-storage-backend mooncake`` case (its wheel
+#: needs the verbs libraries ``.ci/run`` installs for the unit suite's Mooncake tests).
+SIDE_EXTRAS = ("mooncake",)
 _FIXTURE_SRC = Path(__file__).resolve().parent / "sgl_kernel_fixture" / "sgl_kernel"
 _GUARD = "if torchvision.extension._has_ops() else (lambda f: f))"
 
@@ -206,6 +212,26 @@ def _build(root: Path, log: list[str]) -> None:
     _sync_fixture(root, site)
 
 
+def _extra_requirements(checkout: Path) -> list[str]:
+    """The requirements of :data:`SIDE_EXTRAS`, as ``checkout``'s ``pyproject.toml`` pins
+    them."""
+    meta = tomllib.loads((checkout / "pyproject.toml").read_text())
+    optional = meta["project"].get("optional-dependencies", {})
+    return [req for extra in SIDE_EXTRAS for req in optional.get(extra, [])]
+
+
+def _sync_extras(root: Path, python: Path) -> None:
+    """Install :data:`SIDE_EXTRAS` into the environment (again when their pins changed)."""
+    reqs = _extra_requirements(Path(__file__).resolve().parents[2])
+    stamp = root / "EXTRAS"
+    digest = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:16]
+    if stamp.exists() and stamp.read_text() == digest:
+        return
+    if reqs:
+        _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *reqs])
+    stamp.write_text(digest)
+
+
 def _check(root: Path) -> None:
     """Import the server's whole chain once, as a launch would."""
     python = root / "venv" / "bin" / "python"
@@ -248,6 +274,7 @@ def ensure() -> SideEnv:
             )
         else:
             _sync_fixture(root, _site_packages(python))
+        _sync_extras(root, python)
     return SideEnv(root=root, python=python)
 
 

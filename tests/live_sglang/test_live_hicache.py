@@ -12,14 +12,26 @@ prefix comes back from host (``cached_tokens_details["host"]``), without it is r
 - L3 (``--hicache-storage-backend file``, SGLang's ``HiCacheFile`` layout): the
   ``write_through`` server writes the pages; the ``write_back`` server, a second process
   started afresh on the same directory once the first stopped, serves the prefix from L3 on
-  its first request (``cached_tokens_details["storage"]``), outputs equal.
+  its first request (``cached_tokens_details["storage"]``), outputs equal;
+- L3 on Mooncake (a real ``mooncake_master``, as the unit suite's Mooncake tests start it):
+  the ``write_through_selective`` server writes the pages through
+  ``--hicache-storage-backend mooncake``; a fresh server on ``--hicache-storage-backend
+  dynamic`` (urc's own store, ``urc.apps.sglang.hicache_storage``, here on the same Mooncake
+  store) started while the first still lends its segment serves the prefix from L3 on its
+  first request, outputs equal;
+- the rest of the scheduler's surface on the ``write_back`` server once its workload is
+  done: ``/hicache/storage-backend`` detach and attach at runtime, then ``/flush_cache``
+  (device and host emptied) after which the prefix comes back from the re-attached L3;
+- load-backs run layer by layer off the scheduler thread (the plug-in logs it at start-up).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +40,16 @@ from pathlib import Path
 
 import pytest
 from live_server import LiveServer, ServerConfig
+from mooncake_master import MooncakeMaster, find_master_binary
 from pairs import CHECKOUT, ServerPool
 from side_env import SideEnv
 
-pytestmark = [pytest.mark.live_sglang, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.live_sglang, pytest.mark.timeout(1200)]
 
 POOL = 1200  # device tokens: two of the 400-token prompts and their outputs
 PREFIX = 400
+ADMIN_KEY = "urc-live-admin"  # SGLang serves /hicache/storage-backend only with one
+LAYERWISE = "urc HiCache: load-backs layer by layer"
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,22 @@ def generate(server: LiveServer, ids: list[int], new: int = 8) -> Answer:
     details = meta.get("cached_tokens_details") or {}
     tiers = {k: int(v) for k, v in details.items() if isinstance(v, int)}
     return Answer(tuple(out["output_ids"]), int(meta["cached_tokens"]), tiers)
+
+
+def admin(server: LiveServer, method: str, path: str, body: object = None) -> tuple[int, str]:
+    """An admin call (``--admin-api-key``): its status and body."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"{server.url}{path}",
+        data,
+        {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"},
+        method=method,
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
 
 
 def workload(seed: int = 51) -> list[list[int]]:
@@ -132,40 +163,136 @@ def scratch(server_pool: ServerPool) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(side_env: SideEnv, scratch: Path) -> dict[str, tuple[list[Answer], LiveServer]]:
-    """The workload on urc without HiCache (the reference) and with each write policy;
-    the ``write_through`` server also writes an L3 directory, which the ``write_back``
-    server (started after it stopped) reads.  Two servers at a time, four in all; each is
-    stopped once its answers and log are in."""
+def mooncake(scratch: Path) -> Iterator[MooncakeMaster]:
+    """A real ``mooncake_master`` for the Mooncake and ``dynamic`` cases."""
+    binary = find_master_binary()
+    if binary is None:
+        msg = "the mooncake package (the `mooncake` extra) ships no mooncake_master here"
+        if os.environ.get("URC_LIVE_SGLANG_REQUIRED") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    scratch.mkdir(parents=True, exist_ok=True)
+    master = MooncakeMaster(binary, scratch / "mooncake_master.log")
+    master.start()
+    try:
+        yield master
+    finally:
+        master.kill()
+
+
+@dataclass
+class Runs:
+    """What the servers answered: per server name its answers and (stopped) server; the
+    ``write_back`` server's runtime surface calls as ``(what, status, body)``; the answer
+    to the prefix after ``/flush_cache``."""
+
+    answers: dict[str, tuple[list[Answer], LiveServer]]
+    surface: list[tuple[str, int, str]]
+    after_flush: Answer | None
+
+
+def storage_args(backend: str, extra: dict[str, object] | None = None) -> tuple[str, ...]:
+    args = ("--hicache-storage-backend", backend)
+    if extra is not None:
+        args += ("--hicache-storage-backend-extra-config", json.dumps(extra))
+    return args
+
+
+def surface_calls(
+    server: LiveServer, prefix: list[int]
+) -> tuple[list[tuple[str, int, str]], Answer]:
+    """Detach and re-attach the L3 at runtime, flush the cache, then ask for the prefix
+    (device and host are empty: it can only come from L3)."""
+    calls = []
+    status, body = admin(server, "DELETE", "/hicache/storage-backend")
+    calls.append(("detach", status, body.strip()))
+    attach = {
+        "hicache_storage_backend": "file",
+        "hicache_storage_backend_extra_config_json": "{}",
+        "hicache_storage_prefetch_policy": "timeout",
+        "hicache_write_policy": "write_back",
+    }
+    status, body = admin(server, "PUT", "/hicache/storage-backend", attach)
+    calls.append(("attach", status, body.strip()))
+    for _ in range(3):  # SGLang waits up to 30 s for an idle turn; a busy host may need more
+        status, body = admin(server, "POST", "/flush_cache?timeout=30")
+        if status == 200:
+            break
+        server.settle(1.0)
+    calls.append(("flush_cache", status, body.strip()))
+    return calls, generate(server, [*prefix, 21, 22])
+
+
+@pytest.fixture(scope="module")
+def runs(side_env: SideEnv, scratch: Path, mooncake: MooncakeMaster) -> Runs:
+    """The workload on urc without HiCache (the reference) and with each write policy,
+    two servers at a time, five in all, each stopped once its answers and log are in:
+
+    1. the reference; ``write_through`` writing a ``file`` L3 directory;
+    2. ``write_through_selective`` writing the Mooncake store; ``write_back``, a second
+       process started afresh on the directory the first wrote (then the runtime surface);
+    3. ``dynamic`` (urc's store on the same Mooncake) started afresh while the
+       ``write_through_selective`` server still lends the segment holding the pages."""
     l3 = scratch / "l3"
     l3.mkdir(parents=True, exist_ok=True)
-    file_l3 = ("--hicache-storage-backend", "file")
     l3_env = (("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(l3)),)
+    segment = {"protocol": "tcp", "global_segment_size": 64 << 20}
     prompts = workload()
     out: dict[str, tuple[list[Answer], LiveServer]] = {}
-    with_l3 = config(*hicache("write_through", *file_l3), env=l3_env)
-    # The write-back server is a second process started afresh on the directory the first
-    # (write-through) one wrote: its first request finds the prefix in L3.
-    fresh_l3 = config(*hicache("write_back", *file_l3), env=l3_env)
-    rounds = [
-        [("no hicache", config()), ("write_through+l3", with_l3)],
-        [
-            ("write_through_selective", config(*hicache("write_through_selective"))),
-            ("write_back+l3", fresh_l3),
-        ],
-    ]
-    for round_ in rounds:
-        servers = start(side_env, scratch, [c for _, c in round_])
-        try:
-            with ThreadPoolExecutor(len(servers)) as pool:
-                answers = list(pool.map(lambda s: run(s, prompts), servers))
-            for (name, _), server, got in zip(round_, servers, answers, strict=True):
-                server.settle(2.0)  # idle turns: the leak check, the L3 writes
-                out[name] = (got, server)
-        finally:
-            for server in servers:
-                server.stop()
-    return out
+    with_l3 = config(*hicache("write_through", *storage_args("file")), env=l3_env)
+    fresh_l3 = config(
+        *hicache("write_back", *storage_args("file"), "--admin-api-key", ADMIN_KEY), env=l3_env
+    )
+    to_mooncake = config(
+        *hicache(
+            "write_through_selective",
+            *storage_args("mooncake", {"master_server_address": mooncake.address, **segment}),
+        )
+    )
+    dynamic = config(
+        *hicache(
+            "write_through",
+            *storage_args(
+                "dynamic",
+                {
+                    "backend_name": "urc",
+                    "module_path": "urc.apps.sglang.hicache_storage",
+                    "class_name": "UrcHiCacheStorage",
+                    "store": "mooncake",
+                    "master_address": mooncake.address,
+                    **segment,
+                },
+            ),
+        )
+    )
+
+    def serve(names: list[str], servers: list[LiveServer]) -> None:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            answers = list(pool.map(lambda s: run(s, prompts), servers))
+        for name, server, got in zip(names, servers, answers, strict=True):
+            server.settle(2.0)  # idle turns: the leak check, the L3 writes
+            out[name] = (got, server)
+
+    servers = start(side_env, scratch, [config(), with_l3])
+    try:
+        serve(["no hicache", "write_through+l3"], servers)
+    finally:
+        for server in servers:
+            server.stop()
+    servers = start(side_env, scratch, [to_mooncake, fresh_l3])
+    try:
+        serve(["write_through_selective+mooncake", "write_back+l3"], servers)
+        surface, after_flush = surface_calls(servers[1], prompts[0][:PREFIX])
+        servers[1].settle(1.0)
+        servers[1].stop()
+        # The Mooncake writer keeps running: its segment holds the pages.
+        (reader,) = start(side_env, scratch, [dynamic])
+        servers.append(reader)
+        serve(["dynamic on mooncake"], [reader])
+    finally:
+        for server in servers:
+            server.stop()
+    return Runs(out, surface, after_flush)
 
 
 def _line(name: str, answers: list[Answer]) -> str:
@@ -176,18 +303,21 @@ def _line(name: str, answers: list[Answer]) -> str:
     return f"[hicache {name}] cached per request: {' '.join(cells)}"
 
 
-@pytest.mark.parametrize("name", ["write_through+l3", "write_through_selective", "write_back+l3"])
+@pytest.mark.parametrize(
+    "name", ["write_through+l3", "write_through_selective+mooncake", "write_back+l3"]
+)
 def test_each_write_policy_serves_the_evicted_prefix_from_host_with_the_same_outputs(
-    name: str, runs: dict[str, tuple[list[Answer], LiveServer]], report: Callable[[str], None]
+    name: str, runs: Runs, report: Callable[[str], None]
 ) -> None:
-    reference, _ = runs["no hicache"]
-    got, server = runs[name]
+    reference, _ = runs.answers["no hicache"]
+    got, server = runs.answers[name]
     report(_line("no hicache", reference))
     report(_line(name, got))
     leaks = server.leak_reports()
     report(f"[hicache {name}] {server.tree_cache_line()}; leak reports {len(leaks)}")
     assert [a.output_ids for a in got] == [a.output_ids for a in reference]
     assert "hicache_attached=True" in server.tree_cache_line()
+    assert LAYERWISE in server.log(), "load-backs are not layer-wise"
     # Without HiCache the prefix was recomputed after the other prompts pushed it out ...
     assert reference[5].cached < PREFIX, reference[5]
     # ... with it, it came back from host.
@@ -195,11 +325,37 @@ def test_each_write_policy_serves_the_evicted_prefix_from_host_with_the_same_out
     assert leaks == [], leaks
 
 
+@pytest.mark.parametrize(
+    ("reader", "what"),
+    [
+        ("write_back+l3", "fresh process on the L3 directory"),
+        ("dynamic on mooncake", "fresh dynamic (urc's store) process on the Mooncake store"),
+    ],
+)
 def test_a_fresh_server_serves_from_l3_what_the_first_one_wrote(
-    runs: dict[str, tuple[list[Answer], LiveServer]], report: Callable[[str], None]
+    reader: str, what: str, runs: Runs, report: Callable[[str], None]
 ) -> None:
-    reference, _ = runs["no hicache"]
-    got, _ = runs["write_back+l3"]
-    report(_line("fresh process on the L3 directory, first request", got[:1]))
+    reference, _ = runs.answers["no hicache"]
+    got, server = runs.answers[reader]
+    report(_line(f"{what}, first request", got[:1]))
     assert got[0].output_ids == reference[0].output_ids
     assert got[0].storage >= PREFIX - 1 and got[0].cached >= PREFIX - 1, got[0]
+    assert [a.output_ids for a in got] == [a.output_ids for a in reference]
+    assert server.leak_reports() == []
+
+
+def test_the_l3_detaches_and_attaches_at_runtime_and_serves_after_a_flush(
+    runs: Runs, report: Callable[[str], None]
+) -> None:
+    for what, status, body in runs.surface:
+        report(f"[hicache write_back+l3] {what}: {status} {body}")
+    assert [(what, status) for what, status, _ in runs.surface] == [
+        ("detach", 200),
+        ("attach", 200),
+        ("flush_cache", 200),
+    ]
+    after = runs.after_flush
+    assert after is not None
+    report(_line("write_back+l3 after detach, attach, flush", [after]))
+    # Device and host were flushed: the prefix came back from the re-attached L3.
+    assert after.storage >= PREFIX - 1 and after.host == 0, after

@@ -20,13 +20,13 @@ from hicache.config import HiCacheConfig
 from hicache.host_tier import attach_hicache
 from hicache.transfer_engine import TransferEngine
 from urc import CacheConfig, EvictParams, KVShape, UnifiedRadixCache, build_cache
+from urc.apps.bench.hicache_scheduler import PerLayerKVPool
 from urc.apps.sglang._hicache import HiCacheSurface
 from urc.apps.sglang._load_back import LayerLoadCounter, layer_plan
 from urc.config import build_pools
 from urc.host_protocol import WritePolicy
 from urc.node import ComponentType
 from urc.params import MatchResult
-from urc.pools.kv_pool import KVPool
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -137,17 +137,6 @@ def test_without_a_host_tier_the_surface_is_inert() -> None:
 
 
 # ---------------------------------------------------------------------- layer-wise load-backs
-class LayeredKVPool(KVPool):
-    """urc's KV pool seen as SGLang's ``MHATokenToKVPool``: one K and one V buffer per
-    layer (views of ``kv``), so the host tier mirrors them buffer by buffer."""
-
-    __slots__ = ()
-
-    def slot_buffers(self) -> list[tuple[torch.Tensor, int]]:
-        layers = range(self.shape.num_layers)
-        return [(self.kv[0, i], 0) for i in layers] + [(self.kv[1, i], 0) for i in layers]
-
-
 LAYERS = 4
 
 
@@ -160,7 +149,7 @@ def layered(ps: int, engine: TransferEngine) -> tuple[UnifiedRadixCache, Schedul
         kv_shape=KVShape(LAYERS, 2, 4, torch.float32),
     )
     pools = build_pools(config)
-    pools.kv_pool = LayeredKVPool(config.kv_size, config.kv_shape)
+    pools.kv_pool = PerLayerKVPool(config.kv_size, config.kv_shape)
     core = build_cache(config, pools)
     hc = HiCacheConfig(write_policy=WritePolicy.WRITE_BACK, host_tokens=128 * ps)
     attach_hicache(core, hc, engine)

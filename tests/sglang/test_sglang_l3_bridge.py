@@ -386,3 +386,38 @@ def test_a_graceful_shutdown_flushes_the_queued_l3_writes(tmp_path: Path) -> Non
     keys = sglang_page_keys(tokens, ps, NAMING)
     assert all((tmp_path / f"{k.removeprefix('sglang:')}.bin").exists() for k in keys)
     check(cache)
+
+
+def test_a_detached_store_can_be_attached_again_and_serves(tmp_path: Path) -> None:
+    """``/hicache/storage-backend`` DELETE then PUT: the detach lets the worker go, so the
+    new attach builds one (it was refused: the old worker stayed registered on the cache);
+    the re-attached store serves what was written before the detach."""
+    from urc.apps.sglang._hicache import HiCacheSurface
+
+    class Scheduler(HiCacheSurface):
+        def __init__(self, core: UnifiedRadixCache) -> None:
+            self.urc = core
+            self.host = core.host_tier  # type: ignore[assignment]
+            self.init_hicache_surface()
+
+    ps = 4
+    cache = make((FULL,), ps, kv_pages=16, host_pages=32)
+    sched = Scheduler(cache)
+    extra = f'{{"file_storage_path": "{tmp_path}", "prefetch_threshold": 1}}'
+    assert sched.attach_storage_backend("file", extra, NAMING.model_name)[0]
+    tokens = seq(1, 5, ps)
+    assert insert(cache, tokens)
+    sched.check_hicache_events()
+    sched.wait_for_backups()
+    ok, why = sched.detach_storage_backend()  # flushes the queued writes
+    assert ok and sched.l3 is None, why
+    ok, why = sched.attach_storage_backend("file", extra, NAMING.model_name)
+    assert ok, why
+    cache.reset()  # the prefix is only in the store now
+    l3 = sched.l3
+    assert l3 is not None
+    l3.prefetch("r", _key(tokens))
+    _until(lambda: l3.progress("r"), l3)
+    assert l3.pop_loaded("r") == len(tokens)
+    sched.detach_storage_backend()
+    check(cache)

@@ -6,14 +6,15 @@ What the scheduler reads, and where (``managers/scheduler.py`` unless named):
 - ``is_fully_idle`` (every idle turn, ``/flush_cache``, storage attach/detach):
   ``ongoing_write_through``, ``ongoing_load_back``, ``enable_storage`` and, with storage,
   ``ongoing_prefetch`` and ``ongoing_backup``: the transfers in flight (write-through
-  backups whose copies run on the host tier's engine; L3 prefetches and writes on the L3
-  worker's thread; load-backs complete inside ``init_load_back``);
+  backups whose copies run on the host tier's engine; load-backs committed and not yet
+  copied; L3 prefetches and writes on the L3 worker's thread);
 - ``_process_hicache_events`` / ``process_batch_result``: ``check_hicache_events`` and
   ``flush_pending_backups`` (commit the backups whose copies completed, start those that
   came due, without waiting for their copies);
 - ``schedule_policy.add_one_req``: ``init_load_back`` and ``load_back_is_cache_owned`` for a
-  request whose match ends on host-only nodes; ``get_next_batch_to_run``:
-  ``ready_to_load_host_cache`` (the forward's layer-wise wait: -1, nothing in flight);
+  request whose match ends on host-only nodes; ``get_new_batch_prefill``:
+  ``ready_to_load_host_cache`` (start the queued load-backs; the batch's forward waits for
+  each layer it reads: :mod:`urc.apps.sglang._load_back`);
 - ``cache_controller``: SGLang's registry logs ``hicache_attached`` from it, and the
   scheduler sets fence streams on it and reads ``storage_backend`` / ``write_policy``
   (:class:`HostTierController`);
@@ -51,11 +52,14 @@ __all__ = ["HiCacheSurface", "HostTierController"]
 
 class HostTierController:
     """What SGLang reads of ``tree_cache.cache_controller`` with urc's host tier as the
-    controller: the write policy, no L3 backend, no layer-wise transfer counter (a
-    load-back has landed when ``init_load_back`` returns), no device transfer in flight.
+    controller: the write policy, the L3 backend, the layer-wise transfer counter
+    (``layer_done_counter``: :class:`~urc.apps.sglang._load_back.LayerLoadCounter` on a CPU
+    device, else None: load-backs there land before ``init_load_back`` returns), no CUDA
+    transfer in flight.
 
     The scheduler assigns ``load_fence_stream`` / ``write_fence_stream`` (the forward
-    stream); urc's copies do not fence on them (they complete before the forward starts).
+    stream); urc's copies do not fence on them (on a CPU device there are no streams; on
+    CUDA they complete before the forward starts).
     """
 
     def __init__(self, write_policy: str, host: HostMemoryTier) -> None:

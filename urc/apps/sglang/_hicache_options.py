@@ -3,6 +3,7 @@ urc refuses at start-up (each as one ``"--flag: why"`` line)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from hicache.config import HiCacheConfig
@@ -139,3 +140,7 @@ def start_layerwise_load_back(cache: Any, ctx: Any) -> None:
     cache.enable_layerwise_load_back(counter, layer_plan(layers, layers_of))
     kv.register_layer_transfer_counter(counter)
     worker.register_hicache_layer_transfer_counter(counter)
+    logging.getLogger(__name__).info(
+        "urc HiCache: load-backs layer by layer on the host tier's load worker (%d layers)",
+        len(layers),
+    )

@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -45,7 +46,7 @@ from hicache.storage.keys import KeyScheme
 from hicache.storage.sglang_keys import SGLangNaming
 from hicache.storage_worker import StorageWorker
 from urc.cache import UnifiedRadixCache
-from urc.errors import ConfigError
+from urc.errors import ConfigError, InvalidInputError
 from urc.host_protocol import TierEvents
 from urc.key import RadixKey
 from urc.node import TreeNode
@@ -309,11 +310,27 @@ class SchedulerStorage:
                 break
         self.run_calls()
         self.cache.unsubscribe(self._hop)
+        self._detach_worker(timeout_s)
         self.worker.writer.drop_queued()
         try:
             portal.call(self.store.close)
         finally:
             self._loop.stop()
+
+    def _detach_worker(self, timeout_s: float) -> None:
+        """Detach the worker from the cache (a later ``/hicache/storage-backend`` attach
+        builds a new one), once its cancelled prefetches have given back their pins (their
+        last tree steps run here); after ``timeout_s`` the detach's error is raised."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.run_calls()
+            try:
+                self.worker.detach(self.cache)
+                return
+            except InvalidInputError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
 
 
 async def _new_event() -> anyio.Event:
