@@ -275,12 +275,12 @@ def main(argv: list[str] | None = None) -> None:
         * args.head_dim
         * torch.empty((), dtype=getattr(torch, args.dtype)).element_size(),
     }
-    for phase, got in best.items():
+    for phase, runs in best.items():
         out[phase] = {
-            **got,
-            "blocked_ratio_thread_over_sync": got["thread"]["blocked_ms_per_step"]
-            / max(got["sync"]["blocked_ms_per_step"], 1e-9),
-            "step_ratio_thread_over_sync": got["thread"]["step_ms"] / got["sync"]["step_ms"],
+            **runs,
+            "blocked_ratio_thread_over_sync": runs["thread"]["blocked_ms_per_step"]
+            / max(runs["sync"]["blocked_ms_per_step"], 1e-9),
+            "step_ratio_thread_over_sync": runs["thread"]["step_ms"] / runs["sync"]["step_ms"],
         }
     print(json.dumps(out, indent=1))
 
