@@ -17,8 +17,8 @@ prefix comes back from host (``cached_tokens_details["host"]``), without it is r
   the ``write_through_selective`` server writes the pages through
   ``--hicache-storage-backend mooncake``; a fresh server on ``--hicache-storage-backend
   dynamic`` (urc's own store, ``urc.apps.sglang.hicache_storage``, here on the same Mooncake
-  store) started while the first still lends its segment serves the prefix from L3 on its
-  first request, outputs equal;
+  store, ``--hicache-storage-prefetch-policy wait_complete``) started while the first still
+  lends its segment serves the prefix from L3 on its first request, outputs equal;
 - the rest of the scheduler's surface on the ``write_back`` server once its workload is
   done: ``/hicache/storage-backend`` detach and attach at runtime, then ``/flush_cache``
   (device and host emptied) after which the prefix comes back from the re-attached L3;
@@ -252,6 +252,10 @@ def runs(side_env: SideEnv, scratch: Path, mooncake: MooncakeMaster) -> Runs:
     dynamic = config(
         *hicache(
             "write_through",
+            # Its first request waits for the whole prefetch: under the default `timeout`
+            # policy a loaded CI host admitted it with part of the pages (64 of 400).
+            "--hicache-storage-prefetch-policy",
+            "wait_complete",
             *storage_args(
                 "dynamic",
                 {
