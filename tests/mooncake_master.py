@@ -30,11 +30,18 @@ def find_master_binary() -> Path | None:
 
 
 class MooncakeMaster:
-    """One master process; :meth:`kill` then :meth:`start` restarts it on the same ports."""
+    """One master process; :meth:`kill` then :meth:`start` restarts it on the same ports.
 
-    def __init__(self, binary: Path, log_path: Path) -> None:
+    ``lease_ttl_ms`` is the master's ``--default_kv_lease_ttl``: how long a read's lease on
+    an object lasts.  The unit tests keep it at 50 ms (a page read a moment ago is removable
+    at once); a reader that copies a batch from another client's segment over TCP on a busy
+    host needs longer, or its get fails with ``LEASE_EXPIRED`` (Mooncake's default is 5 s).
+    """
+
+    def __init__(self, binary: Path, log_path: Path, lease_ttl_ms: int = 50) -> None:
         self.binary = binary
         self.log_path = log_path
+        self.lease_ttl_ms = lease_ttl_ms
         self.port = free_port()
         self.metrics_port = free_port()
         self._process: subprocess.Popen[bytes] | None = None
@@ -56,7 +63,7 @@ class MooncakeMaster:
                 "--rpc_address=127.0.0.1",
                 f"--metrics_port={self.metrics_port}",
                 "--enable_metric_reporting=false",
-                "--default_kv_lease_ttl=50",
+                f"--default_kv_lease_ttl={self.lease_ttl_ms}",
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
