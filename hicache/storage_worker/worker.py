@@ -17,7 +17,7 @@ synchronous API.  A detached worker is not attached again: build a new one over 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import anyio
 
@@ -44,8 +44,15 @@ if TYPE_CHECKING:
 
 __all__ = ["StorageWorker"]
 
-# The storage worker attached to each cache (one at most; see StorageWorker.attach).
-_ATTACHED: WeakKeyDictionary[UnifiedRadixCache, StorageWorker] = WeakKeyDictionary()
+# The storage worker attached to each cache (one at most; see StorageWorker.attach).  Weak
+# both ways: a worker holds its cache, so a strong value would keep every cache that ever
+# had a worker attached (and its pools) alive for the life of the process.
+_ATTACHED: WeakKeyDictionary[UnifiedRadixCache, ref[StorageWorker]] = WeakKeyDictionary()
+
+
+def _attached(cache: UnifiedRadixCache) -> StorageWorker | None:
+    r = _ATTACHED.get(cache)
+    return None if r is None else r()
 
 
 class StorageWorker:
@@ -126,7 +133,7 @@ class StorageWorker:
             raise ConfigError("a detached storage worker is not attached again: build a new one")
         if self._subscribed:
             return
-        other = _ATTACHED.get(cache)
+        other = _attached(cache)
         if other is not None and other is not self:
             raise ConfigError(
                 "the cache has another storage worker attached (an older HiCache handle?): "
@@ -135,7 +142,7 @@ class StorageWorker:
         if self.config.backup_policy is not StorageBackupPolicy.OFF:
             cache.subscribe(self.writer)  # its tier events queue the backups
         self._subscribed = True
-        _ATTACHED[cache] = self
+        _ATTACHED[cache] = ref(self)
 
     def detach(self, cache: UnifiedRadixCache) -> None:
         """Unsubscribe from ``cache``, drop (and count) the queued backups and take no more
@@ -152,7 +159,7 @@ class StorageWorker:
             )
         cache.unsubscribe(self.writer)
         self.writer.drop_queued()
-        if _ATTACHED.get(cache) is self:
+        if _attached(cache) is self:
             del _ATTACHED[cache]
         self._subscribed = False
         self._draining = True

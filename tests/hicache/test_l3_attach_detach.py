@@ -11,7 +11,9 @@ hit rates resume after a new attach over the same store.  Every test ends with
 from __future__ import annotations
 
 import asyncio
+import gc
 import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -385,6 +387,24 @@ async def test_an_attach_through_an_older_handle_is_refused(tmp_path: Path) -> N
             await s.detach()
             await s.check()
     s.check_closed()
+
+
+def test_a_cache_with_a_storage_worker_attached_is_freed_once_unreferenced(
+    tmp_path: Path,
+) -> None:
+    """The one-worker-per-cache registry held its workers strongly, and a worker holds its
+    cache: every cache that ever had a storage worker attached stayed alive with its pools
+    (the unit suite grew past 12 GB).  Dropped by its owner, the cache is freed."""
+
+    def attached_cache() -> weakref.ref[UnifiedRadixCache]:
+        cache = build_cache(CacheConfig(page_size=4, kv_size=256))
+        hc = hicache.attach(cache, HiCacheConfig(write_policy=WritePolicy.WRITE_THROUGH))
+        StorageWorker(cache, hc.tier, FileStorage(tmp_path / "pages"), attached=False).attach(cache)
+        return weakref.ref(cache)
+
+    refs = [attached_cache() for _ in range(3)]
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
 
 
 def test_the_synchronous_api_attaches_and_detaches_without_a_service(tmp_path: Path) -> None:
