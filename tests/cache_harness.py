@@ -21,6 +21,15 @@ from urc import (
     UnifiedRadixCache,
     build_cache,
 )
+from urc.specs import ComponentSpec
+
+
+def components_of(
+    types: Sequence[ComponentType], *specs: ComponentSpec
+) -> tuple[ComponentType | ComponentSpec, ...]:
+    """``CacheConfig.components`` for the component set ``types`` (a test table's row):
+    FULL, then each of ``specs`` whose kind is in ``types``."""
+    return (ComponentType.FULL, *(s for s in specs if s.component_type in types))
 
 
 class Harness:
@@ -150,7 +159,7 @@ def assert_path_validators_agree(cache: UnifiedRadixCache) -> None:
         path = cache.path_to(node)
         if not path:
             continue
-        for ct in cache.config.components:
+        for ct in cache.config.types:
             component = cache.component(ct)
             for device_only in tiers:
                 walk = component.create_match_validator(device_only)
@@ -191,8 +200,7 @@ POLICY_CONFIGS = (
         pytest.param(
             {
                 "eviction_policy": EvictionPolicy.TLRU,
-                "tlru_threshold": 12,
-                "tlru_next_prompt_estimate": 4,
+                "eviction_params": {"threshold": 12, "next_prompt_estimate": 4},
                 "partial_leaf_eviction": partial,
             },
             id=f"tlru-12-4-{tag}",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from cache_harness import assert_path_validators_agree
+from cache_harness import assert_path_validators_agree, components_of
 
 from hicache.config import HiCacheConfig
 from hicache.host_layout import HostLayout
@@ -28,6 +28,7 @@ from urc import (
 from urc.host_protocol import BackupTicket, LoadTicket, WritePolicy
 from urc.node import TreeNode
 from urc.params import MatchResult
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA
@@ -57,12 +58,13 @@ def make(
     cache = build_cache(
         CacheConfig(
             **config,
-            components=comps,
+            components=components_of(
+                comps,
+                SlidingWindowSpec(window_pages * ps, None if swa_pages is None else swa_pages * ps),
+                MambaSpec(size=mamba_size),
+            ),
             page_size=ps,
             kv_size=kv_pages * ps,
-            swa_kv_size=None if swa_pages is None else swa_pages * ps,
-            sliding_window_size=window_pages * ps if SWA in comps else None,
-            mamba_size=mamba_size if MAMBA in comps else 0,
             kv_shape=KVShape(2, 2, 4, torch.float32),
         )
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from cache_harness import start_request
+from cache_harness import components_of, start_request
 from hypothesis import HealthCheck, settings
 
 from urc import (
@@ -30,6 +30,7 @@ from urc import (
     build_cache,
 )
 from urc.fastpath import WalkImpl
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 SETS = [(FULL,), (FULL, SWA), (FULL, MAMBA), (FULL, SWA, MAMBA)]
@@ -54,12 +55,11 @@ class Side:
 def build(components: tuple[ComponentType, ...], ps: int, impl: WalkImpl) -> UnifiedRadixCache:
     return build_cache(
         CacheConfig(
-            components=components,
+            components=components_of(
+                components, SlidingWindowSpec(window=3 * ps), MambaSpec(size=12, chunk_size=2 * ps)
+            ),
             page_size=ps,
             kv_size=48 * ps,
-            sliding_window_size=3 * ps if SWA in components else None,
-            mamba_size=12 if MAMBA in components else 0,
-            mamba_chunk_size=2 * ps,
             max_num_reqs=4,
             max_context_len=32 * ps,
             walk_impl=impl,

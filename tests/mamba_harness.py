@@ -19,6 +19,7 @@ from urc import (
 )
 from urc.components.mamba import MambaComponent
 from urc.pools.mamba import MambaPool
+from urc.specs import MambaSpec
 
 FULL = ComponentType.FULL
 MAMBA = ComponentType.MAMBA
@@ -30,11 +31,12 @@ def make(
 ) -> UnifiedRadixCache:
     return build_cache(
         CacheConfig(
-            components=(FULL, MAMBA),
+            components=(
+                FULL,
+                MambaSpec(size=mamba_size, chunk_size=chunk if chunk is not None else 4 * ps),
+            ),
             page_size=ps,
             kv_size=kv_pages * ps,
-            mamba_size=mamba_size,
-            mamba_chunk_size=chunk if chunk is not None else 4 * ps,
             max_num_reqs=10,
             max_context_len=64 * ps,
         )

@@ -24,6 +24,7 @@ from urc.service._commands import (
 )
 from urc.service._executor import CommandExecutor
 from urc.service._observer import ServiceObserver
+from urc.specs import MambaSpec, SlidingWindowSpec
 from urc.stats import CacheStats, ComponentStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +37,8 @@ NAMES = {FULL: "full", SWA: "swa", MAMBA: "mamba"}
 # ---------------------------------------------------------------------------- helpers
 COMPONENT_SETS: dict[str, dict[str, Any]] = {
     "full": {"components": (FULL,)},
-    "full+swa": {"components": (FULL, SWA), "sliding_window_size": 8, "swa_kv_size": 1024},
-    "full+mamba": {"components": (FULL, MAMBA), "mamba_size": 32},
+    "full+swa": {"components": (FULL, SlidingWindowSpec(window=8, kv_size=1024))},
+    "full+mamba": {"components": (FULL, MambaSpec(size=32))},
 }
 
 

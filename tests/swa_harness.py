@@ -23,6 +23,7 @@ from urc import (
 )
 from urc.components.swa import SWAComponent
 from urc.pools.swa import SWATokenSlotAllocator
+from urc.specs import SlidingWindowSpec
 
 FULL, SWA = ComponentType.FULL, ComponentType.SWA
 
@@ -40,11 +41,12 @@ class SWAHarness:
         pages = max(96, 24 * cap_pages) if pages is None else pages
         self.cache: UnifiedRadixCache = build_cache(
             CacheConfig(
-                components=(FULL, SWA),
+                components=(
+                    FULL,
+                    SlidingWindowSpec(window, None if swa_pages is None else swa_pages * ps),
+                ),
                 page_size=ps,
                 kv_size=pages * ps,
-                swa_kv_size=None if swa_pages is None else swa_pages * ps,
-                sliding_window_size=window,
                 max_context_len=8 * (cap_pages + 4) * ps,
                 max_num_reqs=8,
             )

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from urc.errors import ConfigError
-from urc.eviction_policy import EvictionPolicy, NextUseOracle
+from urc.eviction_policy import EvictionPolicy, NextUseOracle, make_strategy, policy_parameters
 from urc.fastpath import WalkImpl
 from urc.node import ComponentType
 from urc.pools.allocator import TokenSlotAllocator, check_page_size
@@ -15,60 +20,165 @@ from urc.pools.cache_pools import CachePools
 from urc.pools.indices import INDEX_DEVICE
 from urc.pools.kv_pool import KVPool, KVShape
 from urc.pools.req_to_token import ReqToTokenPool
-from urc.specs import SPEC_TYPES, ComponentSpec, PoolContext
+from urc.specs import ComponentSpec, MambaSpec, PoolContext, SlidingWindowSpec
 
 __all__ = ["CacheConfig", "build_pools"]
 
 
+S = TypeVar("S")
+C = TypeVar("C")
+
+_SWA, _MAMBA = ComponentType.SWA, ComponentType.MAMBA
+# The flat spelling of earlier versions (deprecated): each keyword and where its value now
+# lives, in an auxiliary component's spec or in a policy's parameters.  Only this
+# compatibility layer reads these tables; a new component kind has no flat spelling.
+_SPEC_FIELDS: dict[str, tuple[ComponentType, str]] = {
+    "sliding_window_size": (_SWA, "window"),
+    "swa_kv_size": (_SWA, "kv_size"),
+    "mamba_size": (_MAMBA, "size"),
+    "mamba_chunk_size": (_MAMBA, "chunk_size"),
+    "mamba_conv_shape": (_MAMBA, "conv_shape"),
+    "mamba_ssm_shape": (_MAMBA, "ssm_shape"),
+}
+_SPEC_CLASSES: dict[ComponentType, type[SlidingWindowSpec] | type[MambaSpec]] = {
+    _SWA: SlidingWindowSpec,
+    _MAMBA: MambaSpec,
+}
+_POLICY_FIELDS: dict[str, tuple[EvictionPolicy, str]] = {
+    "slru_protected_threshold": (EvictionPolicy.SLRU, "protected_threshold"),
+    "tlru_threshold": (EvictionPolicy.TLRU, "threshold"),
+    "tlru_next_prompt_estimate": (EvictionPolicy.TLRU, "next_prompt_estimate"),
+    "session_window_s": (EvictionPolicy.SESSION_AWARE, "window_s"),
+    "session_hot_gap_s": (EvictionPolicy.SESSION_AWARE, "hot_gap_s"),
+    "session_quantum_s": (EvictionPolicy.SESSION_AWARE, "quantum_s"),
+    "return_quantile": (EvictionPolicy.RETURN_TIME, "quantile"),
+    "return_horizon_s": (EvictionPolicy.RETURN_TIME, "horizon_s"),
+    "return_quantum_s": (EvictionPolicy.RETURN_TIME, "quantum_s"),
+}
+
+
+def _where(name: str) -> str:
+    if name in _SPEC_FIELDS:
+        ct, attr = _SPEC_FIELDS[name]
+        return f"{_SPEC_CLASSES[ct].__name__}.{attr} (in components)"
+    policy, param = _POLICY_FIELDS[name]
+    return f"eviction_params[{param!r}] (policy {policy.value})"
+
+
+class _MovedField:
+    """A flat ``CacheConfig`` field of earlier versions, read-only and deprecated: derived
+    on each read from where its value now lives (a spec, or the policy's parameters)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, config: CacheConfig | None, owner: type | None = None) -> Any:
+        if config is None:
+            return self
+        warnings.warn(
+            f"CacheConfig.{self.name} is deprecated: read {_where(self.name)}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if self.name in _SPEC_FIELDS:
+            ct, attr = _SPEC_FIELDS[self.name]
+            for spec in config.specs:
+                if spec.component_type is ct:
+                    return getattr(spec, attr)
+            return _absent(ct, attr)
+        policy, param = _POLICY_FIELDS[self.name]
+        default = policy_parameters(policy)[param]
+        if config.eviction_policy is not policy:
+            return default
+        return config.eviction_params.get(param, default)
+
+
+def _absent(ct: ComponentType, attr: str) -> Any:
+    """What a flat field read when its component was absent: the spec's default, or the
+    earlier default of a required field (no window, no Mamba states)."""
+    f = {f.name: f for f in dataclasses.fields(_SPEC_CLASSES[ct])}[attr]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return 0 if attr == "size" else None
+
+
+def _fold_flat_fields(kwargs: dict[str, Any]) -> None:
+    """Turn the deprecated flat keywords in ``kwargs`` into specs and policy parameters
+    (mutates ``kwargs``): a bare SWA or MAMBA type in ``components`` becomes its spec from
+    them; a flat field of an absent component or of another policy is ignored, as before."""
+    flat = {k: kwargs.pop(k) for k in list(kwargs) if k in _SPEC_FIELDS or k in _POLICY_FIELDS}
+    if not flat:
+        return
+    warnings.warn(
+        "CacheConfig: the flat fields "
+        + ", ".join(f"{k} (now {_where(k)})" for k in sorted(flat))
+        + " are deprecated: give the component's spec and the policy's eviction_params",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    components = []
+    for c in kwargs.get("components", (ComponentType.FULL,)):
+        if c in _SPEC_CLASSES:
+            given = {
+                attr: flat[k] for k, (ct, attr) in _SPEC_FIELDS.items() if ct is c and k in flat
+            }
+            c = _SPEC_CLASSES[c](**given)
+        components.append(c)
+    kwargs["components"] = tuple(components)
+    policy = kwargs.get("eviction_policy", EvictionPolicy.LRU)
+    params = {
+        param: flat[k] for k, (p, param) in _POLICY_FIELDS.items() if p is policy and k in flat
+    }
+    if params:
+        kwargs["eviction_params"] = {**params, **kwargs.get("eviction_params", {})}
+
+
+def _accepts_flat_fields(cls: type[C]) -> type[C]:
+    """Wrap ``cls.__init__`` so that the deprecated flat keywords still construct the same
+    config (with a ``DeprecationWarning``): :func:`_fold_flat_fields`."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _fold_flat_fields(kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_accepts_flat_fields
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Everything needed to build pools and a cache.
 
-    ``components`` names FULL first, then each auxiliary component as its spec
-    (:class:`~urc.specs.SlidingWindowSpec`, :class:`~urc.specs.MambaSpec`) or as its bare
-    type with the spec's flat fields set (``sliding_window_size``, ``mamba_size``, ...); the
-    two spellings build equal configs: after construction ``components`` holds the types
-    and the flat fields hold every spec's values (:attr:`specs` gives the specs back).
-    Sizes are in tokens (``kv_size``, ``swa_kv_size``) or state slots (``mamba_size``).
-    ``sliding_window_size`` is required with SWA; ``mamba_chunk_size`` is the granularity at
-    which Mamba state checkpoints are taken (``mamba_branching_seqlen`` is aligned to it).
+    ``components`` names FULL first, then each auxiliary component as its spec, in FULL,
+    SWA, MAMBA order: ``(FULL, SlidingWindowSpec(window=4096), MambaSpec(size=64))``.  The
+    specs are kept as given (:attr:`specs`); each component reads its own (:meth:`spec`),
+    and each spec checks itself here and builds its own pools (:func:`build_pools`).
+    ``eviction_policy`` is kept with its parameters as given, ``eviction_params``: keyword
+    arguments of the policy's strategy (SGLang's ``--radix-eviction-policy-config``, e.g.
+    ``{"protected_threshold": 3}`` for SLRU; ``urc.eviction_policy.policy_parameters``
+    lists each policy's, with defaults).  Sizes are in tokens (``kv_size``).
     ``strip_thinking_cache``: ``cache_finished_req`` of a request with ``reasoning_tokens``
     caches only the prompt (the thinking and the answer after it are not reused verbatim).
+
+    Raises :class:`~urc.errors.ConfigError` on construction for anything unusable (a bare
+    SWA or MAMBA type without its spec, a bad spec, a parameter the policy does not take or
+    a value its strategy refuses); nothing is built from a config that did not construct.
     """
 
     components: tuple[ComponentType | ComponentSpec, ...] = (ComponentType.FULL,)
     page_size: int = 1
     kv_size: int = 1 << 16
-    swa_kv_size: int | None = None
-    sliding_window_size: int | None = None
-    mamba_size: int = 0
-    mamba_chunk_size: int = 64
-    mamba_conv_shape: tuple[int, ...] = (4, 8)
-    mamba_ssm_shape: tuple[int, ...] = (2, 8, 8)
     max_num_reqs: int = 256
     max_context_len: int = 1 << 16
     kv_shape: KVShape = field(default_factory=KVShape)
     device: str = "cpu"  # the pools' data (KV, states); index tensors stay on the host
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
-    # SLRU: a leaf with at least this many hits is in the protected segment (SGLang's
-    # ``protected_threshold``).  TLRU: a conversation keeps ``tlru_threshold`` tokens fewer
-    # than its history plus ``tlru_next_prompt_estimate`` (SGLang's ``threshold`` and
-    # ``next_prompt_estimate``, in tokens); see ``urc.eviction_policy.TlruStrategy``.
-    slru_protected_threshold: int = 2
-    tlru_threshold: int = 0
-    tlru_next_prompt_estimate: int = 0
-    # SESSION_AWARE: how long a session that called a tool is kept ahead of cold ones, and
-    # the expected gap (seconds) up to which a hinted session counts as hot; see
-    # ``urc.session_eviction.SessionAwareStrategy``.
-    session_window_s: float = 600.0
-    session_hot_gap_s: float = 60.0
-    session_quantum_s: float = 20.0
-    # RETURN_TIME: the quantile of the learned reuse gap taken as a path's predicted return,
-    # the horizon past which a gap counts as never, and the resolution of predicted returns
-    # (seconds); see ``urc.return_time_eviction.ReturnTimeStrategy``.
-    return_quantile: float = 0.6
-    return_horizon_s: float = 1024.0
-    return_quantum_s: float = 5.0
+    # The policy's parameters as given (its strategy's keyword arguments; a copy is kept,
+    # so a caller's later change to its mapping does not reach the config).
+    eviction_params: Mapping[str, Any] = field(default_factory=dict, hash=False)
     is_eagle: bool = False
     # Reasoning models: a finished request that produced thinking tokens caches its prompt
     # only (SGLang's ``strip_thinking_cache``); its output KV is freed.
@@ -84,55 +194,87 @@ class CacheConfig:
     # such as ``urc replay`` builds from a whole trace).
     next_use: NextUseOracle | None = field(default=None, compare=False)
 
+    # The flat fields of earlier versions, read-only and deprecated (derived from the specs
+    # and the policy's parameters); as keywords they still construct, with a warning.
+    sliding_window_size = _MovedField()
+    swa_kv_size = _MovedField()
+    mamba_size = _MovedField()
+    mamba_chunk_size = _MovedField()
+    mamba_conv_shape = _MovedField()
+    mamba_ssm_shape = _MovedField()
+    slru_protected_threshold = _MovedField()
+    tlru_threshold = _MovedField()
+    tlru_next_prompt_estimate = _MovedField()
+    session_window_s = _MovedField()
+    session_hot_gap_s = _MovedField()
+    session_quantum_s = _MovedField()
+    return_quantile = _MovedField()
+    return_horizon_s = _MovedField()
+    return_quantum_s = _MovedField()
+
     def __post_init__(self) -> None:
-        # Specs given in ``components`` set their flat fields (frozen: object.__setattr__).
-        types: list[ComponentType] = []
-        for c in self.components:
-            if isinstance(c, ComponentType):
-                types.append(c)
-                continue
-            types.append(c.component_type)
-            for attr, flat in c.FIELDS.items():
-                object.__setattr__(self, flat, getattr(c, attr))
-        object.__setattr__(self, "components", tuple(types))
         check_page_size(self.page_size)
-        if not types or types[0] is not ComponentType.FULL:
-            raise ConfigError(f"components must start with FULL, got {types}")
-        if len(set(types)) != len(types):
-            raise ConfigError(f"duplicate components in {types}")
-        if types != sorted(types):
-            raise ConfigError(f"components must be in FULL, SWA, MAMBA order: {types}")
-        for name in ("tlru_threshold", "tlru_next_prompt_estimate", "slru_protected_threshold"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("kv_size", "max_num_reqs", "max_context_len", "mamba_chunk_size"):
+        self._check_components()
+        for name in ("kv_size", "max_num_reqs", "max_context_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_size % self.page_size:
             raise ConfigError(f"kv_size {self.kv_size} is not a multiple of {self.page_size}")
-        for spec in self.specs:
-            spec.validate()
-        if (self.eviction_policy is EvictionPolicy.BELADY) != (self.next_use is not None):
-            raise ConfigError("next_use is required by, and only by, the belady policy")
-        if self.mamba_size < 0:
-            raise ConfigError(f"mamba_size must not be negative, got {self.mamba_size}")
+        if not isinstance(self.eviction_params, Mapping):
+            raise ConfigError(f"eviction_params must be a mapping: {self.eviction_params!r}")
+        # Frozen: a copy of the caller's mapping, set once here (object.__setattr__).
+        object.__setattr__(self, "eviction_params", dict(self.eviction_params))
+        # The strategy checks its parameters (the cache builds its own from the same).
+        make_strategy(self.eviction_policy, self.next_use, self.eviction_params)
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise ConfigError(f"device {self.device!r} is not a torch device: {exc}") from None
 
+    def _check_components(self) -> None:
+        """Raise :class:`ConfigError` unless ``components`` is FULL, then valid specs of
+        distinct kinds in component order."""
+        given: Any = self.components
+        if isinstance(given, list):  # kept as a tuple: the config is hashable
+            object.__setattr__(self, "components", tuple(given))
+        if not isinstance(self.components, tuple) or not self.components:
+            raise ConfigError(f"components must be a non-empty tuple: {self.components!r}")
+        first, *rest = self.components
+        if first is not ComponentType.FULL:
+            raise ConfigError(f"components must start with FULL, got {self.components}")
+        for c in rest:
+            if isinstance(c, ComponentType):
+                raise ConfigError(
+                    f"{c.name} is given as a bare type: give its spec (urc.specs, e.g. "
+                    "SlidingWindowSpec(window=...) or MambaSpec(size=...))"
+                )
+            if not isinstance(c, ComponentSpec):
+                raise ConfigError(f"not a component spec: {c!r}")
+            c.validate()
+        types = self.types
+        if len(set(types)) != len(types):
+            raise ConfigError(f"duplicate components in {types}")
+        if list(types) != sorted(types):
+            raise ConfigError(f"components must be in FULL, SWA, MAMBA order: {types}")
+
     @property
     def specs(self) -> tuple[ComponentSpec, ...]:
-        """One spec per auxiliary component, in component order."""
-        return tuple(
-            cls(**{attr: getattr(self, flat) for attr, flat in cls.FIELDS.items()})
-            for cls in (SPEC_TYPES[ct] for ct in self.types[1:])
-        )
+        """The auxiliary components' specs as given, in component order."""
+        return self.components[1:]  # type: ignore[return-value]  # checked in __post_init__
+
+    def spec(self, kind: type[S]) -> S:
+        """The spec of class ``kind`` in this config (how a component reads its own).
+
+        Raises :class:`ConfigError` when the config has none."""
+        for s in self.components[1:]:
+            if isinstance(s, kind):
+                return s
+        raise ConfigError(f"no {kind.__name__} in components {self.components}")
 
     @property
     def types(self) -> tuple[ComponentType, ...]:
-        """The component types, FULL first (``components`` after construction)."""
-        return self.components  # type: ignore[return-value]  # normalized in __post_init__
+        """The component types, FULL first."""
+        return (ComponentType.FULL, *(s.component_type for s in self.specs))
 
 
 def build_pools(config: CacheConfig) -> CachePools:

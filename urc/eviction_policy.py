@@ -2,7 +2,8 @@
 
 The Full component keeps its evictable leaves in a lazy heap (``urc.components.full``); a
 strategy says what that heap orders by and which leaves go before the heap's order.  It is
-the only place a policy lives: adding one is a class here plus an ``EvictionPolicy`` member.
+the only place a policy lives: adding one is a class here, an ``EvictionPolicy`` member
+and its ``_STRATEGIES`` entry.
 
 The interface is small:
 
@@ -21,13 +22,15 @@ The interface is small:
 * :meth:`EvictionStrategy.note_split` (when :attr:`EvictionStrategy.keeps_node_state`): a
   strategy that keeps per-node state in ``node.eviction_state`` hands it on at a split.
 
-Which strategy the cache uses is ``CacheConfig.eviction_policy``; LRU is the default and is
-exactly SGLang's order, and so are LFU, FIFO, MRU, FILO, PRIORITY, SLRU and TLRU (SGLang
-0.5.23's ``evict_policy.py``; ties, which SGLang breaks by access time, cannot occur for
-them); BELADY needs ``CacheConfig.next_use``; SESSION_AWARE (``urc.session_eviction``) and
-RETURN_TIME (``urc.return_time_eviction``) use the serving layer's hints (``urc.reuse_hint``)
-and are LRU without them.  Host-only leaves
-are evicted in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU
+Which strategy the cache uses is ``CacheConfig.eviction_policy``, built with the policy's
+parameters as given (``CacheConfig.eviction_params``: the strategy's keyword arguments, as
+SGLang's ``--radix-eviction-policy-config``; :func:`policy_parameters` lists them).  LRU is
+the default and is exactly SGLang's order, and so are LFU, FIFO, MRU, FILO, PRIORITY, SLRU
+and TLRU (SGLang 0.5.23's ``evict_policy.py``; ties, which SGLang breaks by access time,
+cannot occur for them); BELADY needs ``CacheConfig.next_use``; SESSION_AWARE
+(``urc.session_eviction``) and RETURN_TIME (``urc.return_time_eviction``) use the serving
+layer's hints (``urc.reuse_hint``) and are LRU without them.  Host-only leaves are evicted
+in the same key order.  The auxiliary components (SWA, Mamba) keep their LRU
 lists: they evict when their own pools run out, and the Full order decides which prefixes
 stay.
 
@@ -36,10 +39,11 @@ Cost: O(1) per key and per fork (Belady: O(depth) per key for its oracle, measur
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from enum import Enum
 from operator import attrgetter
-from typing import Protocol
+from typing import Any, Protocol
 
 from urc.errors import ConfigError
 from urc.eviction_strategy import EvictionStrategy, HeapKey
@@ -62,6 +66,7 @@ __all__ = [
     "SlruStrategy",
     "TlruStrategy",
     "make_strategy",
+    "policy_parameters",
     "tlru_state",
 ]
 
@@ -170,6 +175,7 @@ class SlruStrategy(EvictionStrategy):
     __slots__ = ("_threshold",)
 
     def __init__(self, protected_threshold: int = 2) -> None:
+        _check_count("slru protected_threshold", protected_threshold)
         self._threshold = protected_threshold
 
     def key_function(self) -> HeapKey:
@@ -204,6 +210,8 @@ class TlruStrategy(EvictionStrategy):
     keeps_node_state = True
 
     def __init__(self, threshold: int = 0, next_prompt_estimate: int = 0) -> None:
+        _check_count("tlru threshold", threshold)
+        _check_count("tlru next_prompt_estimate", next_prompt_estimate)
         self._slack = next_prompt_estimate - threshold
 
     def key_function(self) -> HeapKey:
@@ -252,6 +260,12 @@ def tlru_state(node: TreeNode) -> list[int]:
     return st  # type: ignore[no-any-return]
 
 
+def _check_count(name: str, value: object) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an int (not a bool) >= 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+
+
 class NewestFirstStrategy(EvictionStrategy):
     """Last inserted first (SGLang's ``filo``)."""
 
@@ -281,7 +295,9 @@ class BeladyStrategy(EvictionStrategy):
         return lambda node: -next_use(node)
 
 
-_SIMPLE: dict[EvictionPolicy, Callable[[], EvictionStrategy]] = {
+# The strategy of each policy but BELADY (which needs an oracle); each is called with the
+# policy's parameters as given (``CacheConfig.eviction_params``: its keyword arguments).
+_STRATEGIES: dict[EvictionPolicy, Callable[..., EvictionStrategy]] = {
     EvictionPolicy.LRU: LruStrategy,
     EvictionPolicy.LFU: lambda: OrderByStrategy("hit_count", "last_access_time"),
     EvictionPolicy.FIFO: lambda: OrderByStrategy("creation_time"),
@@ -291,43 +307,55 @@ _SIMPLE: dict[EvictionPolicy, Callable[[], EvictionStrategy]] = {
     EvictionPolicy.FILO: NewestFirstStrategy,
     EvictionPolicy.PRIORITY: lambda: OrderByStrategy("priority", "last_access_time"),
     EvictionPolicy.FORK_AWARE: ForkAwareStrategy,
+    EvictionPolicy.SLRU: SlruStrategy,
+    EvictionPolicy.TLRU: TlruStrategy,
+    EvictionPolicy.SESSION_AWARE: SessionAwareStrategy,
+    EvictionPolicy.RETURN_TIME: ReturnTimeStrategy,
 }
+
+
+def policy_parameters(policy: EvictionPolicy) -> dict[str, Any]:
+    """The parameters ``policy`` takes (its strategy's keyword arguments) with their
+    defaults; empty for a policy without any (BELADY's oracle is not a parameter)."""
+    if policy is EvictionPolicy.BELADY:
+        return {}
+    return {
+        name: p.default
+        for name, p in inspect.signature(_STRATEGIES[policy]).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 def make_strategy(
     policy: EvictionPolicy,
     oracle: NextUseOracle | None = None,
-    *,
-    slru_protected_threshold: int = 2,
-    tlru_threshold: int = 0,
-    tlru_next_prompt_estimate: int = 0,
-    session_window_s: float = 600.0,
-    session_hot_gap_s: float = 60.0,
-    session_quantum_s: float = 20.0,
-    return_quantile: float = 0.6,
-    return_horizon_s: float = 1024.0,
-    return_quantum_s: float = 5.0,
+    params: Mapping[str, Any] | None = None,
 ) -> EvictionStrategy:
-    """A fresh strategy for ``policy`` (the keyword arguments are SLRU's, TLRU's,
-    SESSION_AWARE's and RETURN_TIME's, see :class:`SlruStrategy`, :class:`TlruStrategy`,
-    :class:`urc.session_eviction.SessionAwareStrategy` and
-    :class:`urc.return_time_eviction.ReturnTimeStrategy`; other policies ignore them).
+    """A fresh strategy for ``policy`` with its parameters ``params`` as given (keyword
+    arguments of its strategy class, e.g. ``{"protected_threshold": 3}`` for SLRU, SGLang's
+    ``--radix-eviction-policy-config`` names; :func:`policy_parameters` lists them).
 
     Raises:
-        ConfigError: BELADY without an ``oracle``, or an ``oracle`` with another policy.
+        ConfigError: BELADY without an ``oracle``, or an ``oracle`` with another policy; a
+            parameter the policy does not take, or a value its strategy refuses.
     """
+    params = params or {}
     if policy is EvictionPolicy.BELADY:
         if oracle is None:
             raise ConfigError("the belady policy needs a next-use oracle (it is offline)")
+        if params:
+            raise ConfigError(f"the belady policy takes no parameters, got {sorted(params)}")
         return BeladyStrategy(oracle)
     if oracle is not None:
         raise ConfigError(f"a next-use oracle is only used by belady, not {policy.name}")
-    if policy is EvictionPolicy.SLRU:
-        return SlruStrategy(slru_protected_threshold)
-    if policy is EvictionPolicy.TLRU:
-        return TlruStrategy(tlru_threshold, tlru_next_prompt_estimate)
-    if policy is EvictionPolicy.SESSION_AWARE:
-        return SessionAwareStrategy(session_window_s, session_hot_gap_s, session_quantum_s)
-    if policy is EvictionPolicy.RETURN_TIME:
-        return ReturnTimeStrategy(return_quantile, return_horizon_s, return_quantum_s)
-    return _SIMPLE[policy]()
+    factory = _STRATEGIES[policy]
+    unknown = sorted(set(params) - set(policy_parameters(policy)))
+    if unknown:
+        takes = ", ".join(policy_parameters(policy)) or "none"
+        raise ConfigError(f"{policy.value} takes no parameter {unknown} (it takes {takes})")
+    try:
+        return factory(**params)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:  # a value of the wrong type (e.g. from JSON)
+        raise ConfigError(f"bad {policy.value} parameters {dict(params)}: {exc}") from None

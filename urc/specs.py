@@ -1,20 +1,20 @@
 """Per-component specs: what an auxiliary component needs to know, and the pools it builds.
 
-A config names its components as types or as specs; a spec checks itself and builds its own
-pools, so pool building has no per-component branches::
+A config keeps each auxiliary component's spec as given::
 
     CacheConfig(components=(FULL, SlidingWindowSpec(window=4096), MambaSpec(size=64)))
 
-is the same config as the flat spelling (kept as a convenience: a spec maps its fields onto
-the config's flat fields, :attr:`ComponentSpec.FIELDS`, and back)
-``CacheConfig(components=(FULL, SWA, MAMBA), sliding_window_size=4096, mamba_size=64)``.
-FULL needs no spec: its pool is the config's ``kv_size``.
+A spec checks itself (when the config is constructed) and builds its own pools, so pool
+building has no per-component branches; the component reads its own spec
+(:meth:`urc.config.CacheConfig.spec`).  FULL needs no spec: its pool is the config's
+``kv_size``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from numbers import Integral
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -26,7 +26,7 @@ from urc.pools.kv_pool import KVShape
 from urc.pools.mamba import MambaPool
 from urc.pools.swa import SWAKVPool, SWATokenSlotAllocator
 
-__all__ = ["SPEC_TYPES", "ComponentSpec", "MambaSpec", "PoolContext", "SlidingWindowSpec"]
+__all__ = ["ComponentSpec", "MambaSpec", "PoolContext", "SlidingWindowSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +40,12 @@ class PoolContext:
     kv_shape: KVShape
 
 
+@runtime_checkable
 class ComponentSpec(Protocol):
-    """An auxiliary component's configuration (frozen)."""
+    """An auxiliary component's configuration (a frozen dataclass), kept as given in
+    ``CacheConfig.components`` and read by its component."""
 
     component_type: ClassVar[ComponentType]
-    #: spec attribute -> the flat ``CacheConfig`` field that spells it
-    FIELDS: ClassVar[dict[str, str]]
 
     def validate(self) -> None:
         """Raise :class:`~urc.errors.ConfigError` if the spec is not usable."""
@@ -60,15 +60,14 @@ class SlidingWindowSpec:
     config's ``kv_size`` when ``None``)."""
 
     component_type: ClassVar[ComponentType] = ComponentType.SWA
-    FIELDS: ClassVar[dict[str, str]] = {"window": "sliding_window_size", "kv_size": "swa_kv_size"}
     window: int
     kv_size: int | None = None
 
     def validate(self) -> None:
-        if self.window is None or self.window <= 0:
-            raise ConfigError(f"SWA needs sliding_window_size > 0: {self.window}")
-        if self.kv_size is not None and self.kv_size <= 0:
-            raise ConfigError(f"swa_kv_size must be positive, got {self.kv_size}")
+        if not _is_int(self.window) or self.window <= 0:
+            raise ConfigError(f"SlidingWindowSpec.window must be a positive int: {self.window!r}")
+        if self.kv_size is not None and (not _is_int(self.kv_size) or self.kv_size <= 0):
+            raise ConfigError(f"SlidingWindowSpec.kv_size must be positive: {self.kv_size!r}")
 
     def build_pools(self, pools: CachePools, ctx: PoolContext) -> None:
         # The paired allocator replaces the Full one: each Full slot maps an SWA slot.
@@ -83,27 +82,25 @@ class MambaSpec:
     every ``chunk_size`` tokens."""
 
     component_type: ClassVar[ComponentType] = ComponentType.MAMBA
-    FIELDS: ClassVar[dict[str, str]] = {
-        "size": "mamba_size",
-        "chunk_size": "mamba_chunk_size",
-        "conv_shape": "mamba_conv_shape",
-        "ssm_shape": "mamba_ssm_shape",
-    }
     size: int
     chunk_size: int = 64
     conv_shape: tuple[int, ...] = (4, 8)
     ssm_shape: tuple[int, ...] = (2, 8, 8)
 
     def validate(self) -> None:
-        if self.size <= 0:
-            raise ConfigError(f"MAMBA needs mamba_size > 0, got {self.size}")
+        for name in ("size", "chunk_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ConfigError(f"MambaSpec.{name} must be a positive int: {value!r}")
+        for name in ("conv_shape", "ssm_shape"):
+            shape = getattr(self, name)
+            if not shape or not all(_is_int(d) and d > 0 for d in shape):
+                raise ConfigError(f"MambaSpec.{name} must be positive dimensions: {shape!r}")
 
     def build_pools(self, pools: CachePools, ctx: PoolContext) -> None:
         pools.mamba = MambaPool(self.size, self.conv_shape, self.ssm_shape, ctx.device)
 
 
-# The spec class of each auxiliary component type.
-SPEC_TYPES: dict[ComponentType, type[SlidingWindowSpec] | type[MambaSpec]] = {
-    ComponentType.SWA: SlidingWindowSpec,
-    ComponentType.MAMBA: MambaSpec,
-}
+def _is_int(value: object) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)

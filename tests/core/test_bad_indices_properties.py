@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from cache_harness import components_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,7 @@ from urc.errors import URCError
 from urc.fastpath import WalkImpl
 from urc.pools.pageops import native_pages_available
 from urc.service import _request_ops as request_ops
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 IMPLS = [WalkImpl.PYTHON] + ([WalkImpl.NATIVE] if native_pages_available() else [])
@@ -48,12 +50,11 @@ class World:
         self.ps = ps
         self.cache: UnifiedRadixCache = build_cache(
             CacheConfig(
-                components=comps,
+                components=components_of(
+                    comps, SlidingWindowSpec(2 * ps, 32 * ps), MambaSpec(size=8)
+                ),
                 page_size=ps,
                 kv_size=32 * ps,
-                swa_kv_size=32 * ps if SWA in comps else None,
-                sliding_window_size=2 * ps if SWA in comps else None,
-                mamba_size=8 if MAMBA in comps else 0,
                 max_num_reqs=4,
                 max_context_len=16 * ps,
                 walk_impl=impl,

@@ -11,7 +11,7 @@ from array import array
 
 import pytest
 import torch
-from cache_harness import Harness, running_request, seq
+from cache_harness import Harness, components_of, running_request, seq
 
 from urc import (
     CacheConfig,
@@ -26,6 +26,7 @@ from urc import (
     build_cache,
 )
 from urc.node import Tier, TreeNode
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
 
@@ -394,11 +395,8 @@ def test_refused_second_release_through_an_swa_tombstone_changes_nothing(
     swa, mamba = ComponentType.SWA, ComponentType.MAMBA
     cache = build_cache(
         CacheConfig(
-            components=components,
+            components=components_of(components, SlidingWindowSpec(4, 256), MambaSpec(size=8)),
             kv_size=256,
-            swa_kv_size=256,
-            sliding_window_size=4,
-            mamba_size=8,
             max_num_reqs=4,
             max_context_len=64,
         )
@@ -551,7 +549,10 @@ def test_sglang_names_root_node_component_data_and_available_and_evictable_str(
     components: tuple[ComponentType, ...],
 ) -> None:
     cache = build_cache(
-        CacheConfig(components=components, kv_size=64, sliding_window_size=4, mamba_size=8)
+        CacheConfig(
+            components=components_of(components, SlidingWindowSpec(4), MambaSpec(size=8)),
+            kv_size=64,
+        )
     )
     assert cache.root_node is cache.root
     v = cache.token_to_kv_pool_allocator.alloc(4)

@@ -20,6 +20,8 @@ from urc import (
     RadixKey,
     build_cache,
 )
+from urc.eviction_policy import EvictionPolicy
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
 
@@ -93,8 +95,13 @@ def test_value_on_another_device_is_rejected() -> None:
         {"max_num_reqs": 0},
         {"components": (ComponentType.SWA,)},
         {"components": (ComponentType.FULL, ComponentType.FULL)},
-        {"components": (ComponentType.FULL, ComponentType.SWA), "sliding_window_size": 0},
-        {"components": (ComponentType.FULL, ComponentType.MAMBA), "mamba_size": 0},
+        {"components": (ComponentType.FULL, ComponentType.SWA)},
+        {"components": (ComponentType.FULL, SlidingWindowSpec(window=0))},
+        {"components": (ComponentType.FULL, MambaSpec(size=0))},
+        {"components": (ComponentType.FULL, MambaSpec(size=4), SlidingWindowSpec(window=4))},
+        {"eviction_policy": EvictionPolicy.SLRU, "eviction_params": {"threshold": 1}},
+        {"eviction_policy": EvictionPolicy.TLRU, "eviction_params": {"threshold": -1}},
+        {"eviction_policy": EvictionPolicy.LRU, "eviction_params": {"protected_threshold": 1}},
     ],
 )
 def test_bad_configs_are_config_errors(kwargs: dict[str, object]) -> None:

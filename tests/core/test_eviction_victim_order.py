@@ -60,9 +60,13 @@ class Reference:
             ps,
             kv_size=4096 * ps,
             eviction_policy=policy,
-            slru_protected_threshold=SLRU_THRESHOLD,
-            tlru_threshold=TLRU_THRESHOLD * ps,
-            tlru_next_prompt_estimate=TLRU_ESTIMATE * ps,
+            eviction_params={
+                EvictionPolicy.SLRU: {"protected_threshold": SLRU_THRESHOLD},
+                EvictionPolicy.TLRU: {
+                    "threshold": TLRU_THRESHOLD * ps,
+                    "next_prompt_estimate": TLRU_ESTIMATE * ps,
+                },
+            }.get(policy, {}),
         )
         # (tree clock after the insert, key) of every insert.
         self.inserted: list[tuple[int, list[int]]] = []
@@ -267,13 +271,23 @@ def test_tlru_split_part_inherits_the_branch_history(ps: int) -> None:
     assert _evict_one(ref) == conv[4 * ps : 6 * ps]
 
 
-def test_new_policies_take_their_parameters_from_the_config() -> None:
+def test_new_policies_take_their_parameters_as_given() -> None:
     from urc import CacheConfig
     from urc.errors import ConfigError
     from urc.eviction_policy import SlruStrategy, TlruStrategy, make_strategy
 
-    assert isinstance(make_strategy(EvictionPolicy.SLRU, slru_protected_threshold=4), SlruStrategy)
-    assert isinstance(make_strategy(EvictionPolicy.TLRU, tlru_threshold=8), TlruStrategy)
-    for field in ("tlru_threshold", "tlru_next_prompt_estimate", "slru_protected_threshold"):
-        with pytest.raises(ConfigError, match=field):
-            CacheConfig(eviction_policy=EvictionPolicy.TLRU, **{field: -1})  # type: ignore[arg-type]
+    slru = make_strategy(EvictionPolicy.SLRU, params={"protected_threshold": 4})
+    assert isinstance(slru, SlruStrategy)
+    tlru = make_strategy(EvictionPolicy.TLRU, params={"threshold": 8})
+    assert isinstance(tlru, TlruStrategy)
+    for policy, name in (
+        (EvictionPolicy.TLRU, "threshold"),
+        (EvictionPolicy.TLRU, "next_prompt_estimate"),
+        (EvictionPolicy.SLRU, "protected_threshold"),
+    ):
+        for bad in (-1, 1.5, "2", True):
+            with pytest.raises(ConfigError, match=name):
+                CacheConfig(eviction_policy=policy, eviction_params={name: bad})
+        # A policy's parameter given to another policy is refused, naming what it takes.
+        with pytest.raises(ConfigError, match="it takes none"):
+            CacheConfig(eviction_policy=EvictionPolicy.LRU, eviction_params={name: 1})

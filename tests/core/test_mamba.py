@@ -35,7 +35,6 @@ from urc import (
     RadixKey,
     Req,
     UnifiedRadixCache,
-    build_cache,
 )
 from urc.errors import (
     ConfigError,
@@ -44,6 +43,7 @@ from urc.errors import (
     InvalidLockError,
     TreeOwnedSlotError,
 )
+from urc.specs import MambaSpec
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -516,9 +516,9 @@ def test_snapshot_past_the_computed_tokens_is_refused() -> None:
 
 def test_config_errors() -> None:
     with pytest.raises(ConfigError):
-        CacheConfig(components=(FULL, MAMBA), mamba_size=0)
+        CacheConfig(components=(FULL, MambaSpec(size=0)))
     with pytest.raises(ConfigError):
-        build_cache(CacheConfig(components=(FULL, MAMBA), mamba_size=4, mamba_conv_shape=()))
+        CacheConfig(components=(FULL, MambaSpec(size=4, conv_shape=())))
 
 
 def test_reset_frees_every_state() -> None:

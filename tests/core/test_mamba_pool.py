@@ -9,6 +9,7 @@ from urc.config import CacheConfig, build_pools
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
 from urc.node import ComponentType
 from urc.pools.mamba import MambaPool
+from urc.specs import MambaSpec
 
 
 def _pool(size: int = 6) -> MambaPool:
@@ -34,10 +35,7 @@ def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
 
 def test_shapes_from_config() -> None:
     cfg = CacheConfig(
-        components=(ComponentType.FULL, ComponentType.MAMBA),
-        mamba_size=5,
-        mamba_conv_shape=(2, 3),
-        mamba_ssm_shape=(4, 5, 6),
+        components=(ComponentType.FULL, MambaSpec(size=5, conv_shape=(2, 3), ssm_shape=(4, 5, 6))),
     )
     pool = build_pools(cfg).mamba
     assert pool is not None

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from cache_harness import POLICY_CONFIGS, assert_path_validators_agree
+from cache_harness import POLICY_CONFIGS, assert_path_validators_agree, components_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +32,7 @@ from urc import (
 from urc.components.mamba import MambaComponent
 from urc.errors import OutOfMemoryError
 from urc.pools.mamba import MambaPool
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 MAX_LIVE = 3
@@ -189,12 +190,11 @@ def _build(components: tuple[ComponentType, ...], ps: int, **config: Any) -> Uni
     return build_cache(
         CacheConfig(
             **config,
-            components=components,
+            components=components_of(
+                components, SlidingWindowSpec(3 * ps), MambaSpec(size=9, chunk_size=2 * ps)
+            ),
             page_size=ps,
             kv_size=40 * ps,
-            sliding_window_size=3 * ps if SWA in components else None,
-            mamba_size=9,
-            mamba_chunk_size=2 * ps,
             max_num_reqs=MAX_LIVE + 1,
             max_context_len=16 * ps,
         )

@@ -21,6 +21,7 @@ from urc import (
     UnifiedRadixCache,
     build_cache,
 )
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -41,12 +42,13 @@ needs_swa = pytest.mark.skipif(not _has_swa(), reason="the SWA component is not 
 def make_swa(ps: int = 1, window: int = 4) -> UnifiedRadixCache:
     return build_cache(
         CacheConfig(
-            components=(FULL, ComponentType.SWA, MAMBA),
+            components=(
+                FULL,
+                SlidingWindowSpec(window),
+                MambaSpec(size=20, chunk_size=4 * ps),
+            ),
             page_size=ps,
             kv_size=128 * ps,
-            sliding_window_size=window,
-            mamba_size=20,
-            mamba_chunk_size=4 * ps,
             max_num_reqs=10,
             max_context_len=64 * ps,
         )

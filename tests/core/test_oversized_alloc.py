@@ -17,6 +17,7 @@ from urc import (
     build_cache,
 )
 from urc.service import AsyncUnifiedRadixCache
+from urc.specs import SlidingWindowSpec
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA
@@ -24,7 +25,7 @@ KV = 1024
 
 CONFIGS = {
     "full": {},
-    "swa": {"components": (FULL, SWA), "sliding_window_size": 8},
+    "swa": {"components": (FULL, SlidingWindowSpec(window=8))},
 }
 
 

@@ -7,10 +7,11 @@ import copy
 import pickle
 
 import pytest
-from cache_harness import Harness, running_request, seq
+from cache_harness import Harness, components_of, running_request, seq
 
 from urc import ComponentType, Req, UnifiedRadixCache
 from urc.errors import InvalidInputError
+from urc.specs import SlidingWindowSpec
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -182,7 +183,9 @@ def test_resumed_chunk_commit_equals_a_walk_from_the_root(
             self.cache.check_pools({ct: self.held for ct in comps})
 
     def run(from_root: bool) -> list[tuple[object, ...]]:
-        h = PairedHarness(page_size=ps, kv_size=512 * ps, components=comps, sliding_window_size=3)
+        h = PairedHarness(
+            page_size=ps, kv_size=512 * ps, components=components_of(comps, SlidingWindowSpec(3))
+        )
         cache = h.cache
         if from_root:
             plain_insert, plain_match = cache.insert, cache.match_prefix

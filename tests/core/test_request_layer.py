@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_harness import components_of
 
 from urc import CacheConfig, ComponentType, Req, UnifiedRadixCache, build_cache
 from urc.errors import InvalidInputError
 from urc.key import RadixKey
 from urc.lock_receipts import TreeLock
 from urc.params import MatchPrefixParams
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 KINDS = {"full": (FULL,), "swa": (FULL, SWA), "mamba": (FULL, MAMBA)}
@@ -22,12 +24,11 @@ PAGE_SIZES = [1, 4, 16]
 def _cache(kind: str, ps: int) -> UnifiedRadixCache:
     return build_cache(
         CacheConfig(
-            components=KINDS[kind],
+            components=components_of(
+                KINDS[kind], SlidingWindowSpec(2 * ps), MambaSpec(size=8, chunk_size=ps)
+            ),
             page_size=ps,
             kv_size=64 * ps,
-            sliding_window_size=2 * ps,
-            mamba_size=8,
-            mamba_chunk_size=ps,
             max_num_reqs=4,
             max_context_len=32 * ps,
         )

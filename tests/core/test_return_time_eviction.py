@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from urc import (
+    CacheConfig,
     ComponentType,
     EvictParams,
     InsertParams,
@@ -193,7 +194,7 @@ def test_a_sub_agents_gaps_are_learned_apart_from_the_main_agents() -> None:
 
 
 def test_a_path_not_extended_within_the_horizon_counts_as_never() -> None:
-    cache = _cache(return_horizon_s=64.0)
+    cache = _cache(eviction_params={"horizon_s": 64.0})
     model = _strategy(cache)._models[END, False]
     never = model.never
     insert(cache, session(1), ReuseHint("s1", END, finished_at_s=0.0))
@@ -257,16 +258,18 @@ def test_a_sessions_own_slow_gaps_keep_it_pending_when_others_would_expire() -> 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"return_quantile": 0.0},
-        {"return_quantile": 1.0},
-        {"return_horizon_s": 1.0},
-        {"return_quantum_s": 0.0},
-        {"return_quantum_s": float("nan")},
+        {"quantile": 0.0},
+        {"quantile": 1.0},
+        {"horizon_s": 1.0},
+        {"quantum_s": 0.0},
+        {"quantum_s": float("nan")},
+        {"quantile": "0.5"},
+        {"window_s": 1.0},
     ],
 )
 def test_return_time_parameters_are_checked(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
-        _cache(**kwargs)
+        CacheConfig(eviction_policy=EvictionPolicy.RETURN_TIME, eviction_params=kwargs)
 
 
 # ------------------------------------------------------------------ LRU without hints

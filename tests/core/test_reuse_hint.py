@@ -215,11 +215,11 @@ def test_session_table_bytes_do_not_grow_with_session_id_length() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"session_window_s": -1.0}, {"session_quantum_s": 0.0}, {"session_hot_gap_s": -2.0}]
+    "kwargs", [{"window_s": -1.0}, {"quantum_s": 0.0}, {"hot_gap_s": -2.0}, {"quantile": 0.5}]
 )
 def test_session_policy_parameters_are_checked(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
-        _cache(**kwargs)
+        CacheConfig(eviction_policy=EvictionPolicy.SESSION_AWARE, eviction_params=kwargs)
 
 
 def test_cache_finished_req_passes_the_hint_to_the_policy() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from cache_harness import components_of
 from hicache_harness import demote_all, leaves
 from hicache_harness import make as make_hicache
 
@@ -32,6 +33,7 @@ from urc import (
 from urc.errors import TreeOwnedSlotError
 from urc.fastpath import WalkImpl
 from urc.pools.pageops import native_pages_available
+from urc.specs import SlidingWindowSpec
 
 FULL, SWA = ComponentType.FULL, ComponentType.SWA
 IMPLS = [
@@ -47,11 +49,9 @@ SETS = [(FULL,), (FULL, SWA)]
 def make(comps: tuple[ComponentType, ...], ps: int, impl: WalkImpl) -> UnifiedRadixCache:
     return build_cache(
         CacheConfig(
-            components=comps,
+            components=components_of(comps, SlidingWindowSpec(4 * ps, 64 * ps)),
             page_size=ps,
             kv_size=64 * ps,
-            swa_kv_size=64 * ps if SWA in comps else None,
-            sliding_window_size=4 * ps if SWA in comps else None,
             walk_impl=impl,
         )
     )

@@ -29,6 +29,7 @@ from urc import (
 from urc.components.swa import SWAData
 from urc.config import build_pools
 from urc.pools.allocator import TokenSlotAllocator
+from urc.specs import SlidingWindowSpec
 
 FULL, SWA = ComponentType.FULL, ComponentType.SWA
 CONFIGS = [(1, 4), (4, 4), (4, 2), (16, 16), (64, 64), (128, 4), (1, 128)]
@@ -163,10 +164,8 @@ def test_legacy_swa_scenario() -> None:
 def test_legacy_swa_scenario_eagle() -> None:
     cache = build_cache(
         CacheConfig(
-            components=(FULL, SWA),
+            components=(FULL, SlidingWindowSpec(window=4, kv_size=64)),
             kv_size=128,
-            swa_kv_size=64,
-            sliding_window_size=4,
             is_eagle=True,
         )
     )
@@ -547,14 +546,16 @@ def test_bad_swa_evicted_seqlen_changes_nothing(h: SWAHarness) -> None:
 
 
 def test_bad_configuration() -> None:
-    for bad in (0, -4, None):
+    for bad in (0, -4, None, 2.5, True):
         with pytest.raises(ConfigError):
-            CacheConfig(components=(FULL, SWA), sliding_window_size=bad)
+            CacheConfig(components=(FULL, SlidingWindowSpec(window=bad)))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="bare type"):
+        CacheConfig(components=(FULL, SWA))
     # An SWA component on a plain allocator (pools brought by the user) is refused.
     pools = build_pools(CacheConfig())
     assert type(pools.token_allocator) is TokenSlotAllocator
     with pytest.raises(ConfigError):
-        UnifiedRadixCache(CacheConfig(components=(FULL, SWA), sliding_window_size=4), pools)
+        UnifiedRadixCache(CacheConfig(components=(FULL, SlidingWindowSpec(window=4))), pools)
 
 
 def test_reset_frees_both_pools(h: SWAHarness) -> None:

@@ -9,6 +9,7 @@ from urc import CacheConfig, ComponentType, ConfigError, DoubleFreeError, Invali
 from urc.config import build_pools
 from urc.pools.kv_pool import KVShape
 from urc.pools.swa import SWAKVPool, SWATokenSlotAllocator
+from urc.specs import SlidingWindowSpec
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -170,20 +171,17 @@ def test_bad_sizes_are_config_errors() -> None:
         SWATokenSlotAllocator(16, 0, 1)
     with pytest.raises(ConfigError):
         SWATokenSlotAllocator(16, 6, 4)
-    with pytest.raises(ConfigError):
-        CacheConfig(components=(ComponentType.FULL, ComponentType.SWA), sliding_window_size=0)
-    with pytest.raises(ConfigError):
-        CacheConfig(components=(ComponentType.FULL, ComponentType.SWA), sliding_window_size=-3)
+    for window in (0, -3):
+        with pytest.raises(ConfigError):
+            CacheConfig(components=(ComponentType.FULL, SlidingWindowSpec(window)))
 
 
 @pytest.mark.parametrize("ps", [1, 4])
 def test_swa_kv_pool_round_trips_through_full_indices(ps: int) -> None:
     cfg = CacheConfig(
-        components=(ComponentType.FULL, ComponentType.SWA),
+        components=(ComponentType.FULL, SlidingWindowSpec(window=4, kv_size=8 * ps)),
         page_size=ps,
         kv_size=16 * ps,
-        swa_kv_size=8 * ps,
-        sliding_window_size=4,
         kv_shape=KVShape(num_layers=1, num_heads=1, head_dim=4),
     )
     pools = build_pools(cfg)

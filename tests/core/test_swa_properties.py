@@ -29,6 +29,7 @@ from urc import (
 )
 from urc.components.swa import SWAComponent
 from urc.pools.swa import SWATokenSlotAllocator
+from urc.specs import SlidingWindowSpec
 
 FULL, SWA = ComponentType.FULL, ComponentType.SWA
 BLOCKS = 4  # distinct token blocks; few, so keys share prefixes
@@ -70,11 +71,9 @@ class Model:
         self.ps = ps
         self.cache = build_cache(
             CacheConfig(
-                components=(FULL, SWA),
+                components=(FULL, SlidingWindowSpec(window, 192 * ps)),
                 page_size=ps,
                 kv_size=256 * ps,
-                swa_kv_size=192 * ps,
-                sliding_window_size=window,
                 max_num_reqs=4,
             )
         )

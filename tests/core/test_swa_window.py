@@ -23,6 +23,7 @@ from urc import (
 )
 from urc.components.swa_window import select_window_walks
 from urc.fastpath import WalkImpl, native_available
+from urc.specs import SlidingWindowSpec
 
 SWA = ComponentType.SWA
 
@@ -50,10 +51,9 @@ def test_compiled_window_release_is_the_python_twin(seed: int, ps: int, window: 
     rng = random.Random(seed)
     cache = build_cache(
         CacheConfig(
-            components=(ComponentType.FULL, SWA),
+            components=(ComponentType.FULL, SlidingWindowSpec(window)),
             page_size=ps,
             kv_size=400 * ps,
-            sliding_window_size=window,
         )
     )
     alloc = cache.token_to_kv_pool_allocator

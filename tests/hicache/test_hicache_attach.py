@@ -22,6 +22,7 @@ from urc.cache import UnifiedRadixCache
 from urc.host_protocol import TierEvents, WritePolicy
 from urc.node import TreeNode
 from urc.service import AsyncUnifiedRadixCache
+from urc.specs import SlidingWindowSpec
 
 FULL = ComponentType.FULL
 PS = 4
@@ -48,11 +49,9 @@ def test_attach_hooks_swa_host_hit_reporting_only_once_there_is_a_host_tier() ->
     # SWA's finalize_match_result reports host hits: without a host tier a match skips it.
     cache = build_cache(
         CacheConfig(
-            components=(FULL, ComponentType.SWA),
+            components=(FULL, SlidingWindowSpec(window=2 * PS, kv_size=128)),
             page_size=PS,
             kv_size=128,
-            swa_kv_size=128,
-            sliding_window_size=2 * PS,
             kv_shape=KVShape(2, 2, 4, torch.float32),
         )
     )

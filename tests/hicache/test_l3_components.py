@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from cache_harness import pins
+from cache_harness import components_of, pins
 from hicache_harness import Snapshot, snapshot
 from test_l3_integration import (  # noqa: F401  (node: a fixture make_store uses)
     Recorder,
@@ -53,6 +53,7 @@ from urc.node import Tier, TreeNode
 from urc.params import MatchPrefixParams
 from urc.service import AsyncUnifiedRadixCache
 from urc.service._observer import TransferKind
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA
@@ -88,11 +89,9 @@ class Stack:
         self.comps = comps
         self.cache: UnifiedRadixCache = build_cache(
             CacheConfig(
-                components=comps,
+                components=components_of(comps, SlidingWindowSpec(WINDOW), MambaSpec(size=16)),
                 page_size=PS,
                 kv_size=256,
-                sliding_window_size=WINDOW if SWA in comps else None,
-                mamba_size=16 if MAMBA in comps else 0,
                 kv_shape=KVShape(2, 2, 4, torch.float32),
             )
         )
@@ -458,11 +457,9 @@ async def test_two_instances_share_every_component_through_one_cluster(
 def test_insert_host_cuts_new_nodes_at_parts_and_frees_what_no_node_takes() -> None:
     cache = build_cache(
         CacheConfig(
-            components=SETS[2],
+            components=components_of(SETS[2], SlidingWindowSpec(WINDOW), MambaSpec(size=8)),
             page_size=PS,
             kv_size=256,
-            sliding_window_size=WINDOW,
-            mamba_size=8,
             kv_shape=KVShape(2, 2, 4, torch.float32),
         )
     )

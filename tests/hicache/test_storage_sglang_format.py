@@ -41,6 +41,7 @@ from hicache.storage_worker import HostPageLayout
 from hicache.storage_worker.sglang_pages import SGLangPagePayload
 from urc import CacheConfig, ComponentType, ConfigError, KVShape, build_cache
 from urc.pools.kv_pool import KVPool
+from urc.specs import SlidingWindowSpec
 
 pytestmark = pytest.mark.timeout(60)
 NAMING = SGLangNaming("org/model-7b")
@@ -297,11 +298,9 @@ def test_payload_conversion_is_a_byte_permutation_both_ways(
 def test_sglang_scheme_refuses_components_other_than_full(tmp_path: Path) -> None:
     cache = build_cache(
         CacheConfig(
-            components=(ComponentType.FULL, ComponentType.SWA),
+            components=(ComponentType.FULL, SlidingWindowSpec(window=8, kv_size=256)),
             page_size=4,
             kv_size=256,
-            swa_kv_size=256,
-            sliding_window_size=8,
         )
     )
     with pytest.raises(ConfigError, match="Full pages only"):

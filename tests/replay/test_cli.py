@@ -14,6 +14,7 @@ from urc.apps.replay import Capacity, ModelProfile, ReplayConfig
 from urc.apps.replay.arguments import resolved
 from urc.errors import ConfigError
 from urc.node import ComponentType
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 
 def test_no_command_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -58,10 +59,12 @@ def test_model_profiles_pick_components() -> None:
     assert ModelProfile.SWA.components == (full, swa)
     assert ModelProfile.MAMBA.components == (full, mamba)
     cfg = ReplayConfig(model=ModelProfile.SWA, window=1024).cache_config(4096, 3000)
-    assert cfg.sliding_window_size == 1024 and cfg.swa_kv_size == 4096
+    assert cfg.types == ModelProfile.SWA.components
+    assert cfg.spec(SlidingWindowSpec) == SlidingWindowSpec(window=1024, kv_size=4096)
     assert cfg.max_context_len >= 3000 and cfg.max_context_len % 16 == 0
     cfg = ReplayConfig(model=ModelProfile.MAMBA, mamba_states=77).cache_config(4096, 100)
-    assert cfg.mamba_size == 77
+    assert cfg.types == ModelProfile.MAMBA.components
+    assert cfg.spec(MambaSpec).size == 77
 
 
 def test_defaults_are_documented_values() -> None:

@@ -6,15 +6,22 @@ before the next matches), which is what the ideal oracle assumes.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import torch
 from trace_paths import conversation_trace, requires_conversation_trace
 
+import urc.apps.replay.driver as replay_driver
+from hicache.config import StorageConfig
+from hicache.storage.file import FileStorage
+from hicache.storage.keys import PageKey
 from urc.apps.cli import main
 from urc.apps.replay import (
     Capacity,
@@ -344,6 +351,42 @@ async def test_l3_storage_tier_serves_a_second_run(
     assert second.to_dict()["config"]["l3"].endswith("(on_host_eviction)")
     if second.hit_rate > second.ideal_hit_rate:
         assert any("above the cold-start ideal" in n for n in second.notes)
+
+
+class _StalledDisk(FileStorage):
+    """A real file store on a disk that stalls: each write waits until it is given up on
+    (the storage worker's flush deadline, then the service's close cancels it)."""
+
+    async def _put(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.asyncio
+async def test_l3_flush_that_hits_its_deadline_warns_with_the_writes_it_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes still queued when the L3 flush's deadline passes are dropped; the report says
+    so (a later run over the same directory finds fewer pages), with how many."""
+    monkeypatch.setattr(replay_driver, "FileStorage", _StalledDisk)
+    monkeypatch.setattr(
+        replay_driver, "StorageConfig", functools.partial(StorageConfig, flush_timeout_s=0.2)
+    )
+    config = ReplayConfig(
+        num_requests=150,
+        page_size=64,
+        device_tokens=Capacity(fraction=0.05),
+        host_tokens=Capacity(fraction=0.1),
+        write_policy=WritePolicy.WRITE_THROUGH,
+        l3_dir=tmp_path / "l3",
+    )
+    rep = await replay(config)
+    assert rep.check_ok, rep.check_error
+    dropped = rep.storage_stats["dropped_writes"]
+    assert rep.storage_stats["pages_written"] == 0 and dropped > 0
+    (warning,) = [w for w in rep.warnings if "L3 flush" in w]
+    assert "0.2 s deadline" in warning and f"dropped {dropped:,} queued writes" in warning
+    assert "WARNING    the L3 flush hit its 0.2 s deadline" in rep.format()
 
 
 def test_l3_needs_full_attention_and_a_host_tier(tmp_path: Path) -> None:

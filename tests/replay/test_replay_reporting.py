@@ -16,6 +16,7 @@ from trace_paths import TRACE_DIR_ENV, conversation_trace, requires_conversation
 from urc.apps.bench.chunk import format_costs, measure
 from urc.apps.cli import main
 from urc.apps.replay import Capacity, ModelProfile, ReplayConfig, ReplayReport, run_replay
+from urc.specs import SlidingWindowSpec
 
 TIMEOUT = 60
 
@@ -161,7 +162,7 @@ def test_swa_tokens_sizes_the_swa_pool_and_only_for_swa() -> None:
 
     config = ReplayConfig(model=ModelProfile.SWA, swa_tokens=Capacity(fraction=0.5))
     assert config.swa_pool_tokens(4096, 1000) == 512
-    assert config.cache_config(4096, 100, 512).swa_kv_size == 512
+    assert config.cache_config(4096, 100, 512).spec(SlidingWindowSpec).kv_size == 512
     assert ReplayConfig(model=ModelProfile.SWA).swa_pool_tokens(4096, 1000) == 4096
     with pytest.raises(ConfigError, match="swa"):
         ReplayConfig(swa_tokens=Capacity(tokens=64))

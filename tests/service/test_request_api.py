@@ -20,6 +20,7 @@ from urc.req import Req
 from urc.service import AsyncUnifiedRadixCache, LoadBackPolicy
 from urc.service._commands import CommandKind, MatchOutcome
 from urc.service._observer import TransferKind
+from urc.specs import MambaSpec, SlidingWindowSpec
 from urc.stats import CacheStats
 
 PS = 4
@@ -266,9 +267,7 @@ async def test_write_req_slots_fills_the_row_after_the_prefix_and_refuses_past_i
 
 @pytest.mark.asyncio
 async def test_alloc_req_mamba_gives_one_slot_per_request_and_needs_mamba() -> None:
-    svc, _ = _service(
-        host=False, components=(FULL, ComponentType.MAMBA), mamba_size=4, mamba_chunk_size=4
-    )
+    svc, _ = _service(host=False, components=(FULL, MambaSpec(size=4, chunk_size=4)))
     async with svc:
         with anyio.fail_after(10):
             req = Req("a", TOKENS[:8])
@@ -287,9 +286,7 @@ async def test_alloc_req_mamba_gives_one_slot_per_request_and_needs_mamba() -> N
 
 @pytest.mark.asyncio
 async def test_slide_req_window_frees_what_left_the_window_and_needs_swa() -> None:
-    svc, _ = _service(
-        host=False, components=(FULL, ComponentType.SWA), swa_kv_size=64, sliding_window_size=8
-    )
+    svc, _ = _service(host=False, components=(FULL, SlidingWindowSpec(window=8, kv_size=64)))
     async with svc:
         with anyio.fail_after(10):
             req = Req("a", TOKENS)

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from cache_harness import components_of
 from test_service import TIMEOUT
 
 from urc import CacheConfig, ComponentType, DoubleFreeError, InvalidIndicesError
@@ -24,6 +25,7 @@ from urc.cache import UnifiedRadixCache
 from urc.errors import TreeOwnedSlotError
 from urc.service import AsyncUnifiedRadixCache, ServiceState
 from urc.service._commands import Command, Insert
+from urc.specs import SlidingWindowSpec
 
 FULL, SWA = ComponentType.FULL, ComponentType.SWA
 CLIENTS = 256
@@ -32,11 +34,9 @@ PS = 4
 
 def config(components: tuple[ComponentType, ...]) -> CacheConfig:
     return CacheConfig(
-        components=components,
+        components=components_of(components, SlidingWindowSpec(2 * PS, CLIENTS * 4 * PS)),
         page_size=PS,
         kv_size=CLIENTS * 4 * PS,
-        swa_kv_size=CLIENTS * 4 * PS if SWA in components else None,
-        sliding_window_size=2 * PS if SWA in components else None,
         max_num_reqs=8,
         max_context_len=64,
     )

@@ -31,7 +31,7 @@ import anyio
 import pytest
 import torch
 from anyio.lowlevel import checkpoint
-from cache_harness import pins
+from cache_harness import components_of, pins
 from service_harness import serve_request
 from test_service_ownership import COMPONENT_SETS, IDS
 
@@ -50,6 +50,7 @@ from urc import (
 from urc.cache import UnifiedRadixCache
 from urc.service import AsyncUnifiedRadixCache, MatchOutcome
 from urc.service._lease import Lease, NodeHandle
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA
@@ -74,12 +75,10 @@ NATIVE = (Style.TASK_CANCEL, Style.TIMEOUT)
 
 def config_for(components: tuple[ComponentType, ...]) -> CacheConfig:
     return CacheConfig(
-        components=components,
+        components=components_of(
+            components, SlidingWindowSpec(4, 1024), MambaSpec(size=96, chunk_size=4)
+        ),
         kv_size=2048,
-        swa_kv_size=1024 if SWA in components else None,
-        sliding_window_size=4 if SWA in components else None,
-        mamba_size=96 if MAMBA in components else 0,
-        mamba_chunk_size=4,
         max_num_reqs=300,
         max_context_len=64,
     )

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from cache_harness import components_of
 from service_harness import TIMEOUT
 
 from urc import CacheConfig, ComponentType, InvalidInputError, OutOfMemoryError
@@ -24,6 +25,7 @@ from urc.cache import UnifiedRadixCache
 from urc.service import AsyncUnifiedRadixCache
 from urc.service import _commands as commands
 from urc.service._commands import Alloc, Call, Command, Insert
+from urc.specs import MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
 SWA = ComponentType.SWA
@@ -34,12 +36,10 @@ IDS = ["full", "full_swa", "full_mamba"]
 
 def config_for(components: tuple[ComponentType, ...], kv_size: int = 512) -> CacheConfig:
     return CacheConfig(
-        components=components,
+        components=components_of(
+            components, SlidingWindowSpec(4, kv_size // 2), MambaSpec(size=32, chunk_size=4)
+        ),
         kv_size=kv_size,
-        swa_kv_size=kv_size // 2 if SWA in components else None,
-        sliding_window_size=4 if SWA in components else None,
-        mamba_size=32 if MAMBA in components else 0,
-        mamba_chunk_size=4,
         max_num_reqs=16,
         max_context_len=64,
     )
@@ -219,10 +219,8 @@ async def test_lease_context_releases_in_a_cancelled_scope(anyio_backend: str) -
 async def scenario_alloc_short_of_swa() -> None:
     with anyio.fail_after(TIMEOUT):
         config = CacheConfig(
-            components=(FULL, SWA),
+            components=(FULL, SlidingWindowSpec(window=4, kv_size=64)),
             kv_size=256,
-            swa_kv_size=64,
-            sliding_window_size=4,
             max_num_reqs=8,
             max_context_len=64,
         )

@@ -282,15 +282,17 @@ class URCCoreDriver(_Driver):
     """urc's own cache and pools, through urc's API."""
 
     def __init__(self, kind: str, ps: int, kv_size: int, window: int) -> None:
-        from urc import CacheConfig, ComponentType, build_cache
+        from urc import CacheConfig, ComponentType, MambaSpec, SlidingWindowSpec, build_cache
 
-        comps = {"full": ("FULL",), "swa": ("FULL", "SWA"), "mamba": ("FULL", "MAMBA")}[kind]
+        specs = {
+            "full": (),
+            "swa": (SlidingWindowSpec(window=window, kv_size=kv_size),),
+            "mamba": (MambaSpec(size=MAMBA_SLOTS, chunk_size=ps),),
+        }[kind]
         self.cache = build_cache(
             CacheConfig(
-                components=tuple(ComponentType[c] for c in comps),
-                page_size=ps, kv_size=kv_size, swa_kv_size=kv_size,
-                sliding_window_size=window, mamba_size=MAMBA_SLOTS, mamba_chunk_size=ps,
-                max_num_reqs=8, max_context_len=4096,
+                components=(ComponentType.FULL, *specs),
+                page_size=ps, kv_size=kv_size, max_num_reqs=8, max_context_len=4096,
             )
         )  # fmt: skip
         self.cache.enable_kv_events()

@@ -119,18 +119,14 @@ def test_sglang_eviction_policy_selects_urcs_policy_of_that_name(policy: str) ->
 
 
 @pytest.mark.parametrize(
-    ("policy", "config", "fields"),
+    ("policy", "config", "attr", "expected"),
     [
-        ("slru", {"protected_threshold": 4}, {"slru_protected_threshold": 4}),
-        (
-            "tlru",
-            {"threshold": 4096, "next_prompt_estimate": 512},
-            {"tlru_threshold": 4096, "tlru_next_prompt_estimate": 512},
-        ),
+        ("slru", {"protected_threshold": 4}, "_threshold", 4),
+        ("tlru", {"threshold": 4096, "next_prompt_estimate": 512}, "_slack", 512 - 4096),
     ],
 )
 def test_sglang_eviction_policy_config_sets_the_policys_parameters(
-    policy: str, config: dict[str, int], fields: dict[str, int]
+    policy: str, config: dict[str, int], attr: str, expected: int
 ) -> None:
     from scheduler_steps import Pools, make_context
     from sglang.srt.mem_cache.registry import create_tree_cache
@@ -139,8 +135,11 @@ def test_sglang_eviction_policy_config_sets_the_policys_parameters(
     _publish(1)
     ctx = make_context(Pools(1, 64, 2, 64), eviction_policy=policy, eviction_policy_config=config)
     cache = create_tree_cache(ctx)
-    for name, value in fields.items():
-        assert getattr(cache.urc.config, name) == value
+    from urc import ComponentType
+
+    # Kept as given, and read by the policy's strategy.
+    assert dict(cache.urc.config.eviction_params) == config
+    assert getattr(cache.urc.component(ComponentType.FULL).strategy, attr) == expected
 
 
 @pytest.mark.parametrize(

@@ -260,7 +260,7 @@ class TreeComponent(HostTierHooks, RequestHooks, ABC):
         Asked of the validating components when the hook table is built.
 
         - Full: default (``None``; Full validates nothing, so it is not asked).
-        - SWA: ``sliding_window_size``.
+        - SWA: its spec's ``window``.
         - Mamba: 0 (the state must be on the node itself).
         """
         return None

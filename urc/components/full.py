@@ -88,17 +88,7 @@ class FullComponent(TreeComponent):
         # What the heaps order by (``urc.eviction_policy``), and the leaves it wants evicted
         # before that order (oldest fork first; checked again when their turn comes).
         self.strategy = make_strategy(
-            config.eviction_policy,
-            config.next_use,
-            slru_protected_threshold=config.slru_protected_threshold,
-            tlru_threshold=config.tlru_threshold,
-            tlru_next_prompt_estimate=config.tlru_next_prompt_estimate,
-            session_window_s=config.session_window_s,
-            session_hot_gap_s=config.session_hot_gap_s,
-            session_quantum_s=config.session_quantum_s,
-            return_quantile=config.return_quantile,
-            return_horizon_s=config.return_horizon_s,
-            return_quantum_s=config.return_quantum_s,
+            config.eviction_policy, config.next_use, config.eviction_params
         )
         self._key = self.strategy.key_function()
         self._rekey_on_release = self.strategy.rekey_on_release

@@ -47,6 +47,7 @@ from urc.host_protocol import TransferItem
 from urc.lru import LRUList
 from urc.node import FULL_INDEX, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 from urc.params import EvictParams, MatchResult
+from urc.specs import MambaSpec
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig
@@ -108,7 +109,7 @@ class MambaComponent(TreeComponent):
         self.pool: MambaPool = pool
         self.device = pool.index_device  # of index tensors (the states: pool.device)
         self.page_size = config.page_size
-        self.chunk_size = config.mamba_chunk_size
+        self.chunk_size = config.spec(MambaSpec).chunk_size
         self.is_eagle = config.is_eagle
         self.requests = MambaRequestSlots(pool, self.page_size, self.is_eagle, self._alloc_slot)
         self.lru = LRUList()

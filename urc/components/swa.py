@@ -1,10 +1,10 @@
 """SWA: sliding-window-attention KV, with tombstones, window locks and tombstone recovery.
 
 A hybrid SWA model keeps, per token, Full KV (every token) and SWA KV (only the last
-``sliding_window_size`` tokens of a request are ever attended to).  The tree keeps Full
-indices on every node; the SWA value of a node is the translation of its Full value through
-the paired allocator (``urc.pools.swa``).  A node whose SWA data was evicted keeps its Full
-data: it is an SWA **tombstone** (``value is None``).
+``window`` tokens of a request are ever attended to; its ``SlidingWindowSpec``).  The tree
+keeps Full indices on every node; the SWA value of a node is the translation of its Full
+value through the paired allocator (``urc.pools.swa``).  A node whose SWA data was evicted
+keeps its Full data: it is an SWA **tombstone** (``value is None``).
 
 Token ranges of one insert (key positions; ``b`` = ``swa_evicted_seqlen`` rounded up to a
 page, ``p`` = the insert's ``prefix_len``, ``n`` = the key length)::
@@ -29,7 +29,7 @@ Request ranges (token positions of a running request; ``s`` = ``req.swa_evicted_
 
 Window lock (receipt = ``swa_uuid_for_lock`` + ``skip_lock_node_ids[SWA]`` +
 ``swa_lock_epoch``): acquire walks up from the node, skipping tombstones (recorded), locking
-SWA until ``sliding_window_size`` tokens are locked, and stamps a uuid on the node that fills
+SWA until ``window`` tokens are locked, and stamps a uuid on the node that fills
 the window.  Release walks the same way and stops at the node carrying that uuid (a split
 moves the uuid to the upper part, which is the last node the lock covers).  A tombstone that
 is recovered while some request holds a lock across it gets a restore stamp newer than that
@@ -71,6 +71,7 @@ from urc.host_protocol import TransferItem
 from urc.lru import LinkedLRUList
 from urc.node import FULL_INDEX, ComponentData, ComponentType, Tier, TreeNode
 from urc.pools.swa import SWATokenSlotAllocator
+from urc.specs import SlidingWindowSpec
 
 if TYPE_CHECKING:
     from urc.config import CacheConfig
@@ -109,9 +110,7 @@ class SWAComponent(TreeComponent):
         allocator = pools.token_allocator
         if not isinstance(allocator, SWATokenSlotAllocator):
             raise ConfigError("SWA needs an SWATokenSlotAllocator as the token allocator")
-        window = config.sliding_window_size
-        if window is None or window <= 0:
-            raise ConfigError(f"SWA needs sliding_window_size > 0, got {window}")
+        window = config.spec(SlidingWindowSpec).window  # checked by the spec
         self.allocator = allocator
         self.window = window
         ps = config.page_size

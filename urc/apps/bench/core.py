@@ -45,6 +45,7 @@ from urc.key import RadixKey
 from urc.node import ComponentType
 from urc.params import EvictParams, InsertParams, MatchPrefixParams
 from urc.reuse_hint import ReuseHint, StopReason
+from urc.specs import ComponentSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
     "COMPONENT_SETS",
@@ -223,13 +224,16 @@ def make_config(
     """The bench's cache config (``config``: more ``CacheConfig`` fields, e.g. the eviction
     policy)."""
     kv_size = -(-kv_size // page_size) * page_size
+    specs: list[ComponentSpec] = []
+    if ComponentType.SWA in components:
+        specs.append(SlidingWindowSpec(window=128))
+    if ComponentType.MAMBA in components:
+        specs.append(MambaSpec(size=kv_size // 64 + 16))
     return CacheConfig(
         **config,
-        components=components,
+        components=(ComponentType.FULL, *specs),
         page_size=page_size,
         kv_size=kv_size,
-        sliding_window_size=128 if ComponentType.SWA in components else None,
-        mamba_size=kv_size // 64 + 16 if ComponentType.MAMBA in components else 0,
         max_num_reqs=4,
         max_context_len=8,
     )

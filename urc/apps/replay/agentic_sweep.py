@@ -91,6 +91,7 @@ def _config(
     block: int,
 ) -> ReplayConfig:
     from urc.apps.replay.config import ReplayConfig
+    from urc.eviction_policy import EvictionPolicy
 
     return ReplayConfig(
         trace=sessions,
@@ -104,8 +105,14 @@ def _config(
         session_concurrency=concurrency,
         session_subset=subset,
         seed=seed,
-        tlru_threshold=-(-TLRU_THRESHOLD_TOKENS // block),
-        tlru_next_prompt_estimate=-(-TLRU_NEXT_PROMPT_TOKENS // block),
+        eviction_params=(
+            {
+                "threshold": -(-TLRU_THRESHOLD_TOKENS // block),
+                "next_prompt_estimate": -(-TLRU_NEXT_PROMPT_TOKENS // block),
+            }
+            if policy is EvictionPolicy.TLRU
+            else {}
+        ),
     )
 
 

@@ -18,8 +18,10 @@ slot index, a 2-byte KV row), on device or on host.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +40,9 @@ from urc.apps.workloads.agentic import AgenticConfig, is_session_archive
 from urc.config import CacheConfig
 from urc.eviction_policy import EvictionPolicy, NextUseOracle
 from urc.host_protocol import WritePolicy
+from urc.node import ComponentType
 from urc.pools.kv_pool import KVShape
+from urc.specs import ComponentSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -92,8 +96,9 @@ class ReplayConfig:
     ``session_subset=(k, n)`` keeps every n-th session from the k-th; ``share_prefix``
     shares the tools and system prompt between sessions of the same agent).  Each finished
     request is cached with its :class:`~urc.reuse_hint.ReuseHint` (session, stop reason,
-    finish time on the trace's clock).  ``tlru_threshold`` and ``tlru_next_prompt_estimate``
-    are the TLRU policy's parameters (``CacheConfig``'s, in the replay's tokens).
+    finish time on the trace's clock).  ``eviction_params`` are the policy's parameters as
+    given (``CacheConfig.eviction_params``: its strategy's keyword arguments; token counts
+    in the replay's tokens).
 
     Determinism: with ``realtime=False`` (the default) host-tier copies run inside the event
     loop and the trace is read without worker threads, so the same config gives the same
@@ -129,11 +134,7 @@ class ReplayConfig:
     session_concurrency: float = DEFAULT_SESSION_CONCURRENCY
     session_subset: tuple[int, int] | None = None
     share_prefix: bool = True
-    tlru_threshold: int = 0
-    tlru_next_prompt_estimate: int = 0
-    session_window_s: float = 600.0
-    session_hot_gap_s: float = 60.0
-    session_quantum_s: float = 20.0
+    eviction_params: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         check_options(
@@ -204,32 +205,26 @@ class ReplayConfig:
         the workload's future (required by, and only by, the belady policy)."""
         ps = self.page_size
         model = self.model
-        mamba_size = 0
-        if model is ModelProfile.MAMBA:
+        specs: list[ComponentSpec] = []
+        if model is ModelProfile.SWA:
+            # Default: the Full pool's size, so SWA never runs out before Full.
+            specs.append(SlidingWindowSpec(self.window, swa_tokens or device_tokens))
+        elif model is ModelProfile.MAMBA:
             # Default: one state per prefill chunk the device pool could hold, plus a live
             # state and a fork for every request in flight.
-            mamba_size = self.mamba_states or max(
+            states = self.mamba_states or max(
                 4 * self.concurrency, device_tokens // self.chunk_size + 2 * self.concurrency
             )
-        swa = model is ModelProfile.SWA
+            specs.append(MambaSpec(states, chunk_size=max(64, ps)))
         return CacheConfig(
-            components=model.components,
+            components=(ComponentType.FULL, *specs),
             page_size=ps,
             kv_size=device_tokens,
-            # Default: the Full pool's size, so SWA never runs out before Full.
-            swa_kv_size=(swa_tokens or device_tokens) if swa else None,
-            sliding_window_size=self.window if swa else None,
-            mamba_size=mamba_size,
-            mamba_chunk_size=max(64, ps),
             max_num_reqs=self.concurrency,
             max_context_len=max(ps, -(-(max_request_tokens + ps) // ps) * ps),
             kv_shape=self.kv_shape,
             eviction_policy=self.eviction_policy,
             partial_leaf_eviction=self.partial_leaf_eviction,
-            tlru_threshold=self.tlru_threshold,
-            tlru_next_prompt_estimate=self.tlru_next_prompt_estimate,
-            session_window_s=self.session_window_s,
-            session_hot_gap_s=self.session_hot_gap_s,
-            session_quantum_s=self.session_quantum_s,
+            eviction_params=self.eviction_params,
             next_use=next_use,
         )

@@ -86,6 +86,7 @@ from urc.service import (
     LoadBackPolicy,
     TraceHook,
 )
+from urc.specs import MambaSpec
 
 __all__ = ["OUTPUT_TOKEN_BASE", "MetricsHook", "output_token_ids", "run_replay"]
 
@@ -558,7 +559,9 @@ async def run_replay(
         token_unit=unit,
         swa_window=config.window if config.model is ModelProfile.SWA else None,
         swa_tokens=swa_pool,
-        mamba_states=cache.config.mamba_size if config.model is ModelProfile.MAMBA else None,
+        mamba_states=(
+            cache.config.spec(MambaSpec).size if config.model is ModelProfile.MAMBA else None
+        ),
         deterministic=config.deterministic,
         unique_tokens=summary.unique_tokens,
         ideal_hit_rate=summary.ideal_hit_rate,

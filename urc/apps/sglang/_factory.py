@@ -17,33 +17,16 @@ from urc.apps.sglang._hicache_options import (
 from urc.cache import UnifiedRadixCache
 from urc.config import CacheConfig
 from urc.errors import ConfigError
-from urc.eviction_policy import EvictionPolicy
+from urc.eviction_policy import EvictionPolicy, policy_parameters
 from urc.node import ComponentType
 from urc.pools.cache_pools import CachePools
+from urc.specs import ComponentSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = ["check_supported", "create_cache", "unsupported_options"]
 
 # SGLang's ``--radix-eviction-policy`` values urc implements: an ``EvictionPolicy`` member of
 # the same name (urc's own offline or experimental orders are not SGLang's to select).
 _NOT_SGLANG = {EvictionPolicy.BELADY, EvictionPolicy.FORK_AWARE, EvictionPolicy.SESSION_AWARE}
-
-
-# ``--radix-eviction-policy-config`` keys each policy takes (SGLang's names) and the
-# ``CacheConfig`` field each one sets.
-_POLICY_PARAMS: dict[EvictionPolicy, dict[str, str]] = {
-    EvictionPolicy.SLRU: {"protected_threshold": "slru_protected_threshold"},
-    EvictionPolicy.TLRU: {
-        "threshold": "tlru_threshold",
-        "next_prompt_estimate": "tlru_next_prompt_estimate",
-    },
-}
-
-
-def _policy_fields(policy: EvictionPolicy, config: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``CacheConfig`` fields ``--radix-eviction-policy-config`` sets (keys checked by
-    ``unsupported_options``)."""
-    names = _POLICY_PARAMS.get(policy, {})
-    return {names[k]: v for k, v in (config or {}).items() if k in names}
 
 
 def _policy(name: str) -> EvictionPolicy | None:
@@ -99,7 +82,8 @@ def unsupported_options(ctx: Any) -> list[str]:
         out.append(f"--radix-eviction-policy {params.eviction_policy}: urc serves {served}")
     policy = _policy(params.eviction_policy)
     if policy is not None and params.eviction_policy_config:
-        takes = _POLICY_PARAMS.get(policy, {})
+        # SGLang's names are the strategies' keyword arguments (urc.eviction_policy).
+        takes = policy_parameters(policy)
         for key in params.eviction_policy_config:
             if key not in takes:
                 out.append(
@@ -179,41 +163,35 @@ def create_cache(ctx: Any) -> Any:
     allocator = params.token_to_kv_pool_allocator
     policy = _policy(params.eviction_policy)
     assert policy is not None, params.eviction_policy  # check_supported
-    components = [ComponentType.FULL]
+    specs: list[ComponentSpec] = []
     slots: Any
-    sizes: dict[str, Any] = {}
     if ctx.is_hybrid_swa:
-        components.append(ComponentType.SWA)
         slots = SGLangSWASlots(allocator)
-        sizes.update(
-            kv_size=allocator.size_full,
-            swa_kv_size=allocator.size_swa,
-            # What the request's own frees keep behind it and what a lock pins: the
-            # window every SWA reader needs (the model's, or a draft's if wider).
-            sliding_window_size=params.swa_retain_window,
-        )
+        kv_size = allocator.size_full
+        # What the request's own frees keep behind it and what a lock pins: the window
+        # every SWA reader needs (the model's, or a draft's if wider).
+        specs.append(SlidingWindowSpec(window=params.swa_retain_window, kv_size=allocator.size_swa))
     else:
         slots = SGLangSlots(allocator)
-        sizes.update(kv_size=allocator.size)
+        kv_size = allocator.size
     mamba = None
     if ctx.is_hybrid_ssm:
         from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-        components.append(ComponentType.MAMBA)
         mamba = SGLangMambaSlots(params.req_to_token_pool)
         # Where a request snapshots its state so the next request can branch there.
-        grid = mamba_checkpoint_grid(params.page_size)
-        sizes.update(mamba_size=mamba.size, mamba_chunk_size=grid)
+        specs.append(MambaSpec(size=mamba.size, chunk_size=mamba_checkpoint_grid(params.page_size)))
     config = CacheConfig(
-        components=tuple(components),
+        components=(ComponentType.FULL, *specs),
         page_size=params.page_size,
         # The pools are SGLang's: these sizes only describe them (nothing is allocated).
-        **sizes,
+        kv_size=kv_size,
         max_num_reqs=params.req_to_token_pool.size,
         max_context_len=params.req_to_token_pool.max_context_len,
         device=str(allocator.device),
         eviction_policy=policy,
-        **_policy_fields(policy, params.eviction_policy_config),
+        # SGLang's ``--radix-eviction-policy-config``, as given (keys checked above).
+        eviction_params=params.eviction_policy_config or {},
         is_eagle=params.is_eagle,
     )
     hicache = ctx.enable_hierarchical_cache or _memory().enable_hierarchical_cache
