@@ -203,6 +203,33 @@ def test_hicache_options_urc_does_not_serve_fail_at_start_up_naming_the_flag(
         create_tree_cache(make_context(Pools(4, 64, 2, 64), hicache=True))
 
 
+@pytest.mark.parametrize(
+    ("memory", "host_tokens"),
+    [
+        # --hicache-ratio: times the device buffers' 68 slots (64 tokens and SGLang's
+        # padding page; SGLang's own host pool takes the ratio of the 64).
+        ({"hicache_ratio": 3.0}, 204),
+        # --hicache-size (GB) over the device's Full KV bytes per token: one layer, one
+        # head of 4 bf16 elements, K and V = 16 bytes; 2 KiB is 128 tokens.
+        ({"hicache_size": 2 / (1 << 20), "hicache_ratio": 3.0}, 128),
+        # ... rounded up to whole pages (4 tokens): 1000 bytes is 62.5 tokens -> 64.
+        ({"hicache_size": 1000 / (1 << 30)}, 64),
+    ],
+)
+def test_hicache_size_and_ratio_size_the_host_pool(
+    memory: dict[str, Any], host_tokens: int
+) -> None:
+    from scheduler_steps import Pools, make_context
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from urc.node import ComponentType
+
+    _register()
+    _publish(4, enable_hierarchical_cache=True, hicache_write_policy="write_through", **memory)
+    cache = create_tree_cache(make_context(Pools(4, 64, 2, 64), hicache=True))
+    assert cache.host.host_capacity(ComponentType.FULL) == host_tokens
+
+
 def _hicache_args(policy: str | None) -> dict[str, Any]:
     if policy is None:
         return {}
