@@ -225,6 +225,11 @@ def test_sglangs_publisher_takes_urcs_events_as_a_router_needs_them(
                     if len(r.output_ids) >= r.sampling_params.max_new_tokens:
                         loop.finish(r)
             loop.check()
+            if hicache is not None:
+                # The idle turns' polling, at once: host copies run on a worker thread, and
+                # one a loaded host has not finished pins its device pages into the next
+                # step, where this loop (it has no retraction) ran out of memory in decode.
+                cache.wait_for_backups()
             # The scheduler's per-batch drain: whatever the step recorded, published.
             queued = len(cache.urc.kv_events)
             pub.publish_kv_events()
