@@ -53,6 +53,8 @@ class UnifiedRadixCache(CacheState):
     method surface; each method forwards to the operation module that owns it.
     """
 
+    __slots__ = ("_snapshots",)
+
     def __init__(self, config: CacheConfig, pools: CachePools) -> None:
         super().__init__(config, pools, eviction.Evictor)
         self._snapshots = StatsSnapshotter(self)

@@ -572,3 +572,27 @@ def test_sglang_names_root_node_component_data_and_available_and_evictable_str(
         assert line.startswith(f"Available {ct.name.lower()}: {total} ")
     cache.sanity_check()
     cache.check_pools()
+
+
+@pytest.mark.parametrize(
+    "components",
+    [(FULL,), (FULL, ComponentType.SWA), (FULL, ComponentType.MAMBA)],
+    ids=["full", "swa", "mamba"],
+)
+def test_the_cache_keeps_its_fields_in_slots_and_still_takes_other_attributes(
+    components: tuple[ComponentType, ...],
+) -> None:
+    """CPython 3.11 shares an instance dict's keys for at most 30 attributes; past that every
+    field load on the lock and match paths became a hinted dict lookup.  The fields the
+    operations read are slots, whatever their number; a caller may still add its own."""
+    cache = build_cache(
+        CacheConfig(components=components, kv_size=64, sliding_window_size=4, mamba_size=8)
+    )
+    v = cache.token_to_kv_pool_allocator.alloc(4)
+    node = cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=v)).last_device_node
+    cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
+    assert vars(cache) == {}, sorted(vars(cache))
+    cache.custom_tag = "kept"  # type: ignore[attr-defined]
+    assert vars(cache) == {"custom_tag": "kept"}
+    cache.sanity_check()
+    cache.check_pools()

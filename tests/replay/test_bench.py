@@ -58,7 +58,8 @@ def test_key_scaling_reports_per_token_costs_and_their_ratio() -> None:
     assert set(out["ratio_longest_to_shortest"]) == {"match_ns_per_token", "insert_ns_per_token"}
 
 
-def test_compare_runs_two_trees_in_one_process_and_prints_ratios() -> None:
+@pytest.mark.parametrize("driver", ["calls", "core"])
+def test_compare_runs_two_trees_in_one_process_and_prints_ratios(driver: str) -> None:
     """``urc.apps.bench.compare`` swaps whole module sets; run it in a subprocess so that this
     test session keeps its own ``urc``."""
     import subprocess
@@ -67,8 +68,9 @@ def test_compare_runs_two_trees_in_one_process_and_prints_ratios() -> None:
 
     root = str(Path(__file__).resolve().parents[2])
     args = ["--rounds", "1", "--num-seqs", "30", "--chunk-len", "16", "--components", "full"]
+    args += ["--page-sizes", "1", "--driver", driver]
     out = subprocess.run(
-        [sys.executable, "-m", "urc.apps.bench.compare", root, root, *args, "--page-sizes", "1"],
+        [sys.executable, "-m", "urc.apps.bench.compare", root, root, *args],
         capture_output=True,
         text=True,
         check=True,
@@ -76,5 +78,38 @@ def test_compare_runs_two_trees_in_one_process_and_prints_ratios() -> None:
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     row = report["full/page1"]
-    assert set(row) == set(PHASES)
-    assert all(cell["old"] > 0 and cell["new"] > 0 and cell["ratio"] > 0 for cell in row.values())
+    if driver == "calls":
+        assert row.pop("checksums_agree") is True
+        assert set(row) == {"robust", "sum"}
+        cells = [c for stat in row.values() for c in stat.values()]
+        assert set(row["robust"]) == {"insert", "match", "lock", "unlock", "evict"}
+    else:
+        assert set(row) == set(PHASES)
+        cells = list(row.values())
+    assert all(cell["old"] > 0 and cell["new"] > 0 and cell["ratio"] > 0 for cell in cells)
+
+
+@pytest.mark.parametrize("components", ["full", "full+swa", "full+mamba"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_call_phases_time_every_call_and_empty_the_cache(components: str, page_size: int) -> None:
+    import urc
+    from urc.apps.bench.call_phases import CALL_PHASES, robust_ops, run_call_phases, sum_ops
+
+    seqs = bench.generate_sequences(40, 16, seed=2)
+    lat = run_call_phases(urc, components, page_size, seqs, 16)
+    matched, *evicted = lat.pop("checksum")
+    assert set(lat) == set(CALL_PHASES)
+    for phase in ("insert", "match", "lock", "unlock"):
+        assert len(lat[phase]) == 40 and all(x >= 0 for x in lat[phase])
+    assert matched == sum(len(s) // page_size * page_size for s in seqs)
+    assert evicted[0] > 0 and lat["evict"]
+    assert robust_ops(lat["insert"]) > 0 and sum_ops(lat["insert"]) > 0
+
+
+def test_robust_ops_counts_a_descheduled_call_as_the_median() -> None:
+    from urc.apps.bench.call_phases import robust_ops, sum_ops
+
+    calls = [100] * 99 + [10_000_000]  # one call descheduled for 10 ms
+    assert robust_ops(calls) == pytest.approx(1e7)  # 100 calls of 100 ns
+    assert sum_ops(calls) < robust_ops(calls) / 900
+    assert robust_ops([]) == 0.0 and sum_ops([]) == 0.0
