@@ -26,7 +26,7 @@ from urc import (
     build_cache,
 )
 from urc.node import Tier, TreeNode
-from urc.specs import MambaSpec, SlidingWindowSpec
+from urc.specs import ComponentSpec, MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
 
@@ -576,18 +576,16 @@ def test_sglang_names_root_node_component_data_and_available_and_evictable_str(
 
 @pytest.mark.parametrize(
     "components",
-    [(FULL,), (FULL, ComponentType.SWA), (FULL, ComponentType.MAMBA)],
+    [(FULL,), (FULL, SlidingWindowSpec(window=4)), (FULL, MambaSpec(size=8))],
     ids=["full", "swa", "mamba"],
 )
 def test_the_cache_keeps_its_fields_in_slots_and_still_takes_other_attributes(
-    components: tuple[ComponentType, ...],
+    components: tuple[ComponentType | ComponentSpec, ...],
 ) -> None:
     """CPython 3.11 shares an instance dict's keys for at most 30 attributes; past that every
     field load on the lock and match paths became a hinted dict lookup.  The fields the
     operations read are slots, whatever their number; a caller may still add its own."""
-    cache = build_cache(
-        CacheConfig(components=components, kv_size=64, sliding_window_size=4, mamba_size=8)
-    )
+    cache = build_cache(CacheConfig(components=components, kv_size=64))
     v = cache.token_to_kv_pool_allocator.alloc(4)
     node = cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=v)).last_device_node
     cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())

@@ -61,27 +61,19 @@ def run_call_phases(
     ``"checksum"``, the matched and evicted token counts (equal for equal trees).  Leaves the
     GC as it found it."""
     ct = urc.ComponentType
-    comps = {
-        "full": (ct.FULL,),
-        "full+swa": (ct.FULL, ct.SWA),
-        "full+mamba": (ct.FULL, ct.MAMBA),
-    }[components]
     seqs = [s[: len(s) // page_size * page_size] for s in seqs]
     longest = max(len(s) for s in seqs)
     kv = (sum(len(s) for s in seqs) + chunk_len + 4 * longest) // page_size * page_size
     kv += page_size
-    cache = urc.build_cache(
-        urc.CacheConfig(
-            components=comps,
-            page_size=page_size,
-            kv_size=kv,
-            swa_kv_size=kv,
-            sliding_window_size=128,
-            mamba_size=len(seqs) + 64,
-        )
-    )
+    # Specs, which every checkout since the spec API takes (the flat fields are deprecated).
+    comps = {
+        "full": (ct.FULL,),
+        "full+swa": (ct.FULL, urc.SlidingWindowSpec(window=128, kv_size=kv)),
+        "full+mamba": (ct.FULL, urc.MambaSpec(size=len(seqs) + 64)),
+    }[components]
+    cache = urc.build_cache(urc.CacheConfig(components=comps, page_size=page_size, kv_size=kv))
     alloc = cache.token_to_kv_pool_allocator
-    mamba = cache.pools.mamba if ct.MAMBA in comps else None
+    mamba = cache.pools.mamba if components == "full+mamba" else None
     radix_key, insert_params = urc.RadixKey, urc.InsertParams
     lat: dict[str, list[int]] = {p: [] for p in CALL_PHASES}
     matched = 0
@@ -121,7 +113,7 @@ def run_call_phases(
             lat["unlock"].append(clock() - t0)
         ep = urc.EvictParams(
             num_tokens=chunk_len,
-            swa_num_tokens=chunk_len if ct.SWA in comps else 0,
+            swa_num_tokens=chunk_len if components == "full+swa" else 0,
             mamba_num=1 if mamba is not None else 0,
         )
         while True:
