@@ -57,9 +57,11 @@ class CacheState:
     # call.  CPython 3.11 keeps at most 30 attributes in a shared-key instance dict; past
     # that, each load goes through a dict lookup with a hint (the fields grew to 33 and
     # the bench's lock phase lost 10-13%).  A slot load is one offset, however many fields.
-    # ``__dict__`` stays for attributes others set on a cache (a subclass, a test's patch).
+    # ``__dict__`` stays for attributes others set on a cache (a subclass, a test's patch),
+    # ``__weakref__`` for the registries keyed weakly by cache (hicache's storage workers).
     __slots__ = (
         "__dict__",
+        "__weakref__",
         "acquire_locks",
         "backup_threshold",
         "backups_in_flight",

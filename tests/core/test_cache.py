@@ -7,6 +7,7 @@ pool conservation check after every mutating step.
 from __future__ import annotations
 
 import random
+import weakref
 from array import array
 
 import pytest
@@ -592,5 +593,6 @@ def test_the_cache_keeps_its_fields_in_slots_and_still_takes_other_attributes(
     assert vars(cache) == {}, sorted(vars(cache))
     cache.custom_tag = "kept"  # type: ignore[attr-defined]
     assert vars(cache) == {"custom_tag": "kept"}
+    assert weakref.ref(cache)() is cache  # registries key caches weakly
     cache.sanity_check()
     cache.check_pools()
