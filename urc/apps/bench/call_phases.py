@@ -47,6 +47,33 @@ def robust_ops(lat_ns: list[int]) -> float:
     return len(lat_ns) / (total / 1e9) if total else 0.0
 
 
+def _config(urc: ModuleType, components: str, page_size: int, kv: int, states: int) -> Any:
+    """The phases' config in ``urc``'s own spelling: specs in ``components`` (the flat fields
+    are deprecated), or the flat fields for a checkout from before specs were taken there."""
+    ct = urc.ComponentType
+    specs = {
+        "full": (ct.FULL,),
+        "full+swa": (ct.FULL, urc.SlidingWindowSpec(window=128, kv_size=kv)),
+        "full+mamba": (ct.FULL, urc.MambaSpec(size=states)),
+    }[components]
+    try:
+        return urc.CacheConfig(components=specs, page_size=page_size, kv_size=kv)
+    except TypeError:  # its components are sorted as types: an older checkout
+        flat = {
+            "full": (ct.FULL,),
+            "full+swa": (ct.FULL, ct.SWA),
+            "full+mamba": (ct.FULL, ct.MAMBA),
+        }
+        return urc.CacheConfig(
+            components=flat[components],
+            page_size=page_size,
+            kv_size=kv,
+            swa_kv_size=kv,
+            sliding_window_size=128,
+            mamba_size=states,
+        )
+
+
 def run_call_phases(
     urc: ModuleType,
     components: str,
@@ -60,18 +87,11 @@ def run_call_phases(
     each phase's per-call latencies in ``clock`` units (nanoseconds) and, under
     ``"checksum"``, the matched and evicted token counts (equal for equal trees).  Leaves the
     GC as it found it."""
-    ct = urc.ComponentType
     seqs = [s[: len(s) // page_size * page_size] for s in seqs]
     longest = max(len(s) for s in seqs)
     kv = (sum(len(s) for s in seqs) + chunk_len + 4 * longest) // page_size * page_size
     kv += page_size
-    # Specs, which every checkout since the spec API takes (the flat fields are deprecated).
-    comps = {
-        "full": (ct.FULL,),
-        "full+swa": (ct.FULL, urc.SlidingWindowSpec(window=128, kv_size=kv)),
-        "full+mamba": (ct.FULL, urc.MambaSpec(size=len(seqs) + 64)),
-    }[components]
-    cache = urc.build_cache(urc.CacheConfig(components=comps, page_size=page_size, kv_size=kv))
+    cache = urc.build_cache(_config(urc, components, page_size, kv, len(seqs) + 64))
     alloc = cache.token_to_kv_pool_allocator
     mamba = cache.pools.mamba if components == "full+mamba" else None
     radix_key, insert_params = urc.RadixKey, urc.InsertParams
