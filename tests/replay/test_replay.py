@@ -320,23 +320,27 @@ async def test_conversation_trace_prefix_equals_the_block_ideal() -> None:
     assert rep.hit_tokens[Tier.DEVICE] == ideal.hit_tokens
 
 
+def _l3_replay(tmp_path: Path) -> ReplayConfig:
+    """A short replay whose pages fall out of host into an L3 directory under ``tmp_path``.
+    Write-through: write_back + L3 trips the core's host-heap invariant on a second run over
+    the same directory ("host leaf ... is not in the host heap"; open)."""
+    return ReplayConfig(
+        num_requests=150,
+        page_size=64,
+        device_tokens=Capacity(fraction=0.05),
+        host_tokens=Capacity(fraction=0.1),
+        write_policy=WritePolicy.WRITE_THROUGH,
+        l3_dir=tmp_path / "l3",
+    )
+
+
 @pytest.mark.asyncio
 async def test_l3_storage_tier_serves_a_second_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Pages that fell out of host are written to the L3 directory; a second run with the
     same directory (a fresh cache) hits them from storage."""
-    config = ReplayConfig(
-        num_requests=150,
-        page_size=64,
-        device_tokens=Capacity(fraction=0.05),
-        host_tokens=Capacity(fraction=0.1),
-        # write_back + L3 trips the core's host-heap invariant on the second run (reported
-        # to the lead: "host leaf ... is not in the host heap"); write-through is the case
-        # this test is about.
-        write_policy=WritePolicy.WRITE_THROUGH,
-        l3_dir=tmp_path / "l3",
-    )
+    config = _l3_replay(tmp_path)
     first = await replay(config, progress=True)
     assert first.check_ok, first.check_error
     assert first.storage_stats["pages_written"] > 0
@@ -372,14 +376,7 @@ async def test_l3_flush_that_hits_its_deadline_warns_with_the_writes_it_dropped(
     monkeypatch.setattr(
         replay_driver, "StorageConfig", functools.partial(StorageConfig, flush_timeout_s=0.2)
     )
-    config = ReplayConfig(
-        num_requests=150,
-        page_size=64,
-        device_tokens=Capacity(fraction=0.05),
-        host_tokens=Capacity(fraction=0.1),
-        write_policy=WritePolicy.WRITE_THROUGH,
-        l3_dir=tmp_path / "l3",
-    )
+    config = _l3_replay(tmp_path)
     rep = await replay(config)
     assert rep.check_ok, rep.check_error
     dropped = rep.storage_stats["dropped_writes"]

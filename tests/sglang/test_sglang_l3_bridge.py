@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from hicache_harness import FULL, check, insert, make, match, seq, zero_device
+from test_sglang_hicache_surface import Scheduler
 
 from hicache.config import PrefetchStopPolicy
 from hicache.storage.file import FileStorage
@@ -366,14 +367,6 @@ def test_two_replicas_share_a_real_mooncake_store_under_sglangs_names(tmp_path: 
 def test_a_graceful_shutdown_flushes_the_queued_l3_writes(tmp_path: Path) -> None:
     """SGLang calls ``release_host_resources`` on a graceful exit: the writes queued behind
     the last backups reach the store before the worker stops."""
-    from urc.apps.sglang._hicache import HiCacheSurface
-
-    class Scheduler(HiCacheSurface):
-        def __init__(self, core: UnifiedRadixCache) -> None:
-            self.urc = core
-            self.host = core.host_tier  # type: ignore[assignment]
-            self.init_hicache_surface()
-
     ps = 4
     cache = make((FULL,), ps, kv_pages=16, host_pages=32)
     sched = Scheduler(cache)
@@ -392,14 +385,6 @@ def test_a_detached_store_can_be_attached_again_and_serves(tmp_path: Path) -> No
     """``/hicache/storage-backend`` DELETE then PUT: the detach lets the worker go, so the
     new attach builds one (it was refused: the old worker stayed registered on the cache);
     the re-attached store serves what was written before the detach."""
-    from urc.apps.sglang._hicache import HiCacheSurface
-
-    class Scheduler(HiCacheSurface):
-        def __init__(self, core: UnifiedRadixCache) -> None:
-            self.urc = core
-            self.host = core.host_tier  # type: ignore[assignment]
-            self.init_hicache_surface()
-
     ps = 4
     cache = make((FULL,), ps, kv_pages=16, host_pages=32)
     sched = Scheduler(cache)

@@ -19,6 +19,7 @@ and is the figure to compare two checkouts by.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -49,16 +50,10 @@ def robust_ops(lat_ns: list[int]) -> float:
 
 def _config(urc: ModuleType, components: str, page_size: int, kv: int, states: int) -> Any:
     """The phases' config in ``urc``'s own spelling: specs in ``components`` (the flat fields
-    are deprecated), or the flat fields for a checkout from before specs were taken there."""
+    are deprecated), or the flat fields where they are still the config's own fields (a
+    checkout from before specs, which sorts its components as types)."""
     ct = urc.ComponentType
-    specs = {
-        "full": (ct.FULL,),
-        "full+swa": (ct.FULL, urc.SlidingWindowSpec(window=128, kv_size=kv)),
-        "full+mamba": (ct.FULL, urc.MambaSpec(size=states)),
-    }[components]
-    try:
-        return urc.CacheConfig(components=specs, page_size=page_size, kv_size=kv)
-    except TypeError:  # its components are sorted as types: an older checkout
+    if "sliding_window_size" in {f.name for f in dataclasses.fields(urc.CacheConfig)}:
         flat = {
             "full": (ct.FULL,),
             "full+swa": (ct.FULL, ct.SWA),
@@ -72,6 +67,12 @@ def _config(urc: ModuleType, components: str, page_size: int, kv: int, states: i
             sliding_window_size=128,
             mamba_size=states,
         )
+    specs = {
+        "full": (ct.FULL,),
+        "full+swa": (ct.FULL, urc.SlidingWindowSpec(window=128, kv_size=kv)),
+        "full+mamba": (ct.FULL, urc.MambaSpec(size=states)),
+    }
+    return urc.CacheConfig(components=specs[components], page_size=page_size, kv_size=kv)
 
 
 def run_call_phases(
