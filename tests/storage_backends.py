@@ -38,6 +38,8 @@ from hicache.storage.sglang_keys import SGLangNaming, sglang_page_keys
 __all__ = ["BACKENDS", "BackendUnderTest"]
 
 NAMING = SGLangNaming("conformance/model")
+OTHER_NAMING = SGLangNaming("conformance/other-model")
+"""Another deployment's page names (``clear()`` must leave its pages alone)."""
 
 
 class BackendUnderTest(abc.ABC):
@@ -69,6 +71,17 @@ class BackendUnderTest(abc.ABC):
 
     async def open(self, op_timeout_s: float = 5.0) -> StorageBackend:
         return await open_backend(self.registry_name, self.settings(op_timeout_s))
+
+    neighbour_shares_namespace: ClassVar[bool] = False
+    """Whether :meth:`open_neighbour`'s store shares this store's namespace (one directory:
+    urc-layout pages there are both stores'), so only its SGLang-layout pages of another
+    deployment are its own."""
+
+    @abc.abstractmethod
+    async def open_neighbour(self, op_timeout_s: float = 5.0) -> StorageBackend:
+        """Another deployment's store beside the last one :meth:`open` made: the same
+        directory with another SGLang suffix, or the same server under a key prefix that
+        extends this one's."""
 
     def keys(self, count: int, tag: str) -> list[str]:
         """``count`` chained page keys of a sequence named by ``tag``."""
@@ -116,9 +129,24 @@ class _Files(BackendUnderTest):
         self.workdir = workdir
         self.current: Path | None = None
 
+    neighbour_shares_namespace = True
+
     def settings(self, op_timeout_s: float) -> dict[str, Any]:
         self.current = self.workdir / secrets.token_hex(4)
-        return {"path": str(self.current), "op_timeout_s": op_timeout_s}
+        return {
+            "path": str(self.current),
+            "op_timeout_s": op_timeout_s,
+            "sglang_suffix": NAMING.suffix,
+        }
+
+    async def open_neighbour(self, op_timeout_s: float = 5.0) -> StorageBackend:
+        assert self.current is not None
+        settings = {
+            "path": str(self.current),
+            "op_timeout_s": op_timeout_s,
+            "sglang_suffix": OTHER_NAMING.suffix,
+        }
+        return await open_backend("file", settings)
 
     def path_of(self, store: StorageBackend, key: str) -> Path:
         from hicache.storage.file import FileStorage
@@ -182,14 +210,21 @@ class _Valkey(BackendUnderTest):
 
     def settings(self, op_timeout_s: float) -> dict[str, Any]:
         self.prefix = f"c{secrets.token_hex(4)}:"
+        return self._settings(self.prefix, op_timeout_s)
+
+    def _settings(self, prefix: str, op_timeout_s: float) -> dict[str, Any]:
         return {
             "addresses": [f"{host}:{port}" for host, port in self.addresses()],
             "cluster": self.cluster,
-            "key_prefix": self.prefix,
+            "key_prefix": prefix,
             "connect_timeout_s": 0.5,
             "socket_timeout_s": 1.0,
             "op_timeout_s": op_timeout_s,
+            "sglang_suffix": NAMING.suffix,
         }
+
+    async def open_neighbour(self, op_timeout_s: float = 5.0) -> StorageBackend:
+        return await open_backend("valkey", self._settings(self.prefix + "n:", op_timeout_s))
 
     cluster: ClassVar[bool] = False
 
@@ -323,13 +358,20 @@ class Mooncake(BackendUnderTest):
 
     def settings(self, op_timeout_s: float) -> dict[str, Any]:
         self.prefix = f"c{secrets.token_hex(4)}:"
+        return self._settings(self.prefix, op_timeout_s)
+
+    def _settings(self, prefix: str, op_timeout_s: float) -> dict[str, Any]:
         return {
             "master_address": self.master.address,
             "global_segment_size": 32 << 20,
             "local_buffer_size": 16 << 20,
-            "key_prefix": self.prefix,
+            "key_prefix": prefix,
             "op_timeout_s": op_timeout_s,
+            "sglang_suffix": NAMING.suffix,
         }
+
+    async def open_neighbour(self, op_timeout_s: float = 5.0) -> StorageBackend:
+        return await open_backend("mooncake", self._settings(self.prefix + "n:", op_timeout_s))
 
     def _client(self, store: StorageBackend) -> Any:
         from hicache.storage.mooncake import MooncakeStorage

@@ -14,6 +14,7 @@ from __future__ import annotations
 from hicache.storage.base import StorageBackend
 from hicache.storage.codec import PageStatus, decode_page_into, encode_page
 from hicache.storage.errors import (
+    ClearUnsupportedError,
     InvalidBufferError,
     InvalidStorageKeyError,
     StorageClosedError,
@@ -40,6 +41,7 @@ from hicache.storage.stats import StorageErrorObserver, StorageOp, StorageStats
 __all__ = [
     "KEY_FORMAT_VERSION",
     "ROOT_HASH",
+    "ClearUnsupportedError",
     "ExtraKey",
     "FileStorage",
     "InvalidBufferError",

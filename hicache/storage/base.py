@@ -10,6 +10,9 @@ failure is raised instead, as a :class:`~hicache.storage.errors.StorageUnavailab
 :class:`~hicache.storage.errors.StorageTimeout` (still counted): what the storage worker uses
 to count failures and back off.  This keeps the cache service simple: the L3 tier can only
 make it faster, never fail it.
+
+``clear()`` is the one exception: an operator's bulk delete of the store's own pages, it
+raises every failure (see its contract).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from hicache.storage.codec import check_buffer
 from hicache.storage.errors import (
+    ClearUnsupportedError,
     InvalidBufferError,
     StorageClosedError,
     StorageError,
@@ -34,10 +38,20 @@ from hicache.storage.errors import (
 from hicache.storage.keys import PageKey, validate_keys
 from hicache.storage.stats import StatsCounter, StorageOp, StorageStats
 
-__all__ = ["StorageBackend"]
+__all__ = ["CLEAR_TIMEOUT_S", "StorageBackend"]
+
+CLEAR_TIMEOUT_S = 300.0
+"""The default deadline of one ``clear()`` (a whole store's pages, not one batch)."""
 
 _log = logging.getLogger(__name__)
 _B = TypeVar("_B", bound="StorageBackend")
+
+
+class _Default:
+    """The "use ``op_timeout_s``" marker of ``_guarded``'s deadline."""
+
+
+_DEFAULT = _Default()
 
 
 class StorageBackend(abc.ABC):
@@ -128,6 +142,30 @@ class StorageBackend(abc.ABC):
                 StorageOp.DELETE, lambda: self._delete_counted(parsed), raise_errors
             )
 
+    async def clear(self, *, timeout_s: float | None = CLEAR_TIMEOUT_S) -> int:
+        """Delete every page this store owns, and nothing else; return how many were deleted.
+
+        What a store owns is its namespace: its directory (``FileStorage``) or its
+        ``key_prefix`` (Valkey, Mooncake), and in it only values named as page keys -- urc's
+        layout (``urc<version>:<component>:<hex>``, any key-format version) and SGLang's
+        layout (``sglang:<hash><suffix>``) of the store's own deployment suffix
+        (``sglang_suffix``; a store without one deletes no SGLang-layout page: it cannot
+        tell its deployment's from another's).  Other deployments' pages in a shared
+        directory or under another prefix, other values under the prefix, links and temp
+        files of writes in flight are never touched.  Pages a concurrent ``put`` stores may
+        survive the clear; pages stored after it returns are stored as usual.
+
+        Unlike the page operations, failures are raised, never read as "0 deleted":
+        ``ClearUnsupportedError`` when the backend cannot delete only its own pages (nothing
+        deleted), ``StorageUnavailableError`` / ``StorageTimeout`` (``timeout_s`` for the
+        whole clear; ``None``: no deadline) when the store failed part-way (some pages may
+        be gone: calling again finishes the job), ``StorageClosedError`` after ``close()``.
+        Failures are counted under ``StorageOp.CLEAR``.
+        """
+        if self._closed:
+            raise StorageClosedError(f"{type(self).__name__} is closed")
+        return await self._guarded(StorageOp.CLEAR, self._clear, True, timeout_s=timeout_s)
+
     async def close(self) -> None:
         """Release connections and files; later calls raise ``StorageClosedError``.
 
@@ -171,6 +209,11 @@ class StorageBackend(abc.ABC):
     async def _close(self) -> None:
         """Release resources; called once."""
 
+    async def _clear(self) -> int:
+        """Delete this store's own pages (see ``clear``); return how many.  A backend that
+        cannot tell its own pages from others' keeps this default: refused."""
+        raise ClearUnsupportedError(f"{type(self).__name__} cannot clear only its own pages")
+
     # -- shared plumbing ------------------------------------------------------------------
 
     def _prepare(self, keys: Sequence[str]) -> list[PageKey]:
@@ -190,14 +233,21 @@ class StorageBackend(abc.ABC):
         return 0
 
     async def _guarded(
-        self, op: StorageOp, call: Callable[[], Awaitable[int]], raise_errors: bool = False
+        self,
+        op: StorageOp,
+        call: Callable[[], Awaitable[int]],
+        raise_errors: bool = False,
+        *,
+        timeout_s: float | _Default | None = _DEFAULT,
     ) -> int:
-        """Run ``call`` under the deadline; turn timeouts and store failures into 0 (or, with
-        ``raise_errors``, into a ``StorageTimeout`` / ``StorageUnavailableError``)."""
+        """Run ``call`` under the deadline (``timeout_s``, else ``op_timeout_s``); turn
+        timeouts and store failures into 0 (or, with ``raise_errors``, into a
+        ``StorageTimeout`` / ``StorageUnavailableError``)."""
         counters = self._counters
         what = f"{type(self).__name__} {op.value}"
+        deadline = self._op_timeout_s if isinstance(timeout_s, _Default) else timeout_s
         try:
-            with anyio.fail_after(self._op_timeout_s):
+            with anyio.fail_after(deadline):
                 return await call()
         except TimeoutError as exc:  # anyio's deadline, or a backend's StorageTimeout
             counters.timeouts += 1

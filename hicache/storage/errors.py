@@ -15,7 +15,8 @@ Hierarchy::
         ├── InvalidBufferError        a buffer is not a contiguous CPU tensor, or counts differ
         ├── StorageClosedError        the backend was closed
         ├── StorageUnavailableError   the store could not be reached or refused the request
-        └── StorageTimeout            an operation ran past its deadline
+        ├── StorageTimeout            an operation ran past its deadline
+        └── ClearUnsupportedError     the backend cannot delete only its own pages (``clear``)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from urc.errors import URCError
 
 __all__ = [
+    "ClearUnsupportedError",
     "InvalidBufferError",
     "InvalidStorageKeyError",
     "StorageClosedError",
@@ -54,3 +56,8 @@ class StorageUnavailableError(StorageError):
 
 class StorageTimeout(StorageError, TimeoutError):
     """An operation did not finish within its deadline."""
+
+
+class ClearUnsupportedError(StorageError):
+    """``clear()`` was refused: this backend (or its client library) cannot delete its own
+    pages without touching other deployments' (nothing was deleted)."""

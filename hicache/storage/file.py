@@ -40,6 +40,11 @@ capacity nothing is ever evicted.  A page that cannot fit, or a failed write (``
 because the directory or disk failed, a failed read or lookup, raise
 ``StorageUnavailableError`` inside (a miss, counted, at the public boundary; raised with
 ``raise_errors``, so the storage worker backs off), as the network stores do.
+
+``clear()`` deletes the pages this store owns, as eviction does: urc's layout (every page
+file in the fan-out directories) and the SGLang-layout pages of its own ``sglang_suffix``
+(none without one), regular files only; other deployments' pages in a shared directory,
+links, and temp files (writes in flight) are left alone.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ from hicache.storage.errors import InvalidStorageKeyError, StorageUnavailableErr
 from hicache.storage.keys import (
     KEY_FORMAT_VERSION,
     SGLANG_FILE_STEM,
+    SGLANG_SUFFIX_PATTERN,
     PageKey,
     SGLangPageKey,
     StorageComponent,
@@ -101,7 +107,6 @@ _FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
 # SGLang-scheme pages in the root, and this backend's temp files for them.
 _SGLANG_FILE = re.compile(rf"({SGLANG_FILE_STEM})\.bin")
 _SGLANG_TEMP = re.compile(rf"\.{SGLANG_FILE_STEM}\.bin\.[0-9a-f]{{12}}\.tmp")
-_SGLANG_SUFFIX = re.compile(r"_[A-Za-z0-9._-]*_[0-9]+_[0-9]+")
 
 
 class _Presence(Enum):
@@ -138,7 +143,7 @@ class FileStorage(StorageBackend):
         super().__init__(op_timeout_s=op_timeout_s)
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, not {capacity_bytes!r}")
-        if sglang_suffix is not None and not _SGLANG_SUFFIX.fullmatch(sglang_suffix):
+        if sglang_suffix is not None and not SGLANG_SUFFIX_PATTERN.fullmatch(sglang_suffix):
             raise ConfigError(f"not an SGLang deployment suffix: {sglang_suffix!r}")
         root = Path(root)
         try:
@@ -537,7 +542,89 @@ class FileStorage(StorageBackend):
             self._forget(key)
         await self._remove_files(keys)
 
+    def _in_clear_scope(self, key: PageKey) -> bool:
+        """Whether ``clear()`` deletes ``key``'s page: urc's layout, or SGLang's layout of
+        this store's suffix."""
+        if isinstance(key, SGLangPageKey):
+            return self._sglang_suffix is not None and key.suffix == self._sglang_suffix
+        return True
+
+    async def _clear(self) -> int:
+        try:
+            removed, failures = await self._in_thread(
+                _remove_owned_files, self._root, self._sglang_suffix
+            )
+        except OSError as exc:
+            raise StorageUnavailableError(f"cannot clear pages under {self._root}: {exc}") from exc
+        for key in removed:
+            self._forget(key)
+        for key in [k for k in self._index if self._in_clear_scope(k)]:
+            if key not in self._writing:
+                self._forget(key)  # indexed, but its file is gone (or was never in place)
+        if failures:
+            raise StorageUnavailableError(
+                f"could not delete {len(failures)} pages under {self._root}: {failures[0]}"
+            )
+        return len(removed)
+
     async def _close(self) -> None:
         # No handle outlives a call; the index is rebuilt from disk by the next instance.
         self._index.clear()
         self._used = 0
+
+
+def _remove_owned_files(
+    root: Path, sglang_suffix: str | None
+) -> tuple[list[PageKey], list[OSError]]:
+    """Unlink the page files ``clear()`` deletes (see ``FileStorage._in_clear_scope``):
+    regular files only, reached without following links.  Returns the pages removed and the
+    failures other than "already gone"; raises ``OSError`` when the root cannot be read."""
+    removed: list[PageKey] = []
+    failures: list[OSError] = []
+
+    def unlink(name: str, dir_fd: int, key: PageKey) -> None:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            failures.append(exc)
+            return
+        removed.append(key)
+
+    with page_files.DirectoryFds(root) as dirs:
+        root_fd = dirs.fd(None)
+        fanouts: list[str] = []
+        with os.scandir(root_fd) as entries:
+            listed = list(entries)
+        for entry in listed:
+            if _FANOUT_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                fanouts.append(entry.name)
+                continue
+            sgl = _SGLANG_FILE.fullmatch(entry.name)
+            if sglang_suffix is None or sgl is None or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                key = _parse_page_key(f"sglang:{sgl.group(1)}")
+            except InvalidStorageKeyError:
+                continue
+            if isinstance(key, SGLangPageKey) and key.suffix == sglang_suffix:
+                unlink(entry.name, root_fd, key)
+        for fanout in fanouts:
+            try:
+                fanout_fd = dirs.fd(fanout)
+            except OSError:
+                continue  # replaced by a link or removed meanwhile: not ours to walk
+            with os.scandir(fanout_fd) as entries:
+                listed = list(entries)
+            for entry in listed:
+                match = _PAGE_NAME.fullmatch(entry.name)
+                if match is None or match.group(1)[:2] != fanout:
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                key = PageKey(
+                    int(match.group(3)), StorageComponent(match.group(2)), bytes.fromhex(match[1])
+                )
+                unlink(entry.name, fanout_fd, key)
+    return removed, failures

@@ -38,6 +38,7 @@ __all__ = [
     "ROOT_HASH",
     "SGLANG_FILE_STEM",
     "SGLANG_KEY_PATTERN",
+    "SGLANG_SUFFIX_PATTERN",
     "VERSION_PREFIX",
     "ExtraKey",
     "KeyScheme",
@@ -70,6 +71,9 @@ _SGLANG_SUFFIX = r"_[A-Za-z0-9._-]*_[0-9]+_[0-9]+"
 
 SGLANG_FILE_STEM = _SGLANG_HASH + _SGLANG_SUFFIX
 """The regex of an SGLang page's file stem: the page hash and the deployment suffix."""
+
+SGLANG_SUFFIX_PATTERN = re.compile(_SGLANG_SUFFIX)
+"""An SGLang deployment suffix (``_<model>_<tp rank>_<tp size>``) matches this in full."""
 
 SGLANG_KEY_PATTERN = re.compile(rf"sglang:({_SGLANG_HASH})({_SGLANG_SUFFIX})")
 """A valid SGLang-scheme key string matches this in full: the page hash, then the deployment

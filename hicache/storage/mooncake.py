@@ -21,6 +21,13 @@ as a miss by the caller, not mistaken for an empty store.  An empty ``get_batch`
 told apart by asking ``batch_is_exist`` about that key.  After the master restarts, the
 client re-registers its memory segment on its next heartbeat (about a second): pages stored
 before the restart are gone (the master's metadata is in memory), new ones store again.
+
+``clear()`` is one ``remove_by_regex`` call on the master (``force=True``: a page read a moment
+ago is removed too), with an anchored pattern: the store's ``key_prefix``, then a page key of
+urc's layout or an SGLang-layout key of its ``sglang_suffix``; other prefixes' values are
+never matched.  Not ``remove_all`` (SGLang's own ``clear``): that empties the whole store, every
+deployment's pages with it.  A ``key_prefix`` with characters outside ``[A-Za-z0-9_.:-]``, or a
+client without ``remove_by_regex``, refuses the clear (``ClearUnsupportedError``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,11 +52,11 @@ from hicache.storage.codec import (
     decode_page_into_async,
     encode_page_async,
 )
-from hicache.storage.errors import StorageUnavailableError
-from hicache.storage.keys import PageKey
+from hicache.storage.errors import ClearUnsupportedError, StorageUnavailableError
+from hicache.storage.keys import SGLANG_SUFFIX_PATTERN, PageKey
 from urc.errors import ConfigError
 
-__all__ = ["MooncakeConfig", "MooncakeProtocol", "MooncakeStorage"]
+__all__ = ["MooncakeConfig", "MooncakeProtocol", "MooncakeStorage", "clear_pattern"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -73,6 +81,23 @@ _CODE_NAMES = {
 }
 
 
+_PLAIN_PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
+_URC_KEY_RE = r"urc[0-9]+:(full|swa|mamba):[0-9a-f]{64}"
+
+
+def clear_pattern(key_prefix: str, sglang_suffix: str | None) -> str:
+    """The anchored regular expression (ECMAScript, as the master reads it) of the values
+    ``clear()`` removes; raises ``ClearUnsupportedError`` for a prefix it cannot spell."""
+    if not _PLAIN_PREFIX.fullmatch(key_prefix):
+        raise ClearUnsupportedError(
+            f"clear needs a key_prefix of [A-Za-z0-9_.:-], not {key_prefix!r}"
+        )
+    keys = _URC_KEY_RE
+    if sglang_suffix is not None:
+        keys += "|sglang:[0-9a-f]{64}" + sglang_suffix.replace(".", r"\.")
+    return "^" + key_prefix.replace(".", r"\.") + "(" + keys + ")$"
+
+
 def _unavailable(call: str, code: int) -> StorageUnavailableError:
     name = _CODE_NAMES.get(code, "error")
     return StorageUnavailableError(f"Mooncake {call} failed with {name} ({code})")
@@ -93,6 +118,8 @@ class MooncakeConfig:
     this process's memory lent to the store; ``local_buffer_size``: the client's staging buffer
     (bounds one transfer chunk).  ``setup_timeout_s`` bounds joining (the client retries for
     about 90 s against a missing master); ``op_timeout_s`` bounds each batch.
+    ``sglang_suffix``: the deployment whose SGLang-layout pages ``clear()`` deletes
+    (``_<model>_<tp rank>_<tp size>``; ``None``: none).
     """
 
     master_address: str
@@ -105,6 +132,7 @@ class MooncakeConfig:
     key_prefix: str = ""
     setup_timeout_s: float = 30.0
     op_timeout_s: float = 10.0
+    sglang_suffix: str | None = None
 
     def __post_init__(self) -> None:
         if ":" not in self.master_address:
@@ -113,6 +141,10 @@ class MooncakeConfig:
             raise ConfigError("segment size must be >= 0 and local_buffer_size >= 1 MiB")
         if min(self.setup_timeout_s, self.op_timeout_s) <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.sglang_suffix is not None and not SGLANG_SUFFIX_PATTERN.fullmatch(
+            self.sglang_suffix
+        ):
+            raise ConfigError(f"not an SGLang deployment suffix: {self.sglang_suffix!r}")
 
 
 def _chunks(sizes: Sequence[int], budget: int) -> Iterator[tuple[int, int]]:
@@ -271,6 +303,19 @@ class MooncakeStorage(StorageBackend):
     async def _delete(self, keys: Sequence[PageKey]) -> None:
         # force=True: a page read a moment ago holds a lease that would refuse a removal.
         await self._call(self._store.batch_remove, [self._name(k) for k in keys], True)
+
+    async def _clear(self) -> int:
+        pattern = clear_pattern(self._config.key_prefix, self._config.sglang_suffix)
+        remove = getattr(self._store, "remove_by_regex", None)
+        if remove is None:
+            raise ClearUnsupportedError(
+                "this Mooncake client has no remove_by_regex: it cannot remove one "
+                "deployment's pages only (remove_all would remove every deployment's)"
+            )
+        removed: int = await self._call(remove, pattern, True)
+        if removed < 0:
+            raise _unavailable("remove_by_regex", removed)
+        return removed
 
     async def _close(self) -> None:
         # Waits for a call abandoned at its deadline: closing under it would crash the client.

@@ -19,6 +19,7 @@ class StorageOp(Enum):
     GET = "get"
     PUT = "put"
     DELETE = "delete"
+    CLEAR = "clear"
 
 
 @runtime_checkable

@@ -14,6 +14,12 @@ Faults degrade: a refused connection, a reset, a socket timeout or a cluster wit
 reachable node (``RedisClusterException``) counts an error or a timeout and reads as a miss.
 The client reconnects on the next call, so a restarted server (or cluster) is used again
 without rebuilding the backend.
+
+``clear()`` deletes by the store's key prefix: ``SCAN`` (every primary of a cluster) for
+``<key_prefix>urc*`` and ``<key_prefix>sglang:*<sglang_suffix>``, keeping only names that are
+page keys of the store's scope, and ``UNLINK`` in batches of ``CLEAR_BATCH`` (one pipeline
+per batch: one ``UNLINK`` per key, so a cluster routes each to its slot).  Never
+``FLUSHDB``/``FLUSHALL``: other deployments and other data in the same database are kept.
 """
 
 from __future__ import annotations
@@ -36,10 +42,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from hicache.storage.base import StorageBackend
 from hicache.storage.codec import PageStatus, decode_page_into, encode_page
 from hicache.storage.errors import StorageTimeout, StorageUnavailableError
-from hicache.storage.keys import PageKey
+from hicache.storage.keys import (
+    KEY_PATTERN,
+    SGLANG_KEY_PATTERN,
+    SGLANG_SUFFIX_PATTERN,
+    PageKey,
+)
 from urc.errors import ConfigError
 
-__all__ = ["ValkeyConfig", "ValkeyStorage"]
+__all__ = ["CLEAR_BATCH", "ValkeyConfig", "ValkeyStorage"]
+
+CLEAR_BATCH = 512
+"""Keys ``clear()`` asks ``SCAN`` for per round trip and unlinks per pipeline."""
 
 _log = logging.getLogger(__name__)
 # Braces would form a hash tag and pin every page to one slot; spaces and the like have no use.
@@ -57,6 +71,8 @@ class ValkeyConfig:
     for a cluster (``cluster=True``).  ``socket_timeout_s`` bounds each network read/write,
     ``op_timeout_s`` a whole batch (retries included).  ``retries``: reconnect attempts per
     call after a connection error (1 = transparently replace a dead pooled connection).
+    ``sglang_suffix``: the deployment whose SGLang-layout pages ``clear()`` deletes
+    (``_<model>_<tp rank>_<tp size>``; ``None``: none).
     """
 
     addresses: tuple[tuple[str, int], ...] = (("127.0.0.1", 6379),)
@@ -70,6 +86,7 @@ class ValkeyConfig:
     username: str | None = None
     password: str | None = None
     max_connections: int = 32
+    sglang_suffix: str | None = None
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -84,6 +101,10 @@ class ValkeyConfig:
             raise ConfigError("timeouts must be positive")
         if self.retries < 0 or self.max_connections < 1:
             raise ConfigError("retries must be >= 0 and max_connections >= 1")
+        if self.sglang_suffix is not None and not SGLANG_SUFFIX_PATTERN.fullmatch(
+            self.sglang_suffix
+        ):
+            raise ConfigError(f"not an SGLang deployment suffix: {self.sglang_suffix!r}")
 
 
 def _encode_all(keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> list[bytes]:
@@ -225,6 +246,59 @@ class ValkeyStorage(StorageBackend):
                 pipe.execute_command("UNLINK", self._name(key))
 
         self._leading(await self._batch(queue), lambda _reply: True)
+
+    def _owns_name(self, name: bytes) -> bool:
+        """Whether ``clear()`` deletes the value named ``name`` (a SCAN match)."""
+        prefix = self._config.key_prefix
+        try:
+            text = name.decode("ascii")
+        except UnicodeDecodeError:
+            return False
+        if not text.startswith(prefix):
+            return False
+        key = text[len(prefix) :]
+        if KEY_PATTERN.fullmatch(key):
+            return True
+        sgl = SGLANG_KEY_PATTERN.fullmatch(key)
+        return sgl is not None and sgl.group(2) == self._config.sglang_suffix
+
+    async def _clear(self) -> int:
+        prefix = self._config.key_prefix  # [A-Za-z0-9_.:-]: no glob character
+        patterns = [f"{prefix}urc*"]
+        if self._config.sglang_suffix is not None:
+            patterns.append(f"{prefix}sglang:*{self._config.sglang_suffix}")
+        deleted = 0
+        try:
+            for pattern in patterns:
+                batch: list[bytes] = []
+                async for name in self._client.scan_iter(match=pattern, count=CLEAR_BATCH):
+                    if self._owns_name(name):
+                        batch.append(name)
+                    if len(batch) >= CLEAR_BATCH:
+                        deleted += await self._unlink_batch(batch)
+                        batch = []
+                deleted += await self._unlink_batch(batch)
+        except RedisTimeoutError as exc:
+            raise StorageTimeout(str(exc)) from exc
+        except _UNAVAILABLE as exc:
+            raise StorageUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+        return deleted
+
+    async def _unlink_batch(self, names: Sequence[bytes]) -> int:
+        """``UNLINK`` each of ``names`` in one pipeline; returns how many existed.  A failed
+        command raises ``StorageUnavailableError``."""
+        if not names:
+            return 0
+
+        def queue(pipe: Any) -> None:
+            for name in names:
+                pipe.execute_command("UNLINK", name)
+
+        replies = await self._batch(queue)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise StorageUnavailableError(f"UNLINK failed: {type(reply).__name__}: {reply}")
+        return sum(int(reply) for reply in replies)
 
     async def _close(self) -> None:
         await self._client.aclose()

@@ -6,10 +6,11 @@ The contract of ``StorageBackend`` as every backend must keep it: byte-exact rou
 results that count leading pages, deletes, one copy per key; a wrong-size buffer is a miss
 and the value is kept; bad arguments raise typed errors; a damaged value, or another key's
 value under a key's name, is a miss and never a partial write; an outage reads as counted
-misses (typed errors with ``raise_errors``) and the store serves again once it is back; and
-the storage worker rides an outage out (the service never fails, backups are retried and
-land, and come back byte-exact).  A backend whose service is missing here is skipped with
-one line saying why.
+misses (typed errors with ``raise_errors``) and the store serves again once it is back;
+``clear()`` deletes the store's own pages only (not another deployment's beside it) and
+raises its failures; and the storage worker rides an outage out (the service never fails,
+backups are retried and land, and come back byte-exact).  A backend whose service is
+missing here is skipped with one line saying why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import anyio
 import pytest
 import torch
 from cache_harness import pins
-from storage_backends import BACKENDS, BackendUnderTest, started
+from storage_backends import BACKENDS, NAMING, OTHER_NAMING, BackendUnderTest, started
 from storage_harness import L3Stack
 
 from hicache.storage.errors import (
@@ -30,6 +31,7 @@ from hicache.storage.errors import (
     StorageTimeout,
     StorageUnavailableError,
 )
+from hicache.storage.sglang_keys import sglang_page_keys
 from hicache.storage.stats import StorageOp
 from hicache.storage_worker import RetryPolicy
 from urc import ComponentType, RadixKey
@@ -133,6 +135,71 @@ async def test_bad_arguments_raise_typed_errors_and_store_nothing(
         assert await store.exists(keys) == 0
     with pytest.raises(StorageClosedError):
         await store.get(keys, pages)
+
+
+# ---------------------------------------------------------------------- clear
+@pytest.mark.asyncio
+async def test_clear_deletes_the_stores_own_pages_and_nothing_else(
+    backend: BackendUnderTest,
+) -> None:
+    """The store's pages (its layout's, and SGLang-layout pages of its deployment suffix)
+    go; another deployment's SGLang pages in the same store, and a neighbour store's pages
+    (the same directory with another suffix, or a key prefix extending this one's), stay.
+    A second clear deletes nothing; the store serves again at once."""
+    own = backend.keys(3, "clear-own")
+    mine = sglang_page_keys(list(range(12)), 4, NAMING, ("clear", "mine"))
+    theirs = sglang_page_keys(list(range(12)), 4, OTHER_NAMING, ("clear", "theirs"))
+    pages = make_pages(3, 11)
+    store = await backend.open()
+    neighbour = await backend.open_neighbour()
+    async with store, neighbour:
+        for keys in (own, mine, theirs):
+            assert await store.put(keys, pages) == 3
+        kept = [theirs]  # what the neighbour holds (or sees, in a shared directory)
+        if not backend.neighbour_shares_namespace:
+            near = backend.keys(3, "clear-neighbour")
+            kept = [near, mine]  # ``mine``: the same suffix, under another prefix
+            for keys in kept:
+                assert await neighbour.put(keys, pages) == 3
+        assert await store.clear() == len({*own, *mine})
+        assert await store.exists(own) == 0 and await store.exists(mine) == 0
+        assert await store.get(own, zeros(pages)) == 0
+        out = zeros(pages)
+        assert await store.get(theirs, out) == 3
+        assert all(same_bytes(a, b) for a, b in zip(pages, out, strict=True))
+        for keys in kept:
+            assert await neighbour.exists(keys) == 3
+        assert await store.clear() == 0
+        assert await store.put(own, pages) == 3 and await store.exists(own) == 3
+        assert store.stats().failures == {}
+    with pytest.raises(StorageClosedError):
+        await store.clear()
+
+
+@pytest.mark.asyncio
+async def test_clear_raises_typed_errors_during_an_outage_and_clears_once_it_is_back(
+    backend: BackendUnderTest,
+) -> None:
+    pages = make_pages(2, 12)
+    keys = backend.keys(2, "clear-outage")
+    async with await backend.open(op_timeout_s=2.0) as store:
+        assert await store.put(keys, pages) == 2
+        backend.take_away()
+        try:
+            with pytest.raises((StorageUnavailableError, StorageTimeout)):
+                await store.clear(timeout_s=5.0)
+            assert store.stats().failures == {StorageOp.CLEAR: 1}
+        finally:
+            await backend.bring_back(store)  # a restarted service may have lost its pages
+        assert await store.put(keys, pages) == 2
+        with anyio.fail_after(30):
+            while True:  # a reconnecting client may refuse a call or two first
+                try:
+                    deleted = await store.clear(timeout_s=5.0)
+                    break
+                except (StorageUnavailableError, StorageTimeout):
+                    await anyio.sleep(0.1)
+        assert deleted >= 2 and await store.exists(keys) == 0
 
 
 # ---------------------------------------------------------------------- damaged values

@@ -18,14 +18,18 @@ import pytest
 import torch
 
 from hicache.storage import _page_files
+from hicache.storage.base import StorageBackend
 from hicache.storage.codec import HEADER_SIZE
 from hicache.storage.errors import (
+    ClearUnsupportedError,
     InvalidBufferError,
     InvalidStorageKeyError,
     StorageClosedError,
+    StorageTimeout,
 )
 from hicache.storage.file import MAX_STUCK_CALLS, TEMP_GRACE_S, FileStorage
 from hicache.storage.keys import PageKey, StorageComponent, page_keys, parse_page_key
+from hicache.storage.stats import StorageOp
 from urc.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -266,6 +270,36 @@ async def test_a_stuck_store_hits_the_deadline_and_misses(tmp_path: Path) -> Non
         await store.put(keys, make_pages(1))
         assert await store.get(keys, empty_like_all(make_pages(1))) == 0
         assert store.stats().timeouts == 1
+
+
+class StuckClearStorage(FileStorage):
+    """A store whose clear never finishes (a hung file system under a bulk delete)."""
+
+    async def _clear(self) -> int:
+        await anyio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class NoClearStorage(FileStorage):
+    """A backend that keeps ``StorageBackend``'s default ``_clear``."""
+
+    _clear = StorageBackend._clear
+
+
+@pytest.mark.asyncio
+async def test_clear_raises_at_its_deadline_and_a_backend_without_one_refuses(
+    tmp_path: Path,
+) -> None:
+    keys = keys_for(1)
+    async with StuckClearStorage(tmp_path, op_timeout_s=0.2) as store:
+        with pytest.raises(StorageTimeout):
+            await store.clear(timeout_s=0.2)
+        assert store.stats().failures == {StorageOp.CLEAR: 1}
+    async with NoClearStorage(tmp_path) as store:
+        await store.put(keys, make_pages(1))
+        with pytest.raises(ClearUnsupportedError):
+            await store.clear()
+        assert await store.exists(keys) == 1 and store.stats().failures == {}
 
 
 @pytest.mark.asyncio

@@ -8,6 +8,7 @@ and restart it on the same port.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +21,10 @@ from mooncake_master import MooncakeMaster, find_master_binary
 from storage_harness import L3Stack
 
 from hicache.storage.codec import HEADER_SIZE
-from hicache.storage.errors import StorageTimeout, StorageUnavailableError
+from hicache.storage.errors import ClearUnsupportedError, StorageTimeout, StorageUnavailableError
 from hicache.storage.keys import StorageComponent, page_keys
-from hicache.storage.mooncake import MooncakeConfig, MooncakeStorage, _chunks
+from hicache.storage.mooncake import MooncakeConfig, MooncakeStorage, _chunks, clear_pattern
+from hicache.storage.sglang_keys import SGLangNaming, sglang_page_keys
 from hicache.storage.stats import StorageOp
 from hicache.storage_worker import RetryPolicy
 from urc import ComponentType, RadixKey
@@ -212,3 +214,43 @@ async def test_the_storage_worker_rides_out_a_master_restart(master: MooncakeMas
             await stack.svc.sanity_check()
             assert await stack.svc.call(pins) == 0
     stack.cache.check_pools({FULL: 0}, {FULL: 0})
+
+
+# ---------------------------------------------------------------------- clear
+def test_the_clear_pattern_names_the_stores_own_pages_only() -> None:
+    """The master matches anywhere in a name (``regex_search``): the pattern is anchored at
+    both ends, so a prefix that extends this one, or another suffix, never matches."""
+    import re
+
+    suffix = SGLangNaming("org/m.v1").suffix
+    pattern = re.compile(clear_pattern("l3.a:", suffix))
+    urc_key = keys_for(1)[0]
+    ours = sglang_page_keys(list(range(4)), 4, SGLangNaming("org/m.v1"))[0]
+    theirs = sglang_page_keys(list(range(4)), 4, SGLangNaming("org/m-v1"))[0]
+    assert pattern.search("l3.a:" + urc_key) and pattern.search("l3.a:" + ours)
+    for name in (
+        "l3.a:" + theirs,  # another deployment ("." is no wildcard)
+        "l3xa:" + urc_key,
+        "l3.a:n:" + urc_key,  # a neighbour whose prefix extends this one
+        "x:l3.a:" + urc_key,
+        "l3.a:" + urc_key + "-copy",
+        "l3.a:other",
+    ):
+        assert not pattern.search(name), name
+    for bad in ("a b:", "a*", "(", "a\\"):
+        with pytest.raises(ClearUnsupportedError):
+            clear_pattern(bad, None)
+
+
+@pytest.mark.asyncio
+async def test_a_prefix_the_pattern_cannot_spell_refuses_the_clear_and_deletes_nothing(
+    master_address: str,
+) -> None:
+    config = dataclasses.replace(config_for(master_address), key_prefix="t x*:")
+    keys = keys_for(2, ("clear",))
+    async with await MooncakeStorage.open(config) as store:
+        assert await store.put(keys, make_pages(2, 64)) == 2
+        with pytest.raises(ClearUnsupportedError):
+            await store.clear()
+        assert await store.exists(keys) == 2
+        assert store.stats().failures == {}

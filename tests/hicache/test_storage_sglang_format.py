@@ -396,3 +396,53 @@ async def test_a_capacity_limited_store_never_deletes_other_deployments_pages(
     assert all(f"{parse_page_key(k).sglang_name}.bin" in names for k in theirs)
     with pytest.raises(ConfigError):
         FileStorage(tmp_path, sglang_suffix="not a suffix")
+
+
+# ---------------------------------------------------------------------- clear
+@pytest.mark.asyncio
+async def test_clear_deletes_only_the_stores_own_files_in_a_shared_directory(
+    tmp_path: Path,
+) -> None:
+    """``/hicache/storage-backend/clear`` on a directory SGLang replicas of another model
+    share: this deployment's SGLang pages and urc's layout go; another suffix's pages, a
+    page-named link (its target untouched), temp files of writes in flight, SGLang's own
+    temp files and files that are no page stay."""
+    ours = sglang_page_keys(tokens_of(8, 9), 4, NAMING)
+    theirs = sglang_page_keys(tokens_of(8, 9), 4, SGLangNaming("other/model"))
+    urc_keys = page_keys(tokens_of(8, 9), 4, StorageComponent.FULL)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.write_bytes(b"not a page")
+    async with FileStorage(tmp_path, sglang_suffix=SUFFIX) as store:
+        for keys in (ours, theirs, urc_keys):
+            assert await store.put(keys, [_page(1), _page(2)]) == 2
+        linked = sglang_page_keys(tokens_of(4, 10), 4, NAMING)[0]
+        (tmp_path / f"{parse_page_key(linked).sglang_name}.bin").symlink_to(outside)
+        name = parse_page_key(ours[0]).sglang_name
+        keep = [
+            tmp_path / f".{name}.bin.0123456789ab.tmp",  # our write in flight
+            tmp_path / f".{'c' * 32}.tmp",  # HiCacheFile's
+            tmp_path / "notes.txt",
+        ]
+        for path in keep:
+            path.write_bytes(b"x")
+        assert await store.clear() == 4
+        assert await store.exists(ours) == 0 and await store.exists(urc_keys) == 0
+        assert await store.exists(theirs) == 2
+        assert all(path.exists() for path in keep)
+        assert (tmp_path / f"{parse_page_key(linked).sglang_name}.bin").is_symlink()
+        assert outside.read_bytes() == b"not a page"
+        assert store.used_bytes == 2 * _page(0).nbytes  # their pages, adopted by exists
+        assert await store.clear() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_store_without_a_suffix_clears_no_sglang_page(tmp_path: Path) -> None:
+    """Without ``sglang_suffix`` a store cannot tell its deployment's SGLang pages from
+    another's: its clear deletes urc's layout only."""
+    sgl = sglang_page_keys(tokens_of(8, 11), 4, NAMING)
+    urc_keys = page_keys(tokens_of(8, 11), 4, StorageComponent.FULL)
+    async with FileStorage(tmp_path) as store:
+        assert await store.put(sgl, [_page(1), _page(2)]) == 2
+        assert await store.put(urc_keys, [_page(1), _page(2)]) == 2
+        assert await store.clear() == 2
+        assert await store.exists(sgl) == 2 and await store.exists(urc_keys) == 0

@@ -22,6 +22,8 @@ prefix comes back from host (``cached_tokens_details["host"]``), without it is r
 - the rest of the scheduler's surface on the ``write_back`` server once its workload is
   done: ``/hicache/storage-backend`` detach and attach at runtime, then ``/flush_cache``
   (device and host emptied) after which the prefix comes back from the re-attached L3;
+  then ``/flush_cache`` and ``/hicache/storage-backend/clear`` (urc's store deletes this
+  model's pages), after which the prefix is served from nowhere (no L3 hit);
 - load-backs run layer by layer off the scheduler thread (the plug-in logs it at start-up).
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import time
 import urllib.error
 import urllib.request
@@ -186,12 +189,13 @@ def mooncake(scratch: Path) -> Iterator[MooncakeMaster]:
 @dataclass
 class Runs:
     """What the servers answered: per server name its answers and (stopped) server; the
-    ``write_back`` server's runtime surface calls as ``(what, status, body)``; the answer
-    to the prefix after ``/flush_cache``."""
+    ``write_back`` server's runtime surface calls as ``(what, status, body)``; the answers
+    to the prefix after ``/flush_cache`` and after the L3 clear."""
 
     answers: dict[str, tuple[list[Answer], LiveServer]]
     surface: list[tuple[str, int, str]]
     after_flush: Answer | None
+    after_clear: Answer | None
 
 
 def storage_args(backend: str, extra: dict[str, object] | None = None) -> tuple[str, ...]:
@@ -201,11 +205,21 @@ def storage_args(backend: str, extra: dict[str, object] | None = None) -> tuple[
     return args
 
 
+def flush(server: LiveServer) -> tuple[str, int, str]:
+    for _ in range(3):  # SGLang waits up to 30 s for an idle turn; a busy host may need more
+        status, body = admin(server, "POST", "/flush_cache?timeout=30")
+        if status == 200:
+            break
+        server.settle(1.0)
+    return ("flush_cache", status, body.strip())
+
+
 def surface_calls(
     server: LiveServer, prefix: list[int]
-) -> tuple[list[tuple[str, int, str]], Answer]:
+) -> tuple[list[tuple[str, int, str]], Answer, Answer]:
     """Detach and re-attach the L3 at runtime, flush the cache, then ask for the prefix
-    (device and host are empty: it can only come from L3)."""
+    (device and host are empty: it can only come from L3); flush again, clear the L3 and
+    ask once more (it can come from nowhere)."""
     calls = []
     status, body = admin(server, "DELETE", "/hicache/storage-backend")
     calls.append(("detach", status, body.strip()))
@@ -217,13 +231,13 @@ def surface_calls(
     }
     status, body = admin(server, "PUT", "/hicache/storage-backend", attach)
     calls.append(("attach", status, body.strip()))
-    for _ in range(3):  # SGLang waits up to 30 s for an idle turn; a busy host may need more
-        status, body = admin(server, "POST", "/flush_cache?timeout=30")
-        if status == 200:
-            break
-        server.settle(1.0)
-    calls.append(("flush_cache", status, body.strip()))
-    return calls, generate(server, [*prefix, 21, 22])
+    calls.append(flush(server))
+    after_flush = generate(server, [*prefix, 21, 22])
+    server.settle(1.0)
+    calls.append(flush(server))  # the host copies go: only the L3 could serve the prefix
+    status, body = admin(server, "POST", "/hicache/storage-backend/clear")
+    calls.append(("clear", status, body.strip()))
+    return calls, after_flush, generate(server, [*prefix, 23, 24])
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +303,7 @@ def runs(side_env: SideEnv, scratch: Path, mooncake: MooncakeMaster) -> Runs:
     servers = start(side_env, scratch, [to_mooncake, fresh_l3])
     try:
         serve(["write_through_selective+mooncake", "write_back+l3"], servers)
-        surface, after_flush = surface_calls(servers[1], prompts[0][:PREFIX])
+        surface, after_flush, after_clear = surface_calls(servers[1], prompts[0][:PREFIX])
         servers[1].settle(1.0)
         servers[1].stop()
         # The Mooncake writer keeps running: its segment holds the pages.
@@ -299,7 +313,7 @@ def runs(side_env: SideEnv, scratch: Path, mooncake: MooncakeMaster) -> Runs:
     finally:
         for server in servers:
             server.stop()
-    return Runs(out, surface, after_flush)
+    return Runs(out, surface, after_flush, after_clear)
 
 
 def _line(name: str, answers: list[Answer]) -> str:
@@ -356,7 +370,7 @@ def test_the_l3_detaches_and_attaches_at_runtime_and_serves_after_a_flush(
 ) -> None:
     for what, status, body in runs.surface:
         report(f"[hicache write_back+l3] {what}: {status} {body}")
-    assert [(what, status) for what, status, _ in runs.surface] == [
+    assert [(what, status) for what, status, _ in runs.surface[:3]] == [
         ("detach", 200),
         ("attach", 200),
         ("flush_cache", 200),
@@ -366,3 +380,23 @@ def test_the_l3_detaches_and_attaches_at_runtime_and_serves_after_a_flush(
     report(_line("write_back+l3 after detach, attach, flush", [after]))
     # Device and host were flushed: the prefix came back from the re-attached L3.
     assert after.storage >= PREFIX - 1 and after.host == 0, after
+
+
+def test_clearing_the_l3_deletes_this_models_pages_and_the_prefix_is_not_served_from_it(
+    runs: Runs, report: Callable[[str], None]
+) -> None:
+    """``/hicache/storage-backend/clear`` through SGLang's own scheduler handler: urc's
+    file store deletes this model's pages (the plug-in logs how many), and the prefix, no
+    longer on device or host, gets no L3 hit."""
+    assert [(what, status, body) for what, status, body in runs.surface[3:]] == [
+        ("flush_cache", 200, runs.surface[3][2]),
+        ("clear", 200, "Hierarchical cache storage backend cleared."),
+    ]
+    _, server = runs.answers["write_back+l3"]
+    cleared = re.findall(r"cleared urc's file store: (\d+) pages deleted", server.log())
+    report(f"[hicache write_back+l3] clear: {cleared} pages deleted (plug-in log)")
+    assert cleared and int(cleared[-1]) > 0, cleared
+    after = runs.after_clear
+    assert after is not None
+    report(_line("write_back+l3 after flush, clear", [after]))
+    assert after.storage == 0 and after.host == 0 and after.cached < PREFIX - 1, after

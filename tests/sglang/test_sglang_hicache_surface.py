@@ -134,6 +134,7 @@ def test_without_a_host_tier_the_surface_is_inert() -> None:
     assert sched.cache_controller is None and sched.idle() and not sched.enable_storage
     assert sched.attach_storage_backend("file")[0] is False
     assert sched.detach_storage_backend()[0] is True
+    assert sched.clear_storage_backend() is False
 
 
 # ---------------------------------------------------------------------- layer-wise load-backs

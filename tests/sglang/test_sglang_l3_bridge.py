@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from test_sglang_hicache_surface import Scheduler
 from hicache.config import PrefetchStopPolicy
 from hicache.storage.file import FileStorage
 from hicache.storage.sglang_keys import SGLangNaming, sglang_page_keys
+from hicache.storage.stats import StorageOp
 from urc import EvictParams, UnifiedRadixCache
 from urc.apps.sglang._l3 import (
     SchedulerActor,
@@ -320,9 +323,9 @@ def _key(tokens: list[int]) -> Any:
 
 
 # ---------------------------------------------------------------------- Mooncake
-def test_two_replicas_share_a_real_mooncake_store_under_sglangs_names(tmp_path: Path) -> None:
-    """``--hicache-storage-backend mooncake`` with SGLang's extra config: what one replica
-    writes, another (its own client of the same master) prefetches, byte for byte."""
+@pytest.fixture
+def mooncake_extra(tmp_path: Path) -> Iterator[str]:
+    """SGLang's Mooncake extra config for a real ``mooncake_master`` of this test's own."""
     pytest.importorskip("mooncake.store", exc_type=ImportError)
     from mooncake_master import MooncakeMaster, find_master_binary
 
@@ -331,25 +334,40 @@ def test_two_replicas_share_a_real_mooncake_store_under_sglangs_names(tmp_path: 
         pytest.skip("the mooncake package ships no mooncake_master binary")
     master = MooncakeMaster(binary, tmp_path / "master.log")
     master.start()
-    extra = (
-        f'{{"master_server_address": "{master.address}", "protocol": "tcp", '
-        f'"global_segment_size": {64 << 20}, "prefetch_threshold": 1}}'
-    )
+    try:
+        yield (
+            f'{{"master_server_address": "{master.address}", "protocol": "tcp", '
+            f'"global_segment_size": {64 << 20}, "prefetch_threshold": 1}}'
+        )
+    finally:
+        master.kill()
+
+
+def _mooncake_replica(
+    extra: str, model: str, opened: list[SchedulerStorage]
+) -> tuple[UnifiedRadixCache, SchedulerStorage]:
+    """A page-4 cache with the plug-in's Mooncake store attached (appended to ``opened``)."""
+    cache = make((FULL,), 4, kv_pages=16, host_pages=32)
+    l3 = attach_storage(cache, cache.host_tier, "mooncake", extra, model, "timeout")  # type: ignore[arg-type]
+    opened.append(l3)
+    return cache, l3
+
+
+def test_two_replicas_share_a_real_mooncake_store_under_sglangs_names(mooncake_extra: str) -> None:
+    """``--hicache-storage-backend mooncake`` with SGLang's extra config: what one replica
+    writes, another (its own client of the same master) prefetches, byte for byte."""
+    extra = mooncake_extra
     ps = 4
     tokens = seq(1, 6, ps)
     opened: list[SchedulerStorage] = []
     try:
-        writer = make((FULL,), ps, kv_pages=16, host_pages=32)
-        w3 = attach_storage(writer, writer.host_tier, "mooncake", extra, "org/tiny", "timeout")  # type: ignore[arg-type]
-        opened.append(w3)
+        writer, w3 = _mooncake_replica(extra, "org/tiny", opened)
         assert insert(writer, tokens)
         node = match(writer, tokens).last_device_node
         writer.write_backup(node)
         _until(lambda: w3.pending_writes() == 0, w3)
         want = writer.pools.kv_pool.kv[:, :, writer.path_device_indices(node)].clone()  # type: ignore[union-attr]
-        reader = make((FULL,), ps, kv_pages=16, host_pages=32)
-        r3 = attach_storage(reader, reader.host_tier, "mooncake", extra, "org/tiny", "timeout")  # type: ignore[arg-type]
-        opened.append(r3)
+        reader, r3 = _mooncake_replica(extra, "org/tiny", opened)
         r3.prefetch("r", _key(tokens))
         _until(lambda: r3.progress("r"), r3)
         assert r3.pop_loaded("r") == len(tokens)
@@ -361,7 +379,6 @@ def test_two_replicas_share_a_real_mooncake_store_under_sglangs_names(tmp_path: 
     finally:
         for l3 in reversed(opened):
             l3.close()
-        master.kill()
 
 
 def test_a_graceful_shutdown_flushes_the_queued_l3_writes(tmp_path: Path) -> None:
@@ -406,3 +423,153 @@ def test_a_detached_store_can_be_attached_again_and_serves(tmp_path: Path) -> No
     assert l3.pop_loaded("r") == len(tokens)
     sched.detach_storage_backend()
     check(cache)
+
+
+# ---------------------------------------------------------------------- clear
+def _own_files(root: Path, naming: SGLangNaming = NAMING) -> list[Path]:
+    return sorted(root.glob(f"*{naming.suffix}.bin"))
+
+
+def _write_theirs(root: Path) -> list[Path]:
+    """Pages of another model's SGLang replicas in the same directory."""
+    other = SGLangNaming("org/other")
+    paths = []
+    for key in sglang_page_keys(seq(7, 3, 4), 4, other):
+        path = root / f"{key.removeprefix('sglang:')}.bin"
+        path.write_bytes(b"\0" * 64)
+        paths.append(path)
+    return paths
+
+
+def test_clear_flushes_the_queued_writes_then_deletes_this_deployments_pages(
+    tmp_path: Path,
+) -> None:
+    """``/hicache/storage-backend/clear``: the writes queued when it arrives are flushed,
+    then this deployment's pages are deleted (another model's in the same directory stay);
+    the store stays attached, a fresh match finds nothing in L3, and new writes land."""
+    ps = 4
+    cache = make((FULL,), ps, kv_pages=16, host_pages=32)
+    sched = Scheduler(cache)
+    theirs = _write_theirs(tmp_path)
+    extra = f'{{"file_storage_path": "{tmp_path}", "prefetch_threshold": 1}}'
+    assert sched.attach_storage_backend("file", extra, NAMING.model_name)[0]
+    tokens = seq(1, 5, ps)
+    assert insert(cache, tokens)
+    sched.check_hicache_events()  # the host copy, then an L3 put queued (not waited for)
+    sched.wait_for_backups()
+    assert sched.clear_storage_backend() is True
+    assert _own_files(tmp_path) == [] and all(p.exists() for p in theirs)
+    l3 = sched.l3
+    assert l3 is not None and sched.enable_storage  # still attached
+    cache.reset()
+    l3.prefetch("after-clear", _key(tokens))
+    _until(lambda: l3.progress("after-clear"), l3)
+    assert l3.pop_loaded("after-clear") == 0  # nothing in L3 for a fresh request
+    assert insert(cache, tokens)
+    sched.check_hicache_events()
+    sched.wait_for_backups()
+    _until(lambda: l3.pending_writes() == 0, l3)
+    assert len(_own_files(tmp_path)) == len(tokens) // ps  # the store serves writes again
+    sched.detach_storage_backend()
+    check(cache)
+
+
+def test_clear_without_a_store_or_with_a_failing_one_answers_false_and_keeps_it(
+    tmp_path: Path,
+) -> None:
+    cache = make((FULL,), 4, kv_pages=16, host_pages=32)
+    sched = Scheduler(cache)
+    assert sched.clear_storage_backend() is False  # nothing attached
+    root = tmp_path / "l3"
+    extra = f'{{"file_storage_path": "{root}", "prefetch_threshold": 1}}'
+    assert sched.attach_storage_backend("file", extra, NAMING.model_name)[0]
+    root.rename(tmp_path / "away")
+    root.write_bytes(b"")  # the directory is gone: the clear fails, typed, caught
+    assert sched.clear_storage_backend() is False
+    assert sched.l3 is not None
+    stats = sched.l3.store.stats()
+    assert stats.failures == {StorageOp.CLEAR: 1}
+    root.unlink()
+    (tmp_path / "away").rename(root)
+    assert sched.clear_storage_backend() is True
+    sched.detach_storage_backend()
+    check(cache)
+
+
+def _sglang_clear_handler() -> Callable[..., Any]:
+    """SGLang 0.5.23's own ``Scheduler.clear_hicache_storage_wrapped``, compiled from the
+    wheel's source (its module needs SGLang's GPU stack to import)."""
+    import ast
+    import importlib.util
+    import logging
+
+    from sglang.srt.managers import io_struct
+
+    spec = importlib.util.find_spec("sglang.srt.managers.scheduler")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text())
+    handler = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "clear_hicache_storage_wrapped"
+    )
+    handler.decorator_list = []
+    namespace: dict[str, Any] = {
+        "ClearHiCacheReqInput": io_struct.ClearHiCacheReqInput,
+        "ClearHiCacheReqOutput": io_struct.ClearHiCacheReqOutput,
+        "logger": logging.getLogger("sglang.srt.managers.scheduler"),
+        "logging": logging,
+    }
+    exec(compile(ast.Module(body=[handler], type_ignores=[]), spec.origin, "exec"), namespace)
+    return cast(Callable[..., Any], namespace["clear_hicache_storage_wrapped"])
+
+
+def test_sglangs_own_clear_handler_clears_urcs_store(sglang: None, tmp_path: Path) -> None:
+    """The scheduler path SGLang serves ``/hicache/storage-backend/clear`` on: its handler,
+    run on urc's surface, clears this deployment's pages and answers success."""
+    from sglang.srt.managers.io_struct import ClearHiCacheReqInput
+
+    handler = _sglang_clear_handler()
+    ps = 4
+    cache = make((FULL,), ps, kv_pages=16, host_pages=32)
+    sched = Scheduler(cache)
+    extra = f'{{"file_storage_path": "{tmp_path}", "prefetch_threshold": 1}}'
+    assert sched.attach_storage_backend("file", extra, NAMING.model_name)[0]
+    assert insert(cache, seq(1, 5, ps))
+    sched.check_hicache_events()
+    sched.wait_for_backups()
+    l3 = sched.l3
+    assert l3 is not None
+    _until(lambda: l3.pending_writes() == 0, l3)
+    assert _own_files(tmp_path)
+    scheduler = SimpleNamespace(
+        enable_hierarchical_cache=True, enable_lmcache=False, tree_cache=sched
+    )
+    assert handler(scheduler, ClearHiCacheReqInput()).success is True
+    assert _own_files(tmp_path) == []
+    sched.detach_storage_backend()
+    check(cache)
+
+
+def test_clear_on_a_shared_mooncake_store_keeps_another_models_pages(mooncake_extra: str) -> None:
+    """``--hicache-storage-backend mooncake``: the plug-in's store clears its model's pages
+    only; a replica of another model on the same master keeps serving its own."""
+    tokens = seq(1, 4, 4)
+    opened: list[SchedulerStorage] = []
+    try:
+        ours, o3 = _mooncake_replica(mooncake_extra, "org/tiny", opened)
+        theirs, t3 = _mooncake_replica(mooncake_extra, "org/other", opened)
+        for cache, l3 in ((ours, o3), (theirs, t3)):
+            assert insert(cache, tokens)
+            cache.write_backup(match(cache, tokens).last_device_node)
+            _until(lambda l3=l3: l3.pending_writes() == 0, l3)  # type: ignore[misc]
+        assert o3.clear() == len(tokens) // 4
+        assert o3.clear() == 0
+        for cache, l3, want in ((ours, o3, 0), (theirs, t3, len(tokens))):
+            cache.reset()
+            l3.prefetch("r", _key(tokens))
+            _until(lambda l3=l3: l3.progress("r"), l3)  # type: ignore[misc]
+            assert l3.pop_loaded("r") == want
+    finally:
+        for l3 in reversed(opened):
+            l3.close()

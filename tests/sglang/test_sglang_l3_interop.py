@@ -261,6 +261,10 @@ def test_factory_builds_urcs_backend_and_pages_round_trip(
             assert all(
                 b is not None and torch.equal(b, p) for b, p in zip(back, pages, strict=False)
             )
+        # SGLang's /hicache/storage-backend/clear on its own tree: this rank's pages go.
+        assert backend.clear() is True
+        assert backend.batch_exists(keys) == 0 and backend.stats().failures == {}
+        assert backend.batch_set(keys[:1], pages[:1]) and backend.batch_exists(keys) == 1
     finally:
         backend.close()
 

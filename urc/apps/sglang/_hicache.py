@@ -19,7 +19,7 @@ What the scheduler reads, and where (``managers/scheduler.py`` unless named):
   scheduler sets fence streams on it and reads ``storage_backend`` / ``write_policy``
   (:class:`HostTierController`);
 - ``/hicache/storage-backend`` (``attach_storage_backend``, ``detach_storage_backend``)
-  and ``/clear_hicache_storage_backend`` (``clear_storage_backend``).
+  and ``/hicache/storage-backend/clear`` (``clear_storage_backend``).
 
 This module imports no SGLang: :class:`HiCacheSurface` is a mixin of
 :class:`~urc.apps.sglang._cache.SGLangRadixCache`.
@@ -27,6 +27,7 @@ This module imports no SGLang: :class:`HiCacheSurface` is a mixin of
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from hicache.transfer_engine import Lane
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from urc.cache import UnifiedRadixCache
 
 __all__ = ["HiCacheSurface", "HostTierController"]
+
+_log = logging.getLogger(__name__)
 
 
 class HostTierController:
@@ -409,9 +412,30 @@ class HiCacheSurface:
             l3.close(timeout_s=10.0)
 
     def clear_storage_backend(self) -> bool:
-        """``/clear_hicache_storage_backend``: not served (urc's stores have no bulk delete):
-        False, the store unchanged."""
-        return False
+        """``/hicache/storage-backend/clear`` (SGLang's ``clear_hicache_storage_wrapped``
+        calls it on the scheduler thread): flush the queued L3 writes, then delete this
+        deployment's pages from the attached store (its rank's page-name suffix; never
+        other deployments' in a shared directory or store); the store stays attached.
+        ``True`` once cleared; ``False`` without a store, or when the store refused or
+        failed the clear (logged, as SGLang's own ``clear`` logs it).  Never raises: the
+        scheduler's handler does not catch."""
+        if self.l3 is None:
+            _log.warning("no HiCache storage backend is attached: nothing to clear")
+            return False
+        from hicache.storage.errors import StorageError
+
+        try:
+            deleted = self.l3.clear()
+        except StorageError as e:
+            _log.warning(
+                "clearing urc's %s store failed: %s: %s", self.l3.backend_type, type(e).__name__, e
+            )
+            return False
+        except Exception:  # a bug: logged with its traceback, the scheduler keeps running
+            _log.exception("clearing urc's %s store failed", self.l3.backend_type)
+            return False
+        _log.info("cleared urc's %s store: %d pages deleted", self.l3.backend_type, deleted)
+        return True
 
 
 def _ancestor_in_flight(node: TreeNode, in_flight: set[int]) -> bool:

@@ -282,6 +282,32 @@ class SchedulerStorage:
         if pf is not None and not pf.future.done():
             pf.future.cancel()
 
+    # ------------------------------------------------------------------ clear
+    def clear(self, timeout_s: float = 30.0) -> int:
+        """``/hicache/storage-backend/clear``: flush the queued writes (within
+        ``timeout_s``: pages already due reach the store, and go with the rest), then
+        delete this deployment's pages from the store (see
+        :meth:`~hicache.storage.base.StorageBackend.clear`); returns how many.  The store
+        stays attached.  Raises what the store's ``clear`` raises
+        (:class:`~hicache.storage.errors.StorageError`)."""
+        portal = self._loop.portal
+        self._wait(portal.start_task_soon(self.worker.flush, timeout_s))
+        done = portal.start_task_soon(self.store.clear)
+        self._wait(done)
+        return done.result()
+
+    def _wait(self, future: concurrent.futures.Future[Any]) -> None:
+        """Run the worker's tree steps on this thread until ``future`` is done."""
+        while not future.done():
+            self.run_calls()
+            try:
+                future.result(timeout=0.01)
+            except concurrent.futures.TimeoutError:
+                continue
+            except BaseException:
+                break
+        self.run_calls()
+
     # ------------------------------------------------------------------ detach
     def close(self, timeout_s: float = 30.0) -> None:
         """Detach: cancel the prefetches, flush the queued writes (within ``timeout_s``),
@@ -290,15 +316,7 @@ class SchedulerStorage:
         for handle in list(self.prefetches):
             self.release(handle)
         portal = self._loop.portal
-        done = portal.start_task_soon(self.worker.close, timeout_s)
-        while not done.done():
-            self.run_calls()
-            try:
-                done.result(timeout=0.01)
-            except concurrent.futures.TimeoutError:
-                continue
-            except BaseException:
-                break
+        self._wait(portal.start_task_soon(self.worker.close, timeout_s))
         self._writes.cancel()
         while not self._writes.done():
             self.run_calls()
@@ -427,8 +445,9 @@ def open_store(
     ``global_segment_size``, ``local_hostname``, ``metadata_server``); ``dynamic`` -- urc's
     own store as ``urc.apps.sglang.hicache_storage`` reads the extra config (``store``:
     file, valkey or mooncake, and its settings; ``sglang_suffix``, this rank's page-name
-    suffix, is what a capacity-limited file store owns).  Raises :class:`~urc.errors.ConfigError`
-    for another backend or a setting urc cannot serve."""
+    suffix, is what a capacity-limited file store owns).  ``sglang_suffix`` is the
+    deployment every store's ``clear()`` deletes the pages of.  Raises
+    :class:`~urc.errors.ConfigError` for another backend or a setting urc cannot serve."""
     extra = dict(extra_config or {})
     if backend == "file":
         path = (
@@ -440,11 +459,11 @@ def open_store(
         async def open_file() -> StorageBackend:
             from hicache.storage.file import FileStorage
 
-            return await FileStorage.open(Path(path))
+            return await FileStorage.open(Path(path), sglang_suffix=sglang_suffix)
 
         return open_file
     if backend == "mooncake":
-        return _open_mooncake(extra)
+        return _open_mooncake(extra, sglang_suffix)
     if backend == "dynamic":
         if extra.get("module_path") not in (None, "urc.apps.sglang.hicache_storage"):
             raise ConfigError(
@@ -465,14 +484,16 @@ def open_store(
     )
 
 
-def _open_mooncake(extra: Mapping[str, Any]) -> Callable[[], Awaitable[StorageBackend]]:
+def _open_mooncake(
+    extra: Mapping[str, Any], sglang_suffix: str | None
+) -> Callable[[], Awaitable[StorageBackend]]:
     master = extra.get("master_server_address") or os.environ.get("MOONCAKE_MASTER")
     if not master:
         raise ConfigError(
             "--hicache-storage-backend mooncake: no master (extra config "
             "'master_server_address' or MOONCAKE_MASTER)"
         )
-    settings: dict[str, Any] = {"master_address": master}
+    settings: dict[str, Any] = {"master_address": master, "sglang_suffix": sglang_suffix}
     # SGLang's extra-config keys, else its environment variables, as urc's settings.
     for sglang_name, env, urc_name in (
         ("protocol", "MOONCAKE_PROTOCOL", "protocol"),

@@ -70,11 +70,12 @@ async def build_store(
     """urc's backend for an SGLang extra config (see the module docstring), opened through
     the backend registry (``hicache.storage.registry``); raises
     :class:`~urc.errors.ConfigError` for an unknown store or setting.  ``sglang_suffix``
-    (this rank's object-name suffix) is what a capacity-limited file store owns: it never
-    counts or evicts other models' or ranks' pages in a shared directory."""
+    (this rank's object-name suffix) is the deployment the store owns: a capacity-limited
+    file store never counts or evicts other models' or ranks' pages in a shared directory,
+    and ``clear()`` deletes this deployment's pages only, whatever the store."""
     kind = extra_config.get("store", "file")
     settings = {k: v for k, v in extra_config.items() if k not in _SGLANG_KEYS}
-    if kind == "file" and sglang_suffix is not None:
+    if sglang_suffix is not None and kind in ("file", "valkey", "mooncake"):
         settings["sglang_suffix"] = sglang_suffix
     return await open_backend(kind, settings)
 
@@ -209,8 +210,21 @@ class UrcHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def clear(self) -> bool:
-        """Remove nothing: urc's stores are shared between replicas (returns ``False``)."""
-        return False
+        """SGLang's ``/hicache/storage-backend/clear``: delete this deployment's pages (its
+        rank's object-name suffix, under the store's directory or key prefix; see
+        :meth:`~hicache.storage.base.StorageBackend.clear`), never other deployments' in a
+        shared store.  ``True`` once they are gone; ``False`` (logged) when the store
+        refused or failed the clear."""
+        from hicache.storage import StorageError
+
+        future = asyncio.run_coroutine_threadsafe(self._backend.clear(), self._loop)
+        try:
+            deleted = future.result()
+        except StorageError as exc:
+            _log.warning("clearing urc's store failed: %s: %s", type(exc).__name__, exc)
+            return False
+        _log.info("cleared urc's store: %d pages of %s deleted", deleted, self._suffix)
+        return True
 
     def close(self) -> None:
         """Close the backend and stop its event loop (idempotent)."""
