@@ -271,7 +271,9 @@ def test_stats_report_the_host_tier() -> None:
 def test_failed_load_back_leaves_the_host_leaf_evictable() -> None:
     # The load-back pins the host leaf, then finds no device memory: its eviction tries to
     # write a device leaf back, whose host eviction skips the pinned leaf.  Unpinned again,
-    # the leaf must be a host-eviction candidate as before.
+    # the leaf must be a host-eviction candidate as before.  (Unpinned through
+    # full.host_lock it was not: "host leaf ... is not in the host heap", which a second
+    # write_back replay over the same L3 directory hit; tests/replay: _l3_replay.)
     cache = make(1, WritePolicy.WRITE_BACK, kv_size=64, host_tokens=4)
     a = list(range(4))
     insert(cache, a)

@@ -303,8 +303,12 @@ def start_load_back(state: CacheState, node: TreeNode, threshold: int = 0) -> Lo
     receipt = inc_lock_ref(state, anchor)
     device = alloc_tokens(state, tokens)
     if device is None:
+        # Unpin through ``host_lock``, not ``full.host_lock``: the eviction inside
+        # ``alloc_tokens`` may have run host eviction (write_back demotes device leaves),
+        # which drops the pinned leaf's host-heap entry; ``host_lock`` puts an evictable
+        # host leaf back (otherwise it is never host-evicted and sanity_check fails).
         for n in nodes:
-            host_lock(state, n, -1)  # re-enters the host heap if it is an evictable leaf again
+            host_lock(state, n, -1)
         dec_lock_ref(state, anchor, receipt.to_dec_params())
         return None
     items: list[tuple[int, TransferItem]] = []
