@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 __all__ = ["insert"]
 
 
+_Tensor = torch.Tensor
+_INT64 = np.dtype(np.int64)
+
+
 def _add_leaf(
     state: CacheState,
     parent: TreeNode,
@@ -69,6 +73,17 @@ def _check_value(
     when the allocator has no ``claim_value`` or nothing was checked); raises the insert's
     typed errors.  With a host view, the pages of ``value[prev:]`` are the tree's now
     (:meth:`~urc.pools.allocator.TokenSlotAllocator.claim_value`)."""
+    claim_value = state.claim_value
+    if n_key > owned_from and claim_value is not None and state.on_cpu and type(value) is _Tensor:
+        # The common case, checked on the host view the claim reads anyway: numpy's
+        # attributes cost a fraction of torch's (``dtype``, ``device`` and ``shape`` build
+        # objects).  Anything unusual takes the checks below, which say what is wrong.
+        try:
+            host = value.numpy()
+        except (TypeError, RuntimeError):  # not a plain CPU tensor
+            host = None
+        if host is not None and host.dtype is _INT64 and host.ndim == 1 and len(host) == n_key:
+            return value, claim_value(value, owned_from, prev, True, host)
     if value is None:
         raise InvalidInputError("insert needs a value tensor of device indices")
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
@@ -78,7 +93,6 @@ def _check_value(
     if value.shape[0] != n_key:
         raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
     if n_key > owned_from:
-        claim_value = state.claim_value
         if claim_value is not None:  # range, allocation, owner and repeats, host side
             return value, claim_value(value, owned_from, prev, True)
         lo, hi = torch.aminmax(value)
@@ -160,7 +174,7 @@ def insert(
     tokens = tree.tokens_of(key)
     n = len(tokens)
     if host is not None and n < n_key:
-        alloc.unclaim(host, max(claimed, n), n_key)  # the unaligned tail stays the caller's
+        alloc.unclaim(host, claimed if claimed > n else n, n_key)  # the tail stays the caller's
     if n == 0:
         return InsertResult(prefix_len=0, mamba_exist=True)
     priority = params.priority
@@ -198,14 +212,17 @@ def insert(
         walked, _, partial, pm = tree.walk(node, ck, tokens, pos, tree.page_size)
         if partial is not None:
             walked.append(partial)
-    last = len(walked) - 1
+    # Conditional expressions, not min()/max(): a builtin min or max call costs as much as
+    # the rest of a node's step (the bench's reference insert walks ~6 nodes).
+    split_at = len(walked) - 1 if partial is not None else -1
     for i, child in enumerate(walked):
         m = child.key_len
-        if partial is not None and i == last:
+        if i == split_at:
             child = tree.split(child, pm)  # stamps both halves
             m = pm
         else:
-            tree.touch(child)
+            tree.clock += 1  # Tree.touch, inline
+            child.last_access_time = tree.clock
         if priority > child.priority:
             child.priority = priority
         fcd = child.full
@@ -216,11 +233,10 @@ def insert(
         else:
             consumed = m
             for c in overlap_hooks:
-                consumed = min(
-                    consumed,
-                    c.update_component_on_insert_overlap(child, m, pos, value, params),
-                )
-            start = pos + max(0, prev - pos)
+                kept = c.update_component_on_insert_overlap(child, m, pos, value, params)
+                if kept < consumed:
+                    consumed = kept
+            start = prev if prev > pos else pos  # slots below prev_prefix_len stay
             end = pos + consumed
             if start < end:
                 if free_ranges and free_ranges[-1][1] == start:

@@ -244,7 +244,8 @@ def _end_match(
     for c in state.hooks.finalize:
         result = c.finalize_match_result(result, params, path, best, pos)
     hits = counters.hit_tokens
-    hits[_DEVICE] += result.device_prefix_len
+    hit = result.device_len  # as stored; the property (a Python call) for one built by hand
+    hits[_DEVICE] += result.device_prefix_len if hit is None else hit
     hits[_HOST] += result.host_hit_length
     return result
 

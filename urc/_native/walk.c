@@ -200,6 +200,25 @@ scan_keys(PyObject *children, const int64_t *t, Py_ssize_t ps, PyObject **out)
     return 1;
 }
 
+/* The tuple of four new references (stolen, also on failure; NULL: an earlier allocation
+ * failed).  What ``Py_BuildValue`` builds, without parsing a format on every call: the walk
+ * and a match's tail each return one, and the parsing cost about a twentieth of a match. */
+static PyObject *
+steal_tuple4(PyObject *a, PyObject *b, PyObject *c, PyObject *d)
+{
+    PyObject *items[4] = {a, b, c, d};
+    PyObject *t = NULL;
+    if (a != NULL && b != NULL && c != NULL && d != NULL)
+        t = PyTuple_New(4);
+    for (int i = 0; i < 4; i++) {
+        if (t != NULL)
+            PyTuple_SET_ITEM(t, i, items[i]);
+        else
+            Py_XDECREF(items[i]);
+    }
+    return t;
+}
+
 static PyObject *
 walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -299,7 +318,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(node);
     if (partial == Py_None)
         Py_INCREF(Py_None);
-    return Py_BuildValue("(NnNn)", nodes, pos, partial, pm);
+    return steal_tuple4(nodes, PyLong_FromSsize_t(pos), partial, PyLong_FromSsize_t(pm));
 fail:
     PyBuffer_Release(&tb);
     Py_XDECREF(ck);
@@ -385,8 +404,15 @@ match_tail(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "match_tail: too many rules");
         return NULL;
     }
-    for (Py_ssize_t r = 0; r < nrules; r++) {
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(rules, r), "nn", &ct[r], &window[r]))
+    for (Py_ssize_t r = 0; r < nrules; r++) { /* (component index, window) pairs */
+        PyObject *rule = PyTuple_GET_ITEM(rules, r);
+        if (!PyTuple_Check(rule) || PyTuple_GET_SIZE(rule) != 2) {
+            PyErr_SetString(PyExc_TypeError, "match_tail: a rule must be a pair of ints");
+            return NULL;
+        }
+        ct[r] = PyLong_AsSsize_t(PyTuple_GET_ITEM(rule, 0));
+        window[r] = PyLong_AsSsize_t(PyTuple_GET_ITEM(rule, 1));
+        if ((ct[r] == -1 || window[r] == -1) && PyErr_Occurred())
             return NULL;
     }
     long long clock = PyLong_AsLongLong(args[2]);
@@ -442,7 +468,8 @@ match_tail(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_DECREF(node);
     }
-    return Py_BuildValue("(nnLN)", k, hit, clock, values);
+    return steal_tuple4(PyLong_FromSsize_t(k), PyLong_FromSsize_t(hit), PyLong_FromLongLong(clock),
+                        values);
 fail:
     Py_DECREF(values);
     return NULL;

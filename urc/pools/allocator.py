@@ -256,7 +256,12 @@ class TokenSlotAllocator:
         return DoubleFreeError(f"{doing} a slot named twice in one call")
 
     def claim_value(
-        self, indices: torch.Tensor, start: int, held_from: int, tensor_checked: bool = False
+        self,
+        indices: torch.Tensor,
+        start: int,
+        held_from: int,
+        tensor_checked: bool = False,
+        host: np.ndarray | None = None,
     ) -> np.ndarray:
         """Validate an insert's value and adopt its new part: ``indices[start:held_from]``
         must be allocated (the tree's own slots a match gave the caller, or the caller's),
@@ -265,16 +270,21 @@ class TokenSlotAllocator:
         Raises like :meth:`free` (:class:`InvalidIndicesError` and subclasses for every
         refusal), changing nothing.  Undo the adoption of a range with :meth:`unclaim`.
         ``start`` and ``held_from``: page boundaries.  ``tensor_checked``: the caller knows
-        ``indices`` is a 1-D int64 tensor on this device."""
+        ``indices`` is a 1-D int64 tensor on this device; ``host``: its host view, when the
+        caller has it."""
         if not tensor_checked:
             self._check_tensor(indices, "value")
-        host = _host(indices)
+        if host is None:
+            host = _host(indices)
         k = host.shape[0]
         if k <= start:
             return host
         self.flush()
         ps = self.page_size
-        held_from = min(k, max(start, held_from))
+        if held_from < start:  # min(k, max(start, held_from)) without the builtins' calls
+            held_from = start
+        if held_from > k:
+            held_from = k
         bound = self.size if ps > 1 else -1
         shift = self._shift
         if held_from > start:
