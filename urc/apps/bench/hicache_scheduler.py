@@ -4,7 +4,7 @@ prints JSON.
 
 Usage: ``python -m urc.apps.bench.hicache_scheduler [--steps 64] [--tokens 256]
 [--device-tokens 4096] [--layers 32 --heads 8 --head-dim 128 --dtype bfloat16]
-[--forward-ms 5] [--repeat 3] [--phase backup|load_back|both]``.
+[--forward-ms 5] [--repeat 3] [--phase backup|load_back|both] [--torch-threads N]``.
 
 Backups (``backup``).  Each step does what SGLang's scheduler does around a prefill with
 ``--enable-hierarchical-cache`` and urc as the tree: a request's ``--tokens`` new tokens
@@ -249,7 +249,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--phase", choices=("backup", "load_back", "both"), default="both", help="what to time"
     )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="threads for the forward's matmuls (default: torch's, every core); on a small "
+        "machine, fewer leave a core to the copy worker, as a GPU server's forward does",
+    )
     args = p.parse_args(argv)
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            p.error(f"argument --torch-threads: must be >= 1, got {args.torch_threads}")
+        torch.set_num_threads(args.torch_threads)
     forward = _forward(args.forward_ms)
     layer_forward = _forward(args.forward_ms / args.layers)
     phases = ("backup", "load_back") if args.phase == "both" else (args.phase,)
