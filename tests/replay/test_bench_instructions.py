@@ -74,6 +74,7 @@ def test_usage_errors_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # importing torch under valgrind takes minutes on a busy machine
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 def test_a_phase_is_counted_under_callgrind() -> None:
     """The marker turns collection on around the measured calls only: an insert counts
