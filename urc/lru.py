@@ -39,8 +39,10 @@ class LRUList:
     def insert_mru(self, node: TreeNode) -> None:
         """Add ``node`` (or move it) to the most-recently-used end."""
         od = self.entries
-        od[node.id] = node
-        od.move_to_end(node.id)
+        n = len(od)
+        od[node.id] = node  # a new entry goes to the MRU end
+        if len(od) == n:
+            od.move_to_end(node.id)
 
     def promote(self, node: TreeNode) -> None:
         """Move ``node`` to the MRU end if it is in the list."""

@@ -407,6 +407,8 @@ def _mamba_value_cases(cache: UnifiedRadixCache, tree_slot: int) -> list[tuple[o
         (torch.tensor([tree_slot]), TreeOwnedSlotError),  # the tree's own
         (torch.tensor([0], dtype=torch.int32), InvalidIndicesError),
         (torch.tensor([0, 1]), InvalidIndicesError),
+        (torch.tensor([0], device="meta"), InvalidIndicesError),  # not the pool's device
+        (torch.tensor(tree_slot), TreeOwnedSlotError),  # 0-d: one element, like SGLang's
         (5, InvalidIndicesError),
     ]
 

@@ -144,6 +144,10 @@ class MambaPool:
                 raise TreeOwnedSlotError(f"{what} {slot} is owned by the tree")
             raise InvalidIndicesError(f"{what} {slot} is not allocated")
 
+    def is_held(self, slot: int) -> bool:
+        """Whether ``slot`` is in range and held by a caller (not free, not the tree's)."""
+        return 0 <= slot < self.size and self._state[slot] == _HELD
+
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot`` is in range and allocated (held by a caller or owned by the tree)."""
         return 0 <= slot < self.size and self._state[slot] != _FREE
