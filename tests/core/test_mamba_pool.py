@@ -8,6 +8,7 @@ import torch
 from urc.config import CacheConfig, build_pools
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
 from urc.node import ComponentType
+from urc.pools.indices import INDEX_DEVICE, index_tensor
 from urc.pools.mamba import MambaPool
 from urc.specs import MambaSpec
 
@@ -44,6 +45,18 @@ def test_shapes_from_config() -> None:
     assert tuple(pool.temporal.shape) == (5, 4, 5, 6)
     assert pool.available_size() == 5
     pool.check_consistency()
+
+
+@pytest.mark.parametrize(("values", "shape"), [(7, ()), ([7], (1,)), ([3, 1, 2], (3,)), ([], (0,))])
+@pytest.mark.parametrize("device", [INDEX_DEVICE, torch.device("meta")])
+def test_index_tensor_is_a_new_int64_tensor(
+    values: int | list[int], shape: tuple[int, ...], device: torch.device
+) -> None:
+    a, b = index_tensor(values, device), index_tensor(values, device)
+    assert a.dtype == torch.int64 and a.device == device and tuple(a.shape) == shape
+    if device.type == "cpu":
+        assert a.tolist() == values
+        assert a.numel() == 0 or a.data_ptr() != b.data_ptr()  # a caller may write its own
 
 
 def test_alloc_free_roundtrip() -> None:

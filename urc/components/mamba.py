@@ -47,6 +47,7 @@ from urc.host_protocol import TransferItem
 from urc.lru import LRUList
 from urc.node import FULL_INDEX, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
 from urc.params import EvictParams, MatchResult
+from urc.pools.indices import index_tensor
 from urc.specs import MambaSpec
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ class MambaComponent(TreeComponent):
                             mamba_branching_seqlen=branching,
                             device_len=0,
                         )
-                    req.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
+                    req.mamba_pool_idx = index_tensor(dst, self.device)
                 else:
                     dst = int(idx.item())
                 req.start_from_mamba_state(self.pool, src, dst)

@@ -34,6 +34,7 @@ import torch
 
 from urc.errors import InvalidIndicesError, InvalidInputError, OutOfMemoryError
 from urc.params import InsertParams, InsertResult
+from urc.pools.indices import index_tensor
 from urc.pools.mamba import MambaPool
 from urc.request_protocol import CachingRequest
 
@@ -151,12 +152,12 @@ class MambaRequestSlots:
             keep = (req.mamba_next_track_idx - 1) % buf.shape[0]
             slot = int(buf[keep].item())
             if is_finished:
-                params.mamba_value = torch.tensor([slot], dtype=torch.int64, device=self.device)
+                params.mamba_value = index_tensor([slot], self.device)
             elif klen > 0 and t >= req.cache_protected_len:
                 fresh = self.alloc_slot(None)
                 if fresh is not None:
                     buf[keep] = fresh
-                    params.mamba_value = torch.tensor([slot], dtype=torch.int64, device=self.device)
+                    params.mamba_value = index_tensor([slot], self.device)
             return t
         idx = req.mamba_pool_idx
         klen = self._key_len(token_len)
@@ -164,12 +165,12 @@ class MambaRequestSlots:
             return None
         slot = int(idx.item())
         if is_finished:
-            params.mamba_value = torch.tensor([slot], dtype=torch.int64, device=self.device)
+            params.mamba_value = index_tensor([slot], self.device)
         else:
             fork = self.alloc_slot(None)
             if fork is not None:
                 self.pool.copy(slot, fork)
-                params.mamba_value = torch.tensor([fork], dtype=torch.int64, device=self.device)
+                params.mamba_value = index_tensor([fork], self.device)
         return None
 
     def cleanup(
@@ -214,7 +215,7 @@ class MambaRequestSlots:
             slot = self.alloc_slot(None)
             if slot is None:
                 raise OutOfMemoryError("no free Mamba slot and no evictable Mamba state")
-            req.mamba_pool_idx = torch.tensor(slot, dtype=torch.int64, device=self.device)
+            req.mamba_pool_idx = index_tensor(slot, self.device)
         return req.mamba_pool_idx
 
     def alloc_track_buffer(self, req: CachingRequest, size: int = 2) -> torch.Tensor:
@@ -231,7 +232,7 @@ class MambaRequestSlots:
                 self.pool.free_slots(slots)
                 raise OutOfMemoryError("no free Mamba slot for the tracking buffer")
             slots.append(slot)
-        buf = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        buf = index_tensor(slots, self.device)
         req.mamba_ping_pong_track_buffer = buf
         req.mamba_next_track_idx = 0
         req.mamba_last_track_seqlen = None

@@ -26,7 +26,7 @@ import torch
 
 from urc.errors import ConfigError, DoubleFreeError, InvalidIndicesError, TreeOwnedSlotError
 from urc.pools.counts import slot_count
-from urc.pools.indices import INDEX_DEVICE
+from urc.pools.indices import INDEX_DEVICE, index_tensor
 
 __all__ = ["MambaPool"]
 
@@ -110,7 +110,7 @@ class MambaPool:
         state = self._state
         for s in slots:
             state[s] = _HELD
-        return torch.tensor(slots, dtype=torch.int64, device=self.index_device)
+        return index_tensor(slots, self.index_device)
 
     def free(self, indices: SlotIndex) -> None:
         """Return the caller-held slots ``indices`` to the pool (all or nothing)."""

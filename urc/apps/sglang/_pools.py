@@ -229,6 +229,14 @@ class SGLangMambaSlots:
         if bool((self.allocator.free_slots == slot).any()):
             raise InvalidIndicesError(f"{what} {slot} is not allocated")
 
+    def is_held(self, slot: int) -> bool:
+        """Whether ``slot`` is taken and not the tree's (what :meth:`check_held` accepts)."""
+        return (
+            0 < slot < self.size
+            and slot not in self._tree
+            and not bool((self.allocator.free_slots == slot).any())
+        )
+
     def adopt(self, slot: int) -> None:
         self._tree.add(slot)
 
