@@ -14,6 +14,12 @@ Every slot from ``prev_prefix_len`` on must be held by the caller, each page onc
 allocator's ``claim_value`` checks that and makes those pages the tree's in the same pass
 (refused with nothing changed otherwise); the duplicates are then freed and the unaligned
 tail handed back to the caller (``unclaim``) before ``insert`` returns.
+
+The walk is read-only and comes first.  At page 1, when no component takes part of an
+overlapped node and no node on the path is host-only, every duplicate is freed: the claim
+then adopts only ``[prefix, aligned)``, and the duplicates are checked and freed in one pass
+(``free_held``) as the last check, before anything changes -- a long prompt's cached part
+is read once, not claimed and then freed (a tenth of a 78k-token insert).
 """
 
 from __future__ import annotations
@@ -67,12 +73,11 @@ def _add_leaf(
 
 
 def _check_value(
-    state: CacheState, n_key: int, value: torch.Tensor | None, owned_from: int, prev: int
+    state: CacheState, n_key: int, value: torch.Tensor | None, owned_from: int
 ) -> tuple[torch.Tensor, np.ndarray | None]:
-    """``value`` once it is known to be valid, and the allocator's host view of it (``None``
-    when the allocator has no ``claim_value`` or nothing was checked); raises the insert's
-    typed errors.  With a host view, the pages of ``value[prev:]`` are the tree's now
-    (:meth:`~urc.pools.allocator.TokenSlotAllocator.claim_value`)."""
+    """``value`` once it is known to be a valid tensor, and its host view where the
+    allocator's ``claim_value`` will check its slots (``None``: ``claim_value`` makes its
+    own view, or there is none, or nothing to check); raises the insert's typed errors."""
     claim_value = state.claim_value
     if n_key > owned_from and claim_value is not None and state.on_cpu and type(value) is _Tensor:
         # The common case, checked on the host view the claim reads anyway: numpy's
@@ -83,7 +88,7 @@ def _check_value(
         except (TypeError, RuntimeError):  # not a plain CPU tensor
             host = None
         if host is not None and host.dtype is _INT64 and host.ndim == 1 and len(host) == n_key:
-            return value, claim_value(value, owned_from, prev, True, host)
+            return value, host
     if value is None:
         raise InvalidInputError("insert needs a value tensor of device indices")
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
@@ -92,9 +97,7 @@ def _check_value(
         raise InvalidIndicesError(f"value is on {value.device}, the cache on {state.device}")
     if value.shape[0] != n_key:
         raise KeyValueMismatchError(f"key has {n_key} tokens, value {value.shape[0]}")
-    if n_key > owned_from:
-        if claim_value is not None:  # range, allocation, owner and repeats, host side
-            return value, claim_value(value, owned_from, prev, True)
+    if n_key > owned_from and claim_value is None:
         lo, hi = torch.aminmax(value)
         size = state.token_to_kv_pool_allocator.size
         if int(lo) < 0 or int(hi) >= size:
@@ -149,6 +152,7 @@ def insert(
                 f"session_id must be a str or None, got {sid!r} ({type(sid).__name__})"
             )
     resumed: list[TreeNode] = []
+    start_len = 0
     if resume_from is not None:
         resumed = state.tree.path_to(resume_from)
         start_len = sum([p.key_len for p in resumed])
@@ -160,35 +164,70 @@ def insert(
     owned_from = prev if resumed else 0
     # The pages the allocator's claim_value adopts: from the first page boundary at or
     # above ``prev`` (a partly protected page is checked, not adopted).
-    claimed = min(n_key, -(-prev // state.page_size) * state.page_size) if prev else 0
-    value, host = _check_value(state, n_key, params.value, owned_from, claimed)
+    ps = state.page_size
+    claimed = min(n_key, -(-prev // ps) * ps) if prev else 0
+    value, host = _check_value(state, n_key, params.value, owned_from)
+    tree = state.tree
+    tokens = tree.tokens_of(key)
+    n = len(tokens)
+    # The structural walk first (read-only, urc.fastpath: compiled when built), from the
+    # resumed node if any; the per-node steps come once every check has passed.  Hooks
+    # that split a node keep it as the lower piece, so the walked path stays valid.
+    node = resumed[-1] if resumed else tree.root
+    pos = start_len
+    ns = key.extra_key
+    walked: list[TreeNode] = []
+    partial: TreeNode | None = None
+    pm = 0
+    if pos < n:
+        # None: the walk looks the first child up under the page key where it starts.
+        ck = tree.root_child_key(tokens, ns) if not resumed and ns is not None else None
+        walked, _, partial, pm = tree.walk(node, ck, tokens, pos, ps)
+        if partial is not None:
+            walked.append(partial)
+    overlap_hooks = state.hooks.overlap
+    # Page 1 with no overlap hook and no host-only node on the path: the caller's slots
+    # for cached tokens, [prev, matched), are all freed, so they are checked and freed in
+    # one pass (``free_held``) after every other check, instead of adopted by the claim
+    # and freed again (the long-context insert's largest memory pass).
+    matched = -1
+    if host is not None and ps == 1 and not overlap_hooks:
+        matched = pos + pm
+        for child in walked:
+            if child.full.value is None:  # host-only: it adopts the caller's slots
+                matched = -1
+                break
+            if child is not partial:
+                matched += child.key_len
+        if matched < prev:
+            matched = -1
+    adopt_from = matched if matched > claimed else claimed
     alloc = state.token_to_kv_pool_allocator
+    if n_key > owned_from and state.claim_value is not None:
+        host = state.claim_value(value, owned_from, claimed, True, host, adopt_from)
     try:
         for c in state.hooks.validate_insert:
             c.validate_insert(params, n_key)
     except BaseException:
         if host is not None:
-            alloc.unclaim(host, claimed, n_key)
+            alloc.unclaim(host, adopt_from, n_key)
         raise
-    tree = state.tree
-    tokens = tree.tokens_of(key)
-    n = len(tokens)
     if host is not None and n < n_key:
-        alloc.unclaim(host, claimed if claimed > n else n, n_key)  # the tail stays the caller's
+        alloc.unclaim(host, adopt_from if adopt_from > n else n, n_key)  # the caller's tail
     if n == 0:
         return InsertResult(prefix_len=0, mamba_exist=True)
+    if matched > prev:
+        assert host is not None, f"matched {matched} without a host view"
+        if not alloc.free_held(host, prev, matched):  # the last check: nothing changed yet
+            alloc.unclaim(host, adopt_from, n)
+            raise alloc.value_refusal(host, claimed, n_key)
     priority = params.priority
-    overlap_hooks = state.hooks.overlap
     # SGLang counts hits on insert only: not for chunked prefills, never under write-back.
     count_hits = not params.chunked and state.write_policy is not WritePolicy.WRITE_BACK
     note_hits = count_hits and state.backup_threshold is not None
     path: list[TreeNode] = []
     free_ranges: list[tuple[int, int]] = []
-    node = tree.root
     pos = 0
-    ns = key.extra_key
-    # None: the walk looks the first child up under the page key where it starts.
-    ck = tree.root_child_key(tokens, ns) if not resumed and ns is not None else None
     for below in resumed:
         # What the walk below does to a locked node wholly below ``prev``: stamp, raise
         # the priority, count the hit (the overlap hooks and frees have nothing to do).
@@ -201,17 +240,6 @@ def insert(
                 host_transfers.note_hit(state, below)
         path.append(below)
         pos += below.key_len
-        node = below
-    # The structural walk first (read-only, urc.fastpath: compiled when built), then the
-    # per-node steps; hooks that split a node keep it as the lower piece, so the walked path
-    # stays valid.
-    walked: list[TreeNode] = []
-    partial: TreeNode | None = None
-    pm = 0
-    if pos < n:
-        walked, _, partial, pm = tree.walk(node, ck, tokens, pos, tree.page_size)
-        if partial is not None:
-            walked.append(partial)
     # Conditional expressions, not min()/max(): a builtin min or max call costs as much as
     # the rest of a node's step (the bench's reference insert walks ~6 nodes).
     split_at = len(walked) - 1 if partial is not None else -1
@@ -238,7 +266,7 @@ def insert(
                     consumed = kept
             start = prev if prev > pos else pos  # slots below prev_prefix_len stay
             end = pos + consumed
-            if start < end:
+            if start < end and matched < 0:  # (else freed with the checks)
                 if free_ranges and free_ranges[-1][1] == start:
                     free_ranges[-1] = (free_ranges[-1][0], end)
                 else:

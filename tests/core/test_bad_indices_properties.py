@@ -38,7 +38,7 @@ from urc.specs import MambaSpec, SlidingWindowSpec
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 IMPLS = [WalkImpl.PYTHON] + ([WalkImpl.NATIVE] if native_pages_available() else [])
 BAD_KINDS = ["repeat", "tree", "free", "above", "negative", "int32", "meta", "2d"]
-SLOT_ENTRIES = ["free", "insert", "insert_prev", "free_swa", "write_req_slots"]
+SLOT_ENTRIES = ["free", "insert", "insert_prev", "insert_dup", "free_swa", "write_req_slots"]
 MAMBA_ENTRIES = ["mamba_free", "mamba_copy", "mamba_value"]
 
 
@@ -145,6 +145,12 @@ def call_slot_entry(w: World, entry: str, slots: torch.Tensor) -> None:
             w.cache.insert(InsertParams(key=RadixKey(key), value=slots, prev_prefix_len=4 * w.ps))
         else:
             w.cache.insert(InsertParams(key=RadixKey(list(range(9000, 9000 + n))), value=slots))
+    elif entry == "insert_dup":
+        # The key starts with a cached prompt: the value's first slots are the caller's
+        # duplicates of cached tokens, which the insert frees (page 1: after its last check).
+        m = min(n, 4 * w.ps)
+        key = list(range(m)) + list(range(7000, 7000 + n - m))
+        w.cache.insert(InsertParams(key=RadixKey(key), value=slots))
     elif entry == "free_swa":
         if not hasattr(w.alloc, "free_swa"):
             pytest.skip("no SWA")
@@ -235,7 +241,9 @@ def test_a_bad_mamba_slot_set_is_refused_with_a_typed_error_and_changes_nothing(
         elif entry == "mamba_copy":
             w.mamba.copy(w.mamba_mine, bad)
         else:
-            key = RadixKey(list(range(8000, 8000 + 4 * ps)))
+            # Half the key is cached: its slots are duplicates the insert would free, so a
+            # refused state must be refused before they are.
+            key = RadixKey(list(range(3000, 3000 + 2 * ps)) + list(range(8000, 8000 + 2 * ps)))
             w.cache.insert(InsertParams(key=key, value=value, mamba_value=bad))
     assert w.snapshot() == before, (entry, kind)
     w.alloc.free(value)

@@ -234,3 +234,53 @@ def test_the_core_refuses_a_lock_on_a_host_only_node(ps: int) -> None:
     assert (cache.protected_size(), [cd.lock_ref for cd in leaf.data if cd is not None]) == before
     cache.sanity_check()
     assert np.all(cache.token_to_kv_pool_allocator._state == 0)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("comps", SETS, ids=["full", "full_swa"])
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ("tree", TreeOwnedSlotError, "owned by the tree"),
+        ("free", InvalidIndicesError, "not allocated"),
+        ("repeat_new", InvalidIndicesError, "twice"),
+        ("repeat_dup", InvalidIndicesError, "twice"),
+        ("above", InvalidIndicesError, "outside"),
+    ],
+)
+def test_a_bad_slot_among_the_duplicates_of_cached_tokens_is_refused_and_changes_nothing(
+    comps: tuple[ComponentType, ...],
+    ps: int,
+    impl: WalkImpl,
+    bad: str,
+    error: type[Exception],
+    match: str,
+) -> None:
+    """The caller's slots for tokens the tree already caches are freed by the insert (at
+    page 1 in one checked pass, after every other check): a bad one there is refused with
+    the error a bad new slot gets, nothing changed, and the good value still goes in."""
+    cache = make(comps, ps, impl)
+    alloc: Any = cache.token_to_kv_pool_allocator
+    cached = alloc.alloc(4 * ps)
+    cache.insert(InsertParams(key=RadixKey(list(range(4 * ps))), value=cached))
+    mine = alloc.alloc(8 * ps)
+    assert mine is not None
+    free_page = int(np.flatnonzero(alloc._state == 0)[0]) * ps
+    page = {
+        "tree": cached[ps : 2 * ps],
+        "free": torch.arange(free_page, free_page + ps),
+        "repeat_new": mine[5 * ps : 6 * ps],
+        "repeat_dup": mine[:ps],
+        "above": torch.arange(alloc.size, alloc.size + ps),
+    }[bad]
+    value = torch.cat([mine[:ps], page, mine[2 * ps :]])  # the second page is bad
+    key = RadixKey(list(range(4 * ps)) + list(range(500, 500 + 4 * ps)))
+    before = pool_state(cache)
+    with pytest.raises(error, match=match):
+        cache.insert(InsertParams(key=key, value=value))
+    assert pool_state(cache) == before and cache.num_nodes == 1
+    check(cache, 8 * ps)
+    res = cache.insert(InsertParams(key=key, value=mine))
+    assert res.prefix_len == 4 * ps
+    check(cache, 0)  # the duplicates were freed, the rest adopted

@@ -262,6 +262,7 @@ class TokenSlotAllocator:
         held_from: int,
         tensor_checked: bool = False,
         host: np.ndarray | None = None,
+        adopt_from: int | None = None,
     ) -> np.ndarray:
         """Validate an insert's value and adopt its new part: ``indices[start:held_from]``
         must be allocated (the tree's own slots a match gave the caller, or the caller's),
@@ -271,7 +272,12 @@ class TokenSlotAllocator:
         refusal), changing nothing.  Undo the adoption of a range with :meth:`unclaim`.
         ``start`` and ``held_from``: page boundaries.  ``tensor_checked``: the caller knows
         ``indices`` is a 1-D int64 tensor on this device; ``host``: its host view, when the
-        caller has it."""
+        caller has it.
+
+        ``adopt_from`` (page 1): ``indices[held_from:adopt_from]`` duplicate cached tokens:
+        they are neither read nor adopted here, and the insert frees them with
+        :meth:`free_held` once nothing else can fail (one pass over them, not two); only
+        ``indices[adopt_from:]`` is checked and adopted."""
         if not tensor_checked:
             self._check_tensor(indices, "value")
         if host is None:
@@ -293,14 +299,45 @@ class TokenSlotAllocator:
                 raise InvalidIndicesError(f"value indices outside [0, {self.size})")
             if held != (held_from - start + ps - 1) >> shift:
                 raise InvalidIndicesError("value holds slots that are not allocated")
+        checked_from = held_from  # a refusal names what is wrong in all of it
+        if adopt_from is not None and adopt_from > held_from:
+            assert ps == 1, f"adopt_from {adopt_from} at page size {ps}"
+            held_from = adopt_from if adopt_from < k else k
         if held_from < k:
             got = self._ops.claim(self._state, host, held_from, k, ps, shift, bound, HELD, TREE)
             if got < 0:
-                err = self.refusal(host, held_from, k, "inserting")
-                if isinstance(err, DoubleFreeError):  # an insert's input error, not a free's
-                    err = InvalidIndicesError(f"value: {err}")
-                raise err
+                raise self.value_refusal(host, checked_from, k)
         return host
+
+    def value_refusal(self, host: np.ndarray, start: int, end: int) -> InvalidIndicesError:
+        """The error :meth:`claim_value` raises when it refuses ``host[start:end]`` (page
+        runs that should be the caller's, each once), for states as they were before it."""
+        err = self.refusal(host, start, end, "inserting")
+        if isinstance(err, DoubleFreeError):  # an insert's input error, not a free's
+            return InvalidIndicesError(f"value: {err}")
+        return err
+
+    def free_held(self, host: np.ndarray, start: int, end: int) -> bool:
+        """Free the page runs ``host[start:end]`` if every page is held by the caller, once
+        (one pass over them); ``False``, with nothing freed, otherwise: the caller reports it
+        (an insert raises :meth:`value_refusal`).  Host-side twin of ``free_span``."""
+        if start >= end:
+            return True
+        self.flush()
+        ps = self.page_size
+        n = (end - start + ps - 1) >> self._shift
+        if self._free_pages + n > self.num_pages:
+            return False  # more pages than are allocated: a page repeats or is not held
+        args = (self._state, self._ext_lo, self._ext_len, self._next, host, start, end, ps)
+        try:
+            nxt = self._ops.release_held(*args, self._shift)
+        except IndexError:  # a page out of range
+            return False
+        if nxt < 0:
+            return False
+        self._next = nxt
+        self._free_pages += n
+        return True
 
     def check_held(self, indices: torch.Tensor, doing: str = "passing") -> np.ndarray:
         """Raise like :meth:`free` unless ``indices`` (page runs) are a 1-D int64 tensor on

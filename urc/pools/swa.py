@@ -220,6 +220,13 @@ class SWATokenSlotAllocator(TokenSlotAllocator):
         super().free_span(indices, start, end, checked)
         self._release_swa(checked, start, end, self.page_size, self._shift)
 
+    def free_held(self, host: np.ndarray, start: int, end: int) -> bool:
+        """:meth:`TokenSlotAllocator.free_held`: the SWA pages go with the Full slots."""
+        if not super().free_held(host, start, end):
+            return False
+        self._release_swa(host, start, end, self.page_size, self._shift)
+        return True
+
     def _release_owned(self, pages: np.ndarray) -> None:
         super()._release_owned(pages)
         self._release_swa(pages, 0, pages.shape[0], 1, 0)
