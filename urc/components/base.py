@@ -330,7 +330,8 @@ class TreeComponent(HostTierHooks, RequestHooks, ABC):
     # ------------------------------------------------------------------ insert
     def validate_insert(self, params: InsertParams, key_len: int) -> None:
         """Raise :class:`~urc.errors.InvalidInputError` if ``params`` are invalid for this
-        component (``key_len``: the key's length in tree tokens).  Called before any change.
+        component (``key_len``: the key's length in tree tokens).  Called before any change,
+        and must make none to the tree: ``insert`` has walked it already and uses that path.
 
         Called by ``insert`` once the key and value checked out.
 
