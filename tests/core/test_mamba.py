@@ -35,7 +35,9 @@ from urc import (
     RadixKey,
     Req,
     UnifiedRadixCache,
+    build_cache,
 )
+from urc.config import build_pools
 from urc.errors import (
     ConfigError,
     InvalidIndicesError,
@@ -426,6 +428,23 @@ def test_bad_mamba_value_on_insert_changes_nothing() -> None:
         assert snapshot(cache) == before
         cache.token_to_kv_pool_allocator.free(value)
     check(cache)
+
+
+def test_a_state_on_another_device_than_the_pools_indices_is_refused() -> None:
+    """A pool whose index tensors live off the CPU (SGLang's on a GPU; ``meta`` here): a CPU
+    tensor naming a slot the caller holds is on the wrong device, refused like any other."""
+    config = make(1).config
+    pools = build_pools(config)
+    assert pools.mamba is not None
+    pools.mamba.index_device = torch.device("meta")
+    cache = build_cache(config, pools)
+    slot = pools.mamba.alloc_slot()
+    value = cache.token_to_kv_pool_allocator.alloc(2)
+    assert slot is not None and value is not None
+    before = snapshot(cache)
+    with pytest.raises(InvalidIndicesError, match="meta"):
+        cache.insert(InsertParams(RadixKey([1, 9]), value, mamba_value=torch.tensor([slot])))
+    assert snapshot(cache) == before
 
 
 def test_state_on_an_unaligned_key_is_refused() -> None:

@@ -71,8 +71,6 @@ _M = 2  # ComponentType.MAMBA
 _MAMBA = ComponentType.MAMBA
 _EVICT_ONE = EvictParams(mamba_num=1)
 _NO_PENDING: tuple[None, int] = (None, -1)
-_Tensor = torch.Tensor
-_INT64 = torch.int64
 
 
 # Module-level predicates: no closure is built per match or per eviction.
@@ -270,15 +268,7 @@ class MambaComponent(TreeComponent):
         mv = params.mamba_value
         if mv is None:
             return
-        # The usual value, checked inline: a 1-element int64 CPU tensor (the pool's index
-        # device) naming a slot the caller holds.  Two calls fewer than caller_slot, which
-        # takes anything else and says what is wrong.
-        if type(mv) is _Tensor and mv.dtype is _INT64 and mv.is_cpu and mv.numel() == 1:
-            slot: int = mv.item()  # type: ignore[assignment]  # (int64: an int)
-            if not self.pool.is_held(slot):
-                slot = self.requests.caller_slot(mv, "mamba_value")  # raises
-        else:
-            slot = self.requests.caller_slot(mv, "mamba_value")
+        slot = self.requests.caller_slot(mv, "mamba_value")
         if key_len % self.page_size:
             # The insert would drop the unaligned tail and put the state at the wrong position.
             raise InvalidInputError(

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MambaRequestSlots"]
 
+_Tensor = torch.Tensor
+_INT64 = torch.int64
+
 
 class MambaRequestSlots:
     """Validates, offers to the tree and frees the Mamba slots requests hold.
@@ -60,12 +63,26 @@ class MambaRequestSlots:
     ) -> None:
         self.pool = pool
         self.device = pool.index_device
+        self._on_cpu = self.device.type == "cpu"
         self.page_size = page_size
         self.is_eagle = is_eagle
         self.alloc_slot = alloc_slot
 
     def caller_slot(self, t: object, what: str) -> int:
         """The slot of a caller-held 1-element index tensor; typed error otherwise."""
+        # The usual value first, checked without building a device object: a 1-element
+        # int64 tensor on a CPU index device naming a held slot.  Anything else takes the
+        # checks below, which say what is wrong.
+        if (
+            type(t) is _Tensor
+            and t.dtype is _INT64
+            and self._on_cpu
+            and t.is_cpu
+            and t.numel() == 1
+        ):
+            slot: int = t.item()  # type: ignore[assignment]  # (int64: an int)
+            if self.pool.is_held(slot):
+                return slot
         if (
             not isinstance(t, torch.Tensor)
             or t.dtype != torch.int64

@@ -319,24 +319,16 @@ class TokenSlotAllocator:
 
     def free_held(self, host: np.ndarray, start: int, end: int) -> bool:
         """Free the page runs ``host[start:end]`` if every page is held by the caller, once
-        (one pass over them); ``False``, with nothing freed, otherwise: the caller reports it
-        (an insert raises :meth:`value_refusal`).  Host-side twin of ``free_span``."""
+        (the checked free of :meth:`free_span`, on a host view: one pass); ``False``, with
+        nothing freed, otherwise: the caller reports it (an insert raises
+        :meth:`value_refusal`)."""
         if start >= end:
             return True
         self.flush()
-        ps = self.page_size
-        n = (end - start + ps - 1) >> self._shift
-        if self._free_pages + n > self.num_pages:
-            return False  # more pages than are allocated: a page repeats or is not held
-        args = (self._state, self._ext_lo, self._ext_len, self._next, host, start, end, ps)
         try:
-            nxt = self._ops.release_held(*args, self._shift)
-        except IndexError:  # a page out of range
+            self._free_span(host, start, end)
+        except (InvalidIndicesError, DoubleFreeError):
             return False
-        if nxt < 0:
-            return False
-        self._next = nxt
-        self._free_pages += n
         return True
 
     def check_held(self, indices: torch.Tensor, doing: str = "passing") -> np.ndarray:
