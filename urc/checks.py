@@ -54,10 +54,14 @@ def sanity_check(state: CacheState) -> None:
             assert pfull is not None and pfull.host_value is not None, (
                 f"node {node.id} has a host copy but its parent {parent.id} does not"
             )
+        assert (node.full, node.swa, node.mamba) == node.data, f"node {node.id}: data attributes"
         prev_lock = None
         for c in state.components:
             cd = node.data[c.component_type]
             assert cd is not None
+            assert cd.on_device is (cd.value is not None), (
+                f"node {node.id}: {c.component_type.name} on_device {cd.on_device}, {cd}"
+            )
             assert cd.lock_ref >= 0 and cd.host_lock_ref >= 0, f"node {node.id}: {cd}"
             if prev_lock is not None:
                 # Counts are per component (Full counts locked children, the others count

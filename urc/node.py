@@ -63,12 +63,18 @@ class ComponentData:
     ``host_value`` the host-pool indices once HiCache backed it up.  ``lock_ref`` protects the
     device copy, ``host_lock_ref`` the host copy.  A component that keeps more per node
     subclasses it (``urc.components.swa_data.SWAData``).
+
+    ``on_device`` is ``value is not None``, kept beside it: every writer of ``value`` sets
+    both (``sanity_check`` verifies it).  The lock paths test it instead of ``value``:
+    reading an attribute takes a reference to the object it holds, and on a lock the value
+    tensor is the one object nothing else touches (a cache miss of its own).
     """
 
-    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "value")
+    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "on_device", "value")
 
     def __init__(self, value: torch.Tensor | None = None) -> None:
         self.value = value
+        self.on_device = value is not None
         self.lock_ref = 0
         self.host_value: torch.Tensor | None = None
         self.host_lock_ref = 0
@@ -86,10 +92,11 @@ class TreeNode:
     """A node of the radix tree: an edge of ``key_len`` tokens below ``parent``.
 
     ``data[ct]`` is the ``ComponentData`` of component ``ct`` (``None`` for components the
-    cache was not built with).  ``last_access_time`` is a logical clock (parent < child along
-    a matched path).  ``heap_entry`` is the Full eviction heap's live entry for the node
-    (``None``: none); ``deleted`` marks nodes removed from the tree (their heap entries are
-    stale).
+    cache was not built with), one entry per ``ComponentType``; the attributes ``full``,
+    ``swa`` and ``mamba`` hold the same objects.  ``last_access_time`` is a logical clock
+    (parent < child along a matched path).  ``heap_entry`` is the Full eviction heap's live
+    entry for the node (``None``: none); ``deleted`` marks nodes removed from the tree (their
+    heap entries are stale).
     """
 
     __slots__ = (
@@ -108,9 +115,11 @@ class TreeNode:
         "key",
         "key_len",
         "last_access_time",
+        "mamba",
         "namespace",
         "parent",
         "priority",
+        "swa",
     )
 
     def __init__(
@@ -128,10 +137,14 @@ class TreeNode:
         self.key = key
         self.key_len = len(key)
         self.data = data
-        # The Full data, also reachable as ``data[FULL_INDEX]``: the lock walks and the match
-        # loop touch it on every node, and an attribute is cheaper than an index.  Every node
-        # has it (FULL is the anchor component), so it is typed without ``None``.
-        self.full: ComponentData = data[FULL_INDEX]  # type: ignore[assignment]
+        # Each component's data, also reachable as ``data[ct]``: the lock walks and the match
+        # loop touch it on every node, and an attribute saves an index and a read of the
+        # (cold) tuple.  Every node has Full (the anchor component), so it is typed without
+        # ``None``; ``swa`` and ``mamba`` are ``None`` on caches built without them.
+        full, swa, mamba = data  # one entry per ComponentType, in its order
+        self.full: ComponentData = full  # type: ignore[assignment]
+        self.swa = swa
+        self.mamba = mamba
         self.namespace = namespace
         self.last_access_time = time
         self.creation_time = time

@@ -596,3 +596,53 @@ def test_the_cache_keeps_its_fields_in_slots_and_still_takes_other_attributes(
     assert weakref.ref(cache)() is cache  # registries key caches weakly
     cache.sanity_check()
     cache.check_pools()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize(
+    "components",
+    [
+        (FULL,),
+        (FULL, SlidingWindowSpec(window=4)),
+        (FULL, MambaSpec(size=8)),
+        (FULL, SlidingWindowSpec(window=4), MambaSpec(size=8)),
+    ],
+    ids=["full", "swa", "mamba", "swa+mamba"],
+)
+def test_each_components_on_device_flag_follows_its_value_and_sanity_check_holds_it(
+    components: tuple[ComponentType | ComponentSpec, ...], ps: int
+) -> None:
+    """The lock paths test ``on_device``, not ``value``: every writer keeps the two together
+    (insert, split, eviction to a tombstone), and ``sanity_check`` names a node where they
+    disagree."""
+    cache = build_cache(CacheConfig(components=components, page_size=ps, kv_size=256 * ps))
+    mamba = cache.pools.mamba
+    for n in (8, 4, 12):  # the second insert splits the first node
+        v = cache.token_to_kv_pool_allocator.alloc(n * ps)
+        slot = None if mamba is None else mamba.alloc(1)
+        res = cache.insert(InsertParams(key=RadixKey(seq(0, n, ps)), value=v, mamba_value=slot))
+        if res.mamba_exist and slot is not None:
+            mamba.free(slot)
+        cache.sanity_check()
+    nodes = cache.tree.nodes()
+    assert len(nodes) >= 3  # SWA may split more (a tombstone boundary)
+    for node in nodes:
+        assert (node.full, node.swa, node.mamba) == node.data
+        assert node.full.on_device
+        assert all(cd.on_device is (cd.value is not None) for cd in node.data if cd is not None)
+    while cache.evict(
+        EvictParams(num_tokens=4 * ps, swa_num_tokens=4 * ps, mamba_num=1)
+    ).num_tokens_evicted:
+        cache.sanity_check()  # tombstones on the way (SWA, Mamba), then whole nodes
+    assert cache.tree.num_nodes == 0
+    v = cache.token_to_kv_pool_allocator.alloc(4 * ps)
+    (node,) = [cache.insert(InsertParams(key=RadixKey(seq(0, 4, ps)), value=v)).last_device_node]
+    for cd in node.data:
+        if cd is None:
+            continue
+        cd.on_device = not cd.on_device  # behind the cache's back
+        with pytest.raises(AssertionError, match="on_device"):
+            cache.sanity_check()
+        cd.on_device = not cd.on_device
+    cache.sanity_check()
+    cache.check_pools()

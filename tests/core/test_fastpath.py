@@ -203,8 +203,8 @@ def test_native_walk_rejects_unpacked_tokens_with_a_type_error(tokens: Any) -> N
 @needs_native
 def test_native_walk_rejects_a_node_key_that_is_not_packed() -> None:
     native = select_walk(WalkImpl.NATIVE)
-    root = TreeNode(_packed([]), None, (None,), None, 0)
-    root.children[1] = TreeNode([1, 2], root, (None,), None, 0)
+    root = TreeNode(_packed([]), None, (None, None, None), None, 0)
+    root.children[1] = TreeNode([1, 2], root, (None, None, None), None, 0)
     with pytest.raises(TypeError, match=r"node\.key must be an array"):
         native(root, 1, _packed([1, 2]), 0, 1)
 
@@ -230,8 +230,8 @@ def test_native_walk_reads_other_node_types_through_their_attributes() -> None:
     proot, pa = Plain([]), Plain([1, 2])
     proot.children[1] = pa
     pa.children[3] = Plain([3, 4])
-    sroot = Sub(_packed([]), None, (None,), None, 0)
-    sroot.children[1] = Sub(_packed([1, 2, 3]), sroot, (None,), None, 0)
+    sroot = Sub(_packed([]), None, (None, None, None), None, 0)
+    sroot.children[1] = Sub(_packed([1, 2, 3]), sroot, (None, None, None), None, 0)
     for _ in range(2):
         for root in (cache.root, proot, sroot, cache.root):
             for q in map(_packed, ([1, 2, 3, 4], [1, 2, 9], [1, 2])):

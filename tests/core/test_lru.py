@@ -16,7 +16,7 @@ def _nodes(n: int) -> list[tuple[TreeNode, SWAData]]:
     out = []
     for i in range(n):
         link = SWAData()
-        out.append((TreeNode([i], None, (None, link), None, i), link))
+        out.append((TreeNode([i], None, (None, link, None), None, i), link))
     return out
 
 

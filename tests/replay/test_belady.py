@@ -16,11 +16,11 @@ PAGE = 4
 
 def _node(table_tokens: list[int], start: int, end: int) -> TreeNode:
     """A node holding ``tokens[start:end]`` below a chain of one node per page above it."""
-    parent = TreeNode([], None, (None,), None, 0)  # the root
+    parent = TreeNode([], None, (None, None, None), None, 0)  # the root
     for p in range(0, start, PAGE):
-        child = TreeNode(table_tokens[p : p + PAGE], parent, (None,), None, 0)
+        child = TreeNode(table_tokens[p : p + PAGE], parent, (None, None, None), None, 0)
         parent = child
-    return TreeNode(table_tokens[start:end], parent, (None,), None, 0)
+    return TreeNode(table_tokens[start:end], parent, (None, None, None), None, 0)
 
 
 def test_next_use_is_the_first_later_request_containing_the_first_page() -> None:
@@ -42,7 +42,8 @@ def test_next_use_is_the_first_later_request_containing_the_first_page() -> None
 def test_namespaces_are_separate_futures() -> None:
     table = NextUseTable(PAGE)
     table.add(0, [1, 2, 3, 4], ("tenant-a",))
-    node = TreeNode([1, 2, 3, 4], TreeNode([], None, (None,), None, 0), (None,), ("tenant-b",), 0)
+    root = TreeNode([], None, (None, None, None), None, 0)
+    node = TreeNode([1, 2, 3, 4], root, (None, None, None), ("tenant-b",), 0)
     assert table.next_use(node) == NEVER
     node.namespace = ("tenant-a",)
     table.advance(-1)

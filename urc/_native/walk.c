@@ -476,7 +476,8 @@ fail:
 }
 
 /* ------------------------------------------------------------------ SWA window release */
-static slot_cache sc_parent = {"parent"}, sc_id = {"id"}, sc_w_value = {"value"},
+static slot_cache sc_parent = {"parent"}, sc_id = {"id"}, sc_on_device = {"on_device"},
+                  sc_swa = {"swa"}, sc_mamba = {"mamba"},
                   sc_lock_ref = {"lock_ref"}, sc_restored = {"restored"}, sc_uuid = {"uuid"},
                   sc_r_uuid = {"swa_uuid_for_lock"}, sc_r_skip = {"skip_lock_node_ids"},
                   sc_r_epoch = {"swa_lock_epoch"};
@@ -506,10 +507,15 @@ raise_lock_error(PyObject *msg)
     return NULL;
 }
 
-/* New reference to ``node.data[index]``; NULL with an exception. */
+/* New reference to ``node.data[index]``; NULL with an exception.  Read from the node's
+ * attribute for that ComponentType (``full``, ``swa``, ``mamba``), not from the tuple: the
+ * lock that this walk releases never read the tuple, so its line is cold. */
 static PyObject *
 component_data(PyObject *node, Py_ssize_t index)
 {
+    static slot_cache *const by_type[] = {&sc_full, &sc_swa, &sc_mamba};
+    if (index >= 0 && index < (Py_ssize_t)(sizeof(by_type) / sizeof(by_type[0])))
+        return get_slot(node, by_type[index]);
     PyObject *data = get_slot(node, &sc_data);
     if (data == NULL)
         return NULL;
@@ -534,13 +540,14 @@ add_lock_ref(PyObject *cd, Py_ssize_t by)
 static int
 window_counts(PyObject *node, PyObject *cd, PyObject *skip, PyObject *epoch)
 {
-    PyObject *v = get_slot(cd, &sc_w_value);
+    /* ``on_device``, not ``value``: a reference to the value would touch its (cold) tensor. */
+    PyObject *v = get_slot(cd, &sc_on_device);
     if (v == NULL)
         return -1;
-    const int has = v != Py_None;
+    const int has = PyObject_IsTrue(v);
     Py_DECREF(v);
-    if (!has)
-        return 0;
+    if (has <= 0)
+        return has;
     if (skip != Py_None) {
         PyObject *id = get_slot(node, &sc_id);
         if (id == NULL)
@@ -792,7 +799,8 @@ PyInit__walk(void)
 {
     slot_cache *caches[] = {&sc_children, &sc_key,     &sc_key_len,  &sc_data,
                             &sc_full,     &sc_value,   &sc_stamp,    &sc_rule_value,
-                            &sc_parent,   &sc_id,      &sc_w_value,  &sc_lock_ref,
+                            &sc_parent,   &sc_id,      &sc_on_device, &sc_lock_ref,
+                            &sc_swa,      &sc_mamba,
                             &sc_restored, &sc_uuid,    &sc_r_uuid,   &sc_r_skip,
                             &sc_r_epoch};
     for (size_t i = 0; i < sizeof(caches) / sizeof(caches[0]); i++) {

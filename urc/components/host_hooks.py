@@ -168,6 +168,7 @@ class HostTierHooks:
                 self.release_load_slots(part)
                 continue
             cd.value = part
+            cd.on_device = True
             if cd.lock_ref:
                 self.protected_size += self.value_len(cd)
             else:

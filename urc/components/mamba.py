@@ -75,21 +75,21 @@ _NO_PENDING: tuple[None, int] = (None, -1)
 
 # Module-level predicates: no closure is built per match or per eviction.
 def _has_state(node: TreeNode) -> bool:
-    return node.data[_M].value is not None  # type: ignore[union-attr]
+    return node.mamba.on_device  # type: ignore[union-attr]
 
 
 def _has_state_any_tier(node: TreeNode) -> bool:
     # Host pass: a host-only node's host state counts (a load-back restores it); a node on
     # device counts only with state on device (a load-back leaves it as it is).
-    cd = node.data[_M]
+    cd = node.mamba
     assert cd is not None
-    if cd.value is not None:
+    if cd.on_device:
         return True
-    return cd.host_value is not None and node.full.value is None
+    return cd.host_value is not None and not node.full.on_device
 
 
 def _unlocked(node: TreeNode) -> bool:
-    return node.data[_M].lock_ref == 0  # type: ignore[union-attr]
+    return node.mamba.lock_ref == 0  # type: ignore[union-attr]
 
 
 class MambaComponent(TreeComponent):
@@ -283,9 +283,9 @@ class MambaComponent(TreeComponent):
         params: InsertParams,
         result: InsertResult,
     ) -> TreeNode:
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
-        if cd.value is not None:
+        if cd.on_device:
             # The node keeps its state; the caller still owns (and frees) its slot.
             result.mamba_exist = True
             self.lru.promote(node)
@@ -300,6 +300,7 @@ class MambaComponent(TreeComponent):
         self._pending = _NO_PENDING
         assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
         cd.value = self._values[slot]
+        cd.on_device = True
         self._slot_of[node.id] = slot
         self.pool.adopt(slot)
         self.lru.insert_mru(node)
@@ -342,6 +343,7 @@ class MambaComponent(TreeComponent):
             f"evicting Mamba state of node {node.id}: {cd}"
         )
         cd.value = None
+        cd.on_device = False
         slot = self._slot_of.pop(node.id)
         self.lru.remove(node)
         self.pool.release_tree_slot(slot)
@@ -415,6 +417,7 @@ class MambaComponent(TreeComponent):
         assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
         self.pool.adopt(slot)
         cd.value = self._values[slot]
+        cd.on_device = True
         self._slot_of[node.id] = slot
         self.lru.insert_mru(node)
         self.evictable_size += 1
@@ -434,9 +437,9 @@ class MambaComponent(TreeComponent):
         return True
 
     def acquire_component_lock(self, node: TreeNode, result: IncLockRefResult) -> None:
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
-        if cd.value is None or (self._above and not self._may_lock(node, cd)):
+        if not cd.on_device or (self._above and not self._may_lock(node, cd)):
             # Record the skip: state adopted later must not be "released" by this receipt.
             result.skip_lock_node_ids.setdefault(_MAMBA, set()).add(node.id)
             return
@@ -446,7 +449,7 @@ class MambaComponent(TreeComponent):
         cd.lock_ref += 1
 
     def release_component_lock(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
         if params is None:
             # No receipt: release only what is there (a receipt is needed for exactness).
@@ -469,7 +472,7 @@ class MambaComponent(TreeComponent):
             self.protected_size -= 1
 
     def release_lock_early(self, node: TreeNode, params: DecLockRefParams | None) -> None:
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
         if params is not None:
             skip = params.skip_lock_node_ids.setdefault(_MAMBA, set())

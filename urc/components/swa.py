@@ -215,6 +215,7 @@ class SWAComponent(TreeComponent):
         cd = node.data[_SWA]
         assert full is not None and isinstance(cd, SWAData) and cd.value is None
         cd.value = self.allocator.translate(full)
+        cd.on_device = True
         self.evictable_size += node.key_len
         self.lru.push_mru(cd, node)
 
@@ -330,6 +331,7 @@ class SWAComponent(TreeComponent):
         v = c.value
         if v is not None:
             p.value = v[:k]
+            p.on_device = True
             c.value = v[k:]
             # A split is no use of either part (SGLang 0.5.23): the lower part keeps its
             # place and the upper part goes just before it (ancestors are tombstoned first).
@@ -389,6 +391,7 @@ class SWAComponent(TreeComponent):
         # them), so no later free can hit a reused page.
         self.allocator.free_swa_owned(full)
         cd.value = None
+        cd.on_device = False
         self.lru.remove(cd)  # type: ignore[arg-type]
         n = node.key_len  # == len(value) (check_node)
         self.evictable_size -= n
@@ -401,8 +404,8 @@ class SWAComponent(TreeComponent):
         delta = 0
         skipped: set[int] | None = None
         while node.parent is not None:
-            cd: SWAData = node.data[_SWA]  # type: ignore[assignment]  # (new_data)
-            if cd.value is None:
+            cd: SWAData = node.swa  # type: ignore[assignment]  # (new_data)
+            if not cd.on_device:
                 if skipped is None:
                     skipped = result.skip_lock_node_ids.setdefault(_SWA_TYPE, set())
                 skipped.add(node.id)
@@ -455,7 +458,7 @@ class SWAComponent(TreeComponent):
         ):
             delta = 0
             for n in plan[3]:
-                cd = n.data[_SWA]
+                cd = n.swa
                 assert cd is not None and cd.lock_ref > 0, f"SWA release on unlocked node {n.id}"
                 cd.lock_ref -= 1
                 if cd.lock_ref == 0:

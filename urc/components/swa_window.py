@@ -188,7 +188,7 @@ def _window_walk(
         while node.parent is not None:
             cd: SWAData = node.data[index]  # type: ignore[assignment]  # (SWA's new_data)
             if (
-                cd.value is not None
+                cd.on_device
                 and (skip is None or node.id not in skip)
                 and (epoch is None or cd.restored <= epoch)
             ):
