@@ -62,7 +62,6 @@ def _add_leaf(
     full = leaf.data[FULL_INDEX]
     assert full is not None
     full.value = value
-    full.on_device = True
     full_c = state.full
     full_c.evictable_size += leaf.key_len
     tree.link(parent, leaf)
@@ -195,7 +194,7 @@ def insert(
     if host is not None and ps == 1 and not overlap_hooks:
         matched = pos + pm
         for child in walked:
-            if not child.full.on_device:  # host-only: it adopts the caller's slots
+            if child.full.value is None:  # host-only: it adopts the caller's slots
                 matched = -1
                 break
             if child is not partial:
@@ -256,7 +255,7 @@ def insert(
             child.priority = priority
         fcd = child.full
         assert fcd is not None
-        if not fcd.on_device:
+        if fcd.value is None:
             # Host-only node: it adopts the incoming slots as its device value.
             _adopt_device_value(state, child, value[pos : pos + m].clone(), pos, params)
         else:
@@ -333,7 +332,6 @@ def _adopt_device_value(
     full = node.data[FULL_INDEX]
     assert full is not None and full.lock_ref == 0
     full.value = value
-    full.on_device = True
     state.full.evictable_size += node.key_len
     for c in state.hooks.recover:
         c.recover_after_unevict(node, pos, params)

@@ -18,6 +18,7 @@ __all__ = [
     "NUM_COMPONENT_TYPES",
     "ComponentData",
     "ComponentType",
+    "PresenceData",
     "SizeUnit",
     "Tier",
     "TreeNode",
@@ -64,25 +65,50 @@ class ComponentData:
     device copy, ``host_lock_ref`` the host copy.  A component that keeps more per node
     subclasses it (``urc.components.swa_data.SWAData``).
 
-    ``on_device`` is ``value is not None``, kept beside it: every writer of ``value`` sets
-    both (``sanity_check`` verifies it).  The lock paths test it instead of ``value``:
-    reading an attribute takes a reference to the object it holds, and on a lock the value
-    tensor is the one object nothing else touches (a cache miss of its own).
+    ``on_device`` is ``value is not None``.  Here it is derived (and a write only checks
+    that it agrees); :class:`PresenceData` stores it, for components whose lock paths test
+    it on every node.
     """
 
-    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "on_device", "value")
+    __slots__ = ("host_lock_ref", "host_value", "lock_ref", "value")
 
     def __init__(self, value: torch.Tensor | None = None) -> None:
         self.value = value
-        self.on_device = value is not None
         self.lock_ref = 0
         self.host_value: torch.Tensor | None = None
         self.host_lock_ref = 0
+
+    @property
+    def on_device(self) -> bool:
+        """Whether ``value`` holds device indices (not a tombstone)."""
+        return self.value is not None
+
+    @on_device.setter
+    def on_device(self, flag: bool) -> None:
+        assert flag is (self.value is not None), f"on_device {flag} with {self!r}"
 
     def __repr__(self) -> str:
         n = None if self.value is None else self.value.shape[0]
         h = None if self.host_value is None else self.host_value.shape[0]
         return f"ComponentData(len={n}, host_len={h}, lock={self.lock_ref}/{self.host_lock_ref})"
+
+
+class PresenceData(ComponentData):
+    """``ComponentData`` that stores ``on_device`` (every writer of ``value`` sets both;
+    ``sanity_check`` verifies it).
+
+    For the components whose locks test presence on every node they lock (SWA's window,
+    Mamba's node): reading ``value`` takes a reference to the tensor it holds, and on a
+    lock that tensor is an object nothing else touches -- a cache miss of its own on a
+    long-context tree (SGLang's bench: a third of a Mamba lock).  Full keeps the plain
+    data: its lock tests one node, and a slot more per node costs every Full walk.
+    """
+
+    __slots__ = ("on_device",)
+
+    def __init__(self, value: torch.Tensor | None = None) -> None:
+        super().__init__(value)
+        self.on_device = value is not None
 
 
 _ids = count()

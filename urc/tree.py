@@ -177,7 +177,6 @@ class Tree:
         full = root.data[ComponentType.FULL]
         assert full is not None
         full.value = torch.empty(0, dtype=torch.int64, device=self.device)
-        full.on_device = True
         return root
 
     def new_node(self, parent: TreeNode, key: TokenIds, namespace: Any) -> TreeNode:

@@ -26,7 +26,7 @@ from urc import (
     RadixKey,
     build_cache,
 )
-from urc.node import Tier, TreeNode
+from urc.node import PresenceData, Tier, TreeNode
 from urc.specs import ComponentSpec, MambaSpec, SlidingWindowSpec
 
 FULL = ComponentType.FULL
@@ -612,9 +612,9 @@ def test_the_cache_keeps_its_fields_in_slots_and_still_takes_other_attributes(
 def test_each_components_on_device_flag_follows_its_value_and_sanity_check_holds_it(
     components: tuple[ComponentType | ComponentSpec, ...], ps: int
 ) -> None:
-    """The lock paths test ``on_device``, not ``value``: every writer keeps the two together
-    (insert, split, eviction to a tombstone), and ``sanity_check`` names a node where they
-    disagree."""
+    """SWA's and Mamba's locks test a stored ``on_device``, not ``value``: every writer keeps
+    the two together (insert, split, eviction to a tombstone), and ``sanity_check`` names a
+    node where they disagree; Full's is derived from its value."""
     cache = build_cache(CacheConfig(components=components, page_size=ps, kv_size=256 * ps))
     mamba = cache.pools.mamba
     for n in (8, 4, 12):  # the second insert splits the first node
@@ -639,6 +639,10 @@ def test_each_components_on_device_flag_follows_its_value_and_sanity_check_holds
     (node,) = [cache.insert(InsertParams(key=RadixKey(seq(0, 4, ps)), value=v)).last_device_node]
     for cd in node.data:
         if cd is None:
+            continue
+        if not isinstance(cd, PresenceData):  # derived: a write that disagrees is refused
+            with pytest.raises(AssertionError, match="on_device"):
+                cd.on_device = not cd.on_device
             continue
         cd.on_device = not cd.on_device  # behind the cache's back
         with pytest.raises(AssertionError, match="on_device"):

@@ -154,7 +154,7 @@ class TreeComponent(HostTierHooks, RequestHooks, ABC):
         - Full: default.
         - SWA: an :class:`~urc.components.swa_data.SWAData` (window-lock ``uuid`` and
           ``restored`` stamps, both unset).
-        - Mamba: default.
+        - Mamba: a :class:`~urc.node.PresenceData` (its lock tests ``on_device``).
         """
         return ComponentData()
 

@@ -187,14 +187,15 @@ class FullComponent(TreeComponent):
         if node.deleted or node.parent is None:
             return False
         cd = node.full
-        if not cd.on_device or cd.lock_ref:
+        if cd.value is None or cd.lock_ref:
             return False
         children = node.children
-        if not children:
-            return True  # (the usual leaf: no generator built for it)
-        if self.host_tier is None:
+        if children and self.host_tier is None:
             return False  # without a host tier every child is on device
-        return not any(child.full.on_device for child in children.values())
+        for child in children.values():  # noqa: SIM110  (no generator for the usual leaf)
+            if child.full.value is not None:
+                return False
+        return True
 
     def _goes_first(self, node: TreeNode) -> bool:
         return self.is_device_leaf(node) and self.strategy.still_superseded(node)
@@ -339,7 +340,6 @@ class FullComponent(TreeComponent):
             f"evicting Full of node {node.id}: value={value is not None} lock={cd.lock_ref}"
         )
         cd.value = None
-        cd.on_device = False
         self._free_owned(value)
         n = node.key_len  # == len(value) (check_node)
         self.evictable_size -= n
@@ -374,7 +374,7 @@ class FullComponent(TreeComponent):
         # recorded id stays the lowest locked node.
         cd = node.full
         assert cd is not None
-        if not cd.on_device:
+        if cd.value is None:
             # Full acquires first: raising here changes nothing.  A lease on a host-only
             # node would protect fewer tokens than its depth, and host eviction may delete
             # the node under it (load it back first).
@@ -438,7 +438,6 @@ class FullComponent(TreeComponent):
         k = new_parent.key_len
         if c.value is not None:
             p.value = c.value[:k]
-            p.on_device = True
             c.value = c.value[k:]
         if c.host_value is not None:
             p.host_value = c.host_value[:k]

@@ -45,7 +45,15 @@ from urc.errors import (
 )
 from urc.host_protocol import TransferItem
 from urc.lru import LRUList
-from urc.node import FULL_INDEX, ComponentData, ComponentType, SizeUnit, Tier, TreeNode
+from urc.node import (
+    FULL_INDEX,
+    ComponentData,
+    ComponentType,
+    PresenceData,
+    SizeUnit,
+    Tier,
+    TreeNode,
+)
 from urc.params import EvictParams, MatchResult
 from urc.pools.indices import index_tensor
 from urc.specs import MambaSpec
@@ -85,7 +93,7 @@ def _has_state_any_tier(node: TreeNode) -> bool:
     assert cd is not None
     if cd.on_device:
         return True
-    return cd.host_value is not None and not node.full.on_device
+    return cd.host_value is not None and node.full.value is None
 
 
 def _unlocked(node: TreeNode) -> bool:
@@ -130,6 +138,9 @@ class MambaComponent(TreeComponent):
         self._pending: tuple[InsertParams | None, int] = (None, -1)
 
     # ------------------------------------------------------------------ node data
+    def new_data(self) -> PresenceData:
+        return PresenceData()
+
     def value_len(self, data: ComponentData) -> int:
         return 0 if data.value is None else 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from urc.node import ComponentData
+from urc.node import PresenceData
 
 if TYPE_CHECKING:
     from urc.lru import LRULink
@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 __all__ = ["SWAData"]
 
 
-class SWAData(ComponentData):
-    """SWA's data on one node: ``ComponentData`` plus the window-lock stamps.
+class SWAData(PresenceData):
+    """SWA's data on one node: ``PresenceData`` plus the window-lock stamps.
 
     ``uuid`` names the node as the top of window locks (stamped by the first lock whose
     window it fills; a split moves it to the upper part).  ``restored`` is the recovery epoch
