@@ -18,15 +18,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib.util
-import os
 import secrets
 import shutil
-import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
+import process_signals
 import torch
 
 from hicache.config import StorageConfig
@@ -395,15 +395,15 @@ class Mooncake(BackendUnderTest):
         self.master.kill()
 
     def stall(self) -> None:
-        os.kill(self._master_pid(), signal.SIGSTOP)
+        process_signals.stop(self._master_process())
 
     def unstall(self) -> None:
-        os.kill(self._master_pid(), signal.SIGCONT)
+        process_signals.resume(self._master_process())
 
-    def _master_pid(self) -> int:
+    def _master_process(self) -> subprocess.Popen[bytes]:
         process = self.master._process
         assert process is not None and process.poll() is None, "the master is not running"
-        return process.pid
+        return process
 
     async def bring_back(self, store: StorageBackend) -> None:
         self.master.start()

@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import process_signals
+
 __all__ = [
     "ValkeyCluster",
     "ValkeyNode",
@@ -195,13 +197,14 @@ class ValkeyNode:
         self._process = None
 
     def pause(self) -> None:
-        """SIGSTOP the process: connections stay open, nothing is answered."""
+        """SIGSTOP the process (and wait until it has stopped): connections stay open,
+        nothing is answered."""
         assert self._process is not None
-        os.kill(self._process.pid, signal.SIGSTOP)
+        process_signals.stop(self._process)
 
     def resume(self) -> None:
         assert self._process is not None
-        os.kill(self._process.pid, signal.SIGCONT)
+        process_signals.resume(self._process)
 
 
 class ValkeyCluster:
