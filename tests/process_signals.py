@@ -15,7 +15,7 @@ def stop(process: subprocess.Popen[Any]) -> None:
 
     ``kill`` only queues the stop: each thread stops as it next leaves the kernel, so a
     request sent right after it could still be answered (Mooncake's master, 21 threads, on a
-    loaded machine: 1 stall in 6).  ``waitpid(WUNTRACED)`` returns when the group stop is
+    loaded machine: 2 test runs in 7).  ``waitpid(WUNTRACED)`` returns when the group stop is
     complete; a child's stop is reported to its parent only.
     """
     os.kill(process.pid, signal.SIGSTOP)

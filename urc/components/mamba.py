@@ -145,7 +145,7 @@ class MambaComponent(TreeComponent):
         return 0 if data.value is None else 1
 
     def node_has_component_data(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> bool:
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
         return (cd.value if tier is Tier.DEVICE else cd.host_value) is not None
 
@@ -349,7 +349,7 @@ class MambaComponent(TreeComponent):
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None and cd.value is not None and cd.lock_ref == 0, (
             f"evicting Mamba state of node {node.id}: {cd}"
         )
@@ -374,7 +374,7 @@ class MambaComponent(TreeComponent):
         (evicted or replaced despite the backup's locks: a lock skips a state where SWA is a
         tombstone) or it already has a host copy; then the host slot is freed."""
         node = pieces[-1]
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
         if (
             cd.value is None
@@ -391,7 +391,7 @@ class MambaComponent(TreeComponent):
     def commit_host_insert(self, node: TreeNode, start: int, parts: Sequence[HostPart]) -> None:
         """A state read from a lower tier belongs to the node ending exactly at its position
         (a point part, ``start == end``); other nodes get none."""
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
         if cd.host_value is not None:
             return
@@ -406,7 +406,7 @@ class MambaComponent(TreeComponent):
     def load_target(self, node: TreeNode, full_device: torch.Tensor) -> TransferItem | None:
         """A held slot for the node's host state (evicting one unlocked state if the pool is
         full).  Without one the node comes back without state (a Mamba tombstone)."""
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
         if cd.host_value is None or cd.value is not None:
             return None
@@ -419,7 +419,7 @@ class MambaComponent(TreeComponent):
         """The loaded slot becomes the tree's, on the bottom piece; if that piece got a
         state meanwhile (an insert adopted one) it keeps it and the slot is freed."""
         node = pieces[-1]
-        cd = node.data[_M]
+        cd = node.mamba
         assert cd is not None
         slot = int(device.item())
         if cd.value is not None or node.full.value is None:
@@ -539,7 +539,7 @@ class MambaComponent(TreeComponent):
         return self.pool.available_size()
 
     def check_node(self, node: TreeNode) -> None:
-        cd = node.data[_M]
+        cd = node.mamba
         full = node.data[FULL_INDEX]
         assert cd is not None and full is not None
         assert full.lock_ref >= cd.lock_ref, (

@@ -178,14 +178,14 @@ class SWAComponent(TreeComponent):
         window = self.window + self.page_size
         move = self.lru.move_to_mru
         if node.key_len >= window:
-            cd = node.data[_SWA]
+            cd = node.swa
             if cd.value is not None:  # type: ignore[union-attr]
                 move(cd)  # type: ignore[arg-type]
             return
         chain: list[SWAData] = []
         acc = 0
         while node.parent is not None and acc < window:
-            cd = node.data[_SWA]
+            cd = node.swa
             if cd.value is not None:  # type: ignore[union-attr]
                 chain.append(cd)  # type: ignore[arg-type]
             acc += node.key_len
@@ -212,7 +212,7 @@ class SWAComponent(TreeComponent):
     def _add_swa(self, node: TreeNode) -> None:
         """Give ``node`` the SWA translation of its Full value (its Full slots map SWA)."""
         full = node.full.value
-        cd = node.data[_SWA]
+        cd = node.swa
         assert full is not None and isinstance(cd, SWAData) and cd.value is None
         cd.value = self.allocator.translate(full)
         cd.on_device = True
@@ -263,7 +263,7 @@ class SWAComponent(TreeComponent):
         unlocked adopts the incoming slots as its Full value (freeing the old ones); when
         Full is locked its indices stay and only the SWA pages move onto them.
         """
-        cd = node.data[_SWA]
+        cd = node.swa
         assert isinstance(cd, SWAData)
         if cd.value is not None or params.prev_prefix_len > total_prefix_len:
             return prefix_len
@@ -317,15 +317,15 @@ class SWAComponent(TreeComponent):
         """Give the tombstone ``node`` SWA (its Full slots map SWA pages) and stamp it, so a
         window lock taken while it was a tombstone never releases it (module docstring)."""
         self._epoch += 1
-        cd = node.data[_SWA]
+        cd = node.swa
         assert isinstance(cd, SWAData)
         cd.restored = self._epoch
         self._add_swa(node)
 
     # ------------------------------------------------------------------ split
     def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
-        c = child.data[_SWA]
-        p = new_parent.data[_SWA]
+        c = child.swa
+        p = new_parent.swa
         assert isinstance(c, SWAData) and isinstance(p, SWAData)
         k = new_parent.key_len
         v = c.value
@@ -366,7 +366,7 @@ class SWAComponent(TreeComponent):
             for node in candidates:
                 if tracker[_SWA] >= target:
                     return
-                cd = node.data[_SWA]
+                cd = node.swa
                 # Gone or tombstoned by an earlier cascade in this batch, or locked.
                 if cd.lru_next is None or cd.lock_ref:  # type: ignore[union-attr]
                     continue
@@ -379,7 +379,7 @@ class SWAComponent(TreeComponent):
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
-        cd = node.data[_SWA]
+        cd = node.swa
         assert cd is not None
         value = cd.value
         assert value is not None and cd.lock_ref == 0, (
@@ -481,7 +481,7 @@ class SWAComponent(TreeComponent):
     def load_target(self, node: TreeNode, full_device: torch.Tensor) -> TransferItem | None:
         """Restore the SWA host copy into the SWA pages of ``full_device``; without one the
         node comes back as an SWA tombstone and those pages are released now."""
-        cd = node.data[_SWA]
+        cd = node.swa
         assert cd is not None and cd.value is None
         alloc = self.allocator
         if cd.host_value is None or not alloc.swa_mapped(full_device):
@@ -499,7 +499,7 @@ class SWAComponent(TreeComponent):
             n = piece.key_len
             part = device[pos : pos + n]
             pos += n
-            cd = piece.data[_SWA]
+            cd = piece.swa
             full = piece.full.value
             assert cd is not None
             if cd.value is not None or full is None or not torch.equal(alloc.translate(full), part):
@@ -537,7 +537,7 @@ class SWAComponent(TreeComponent):
         return self.allocator.swa_available_size()
 
     def check_node(self, node: TreeNode) -> None:
-        cd = node.data[_SWA]
+        cd = node.swa
         full = node.data[FULL_INDEX]
         assert cd is not None and full is not None
         if cd.value is not None:
@@ -570,7 +570,7 @@ class SWAComponent(TreeComponent):
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
         with_swa = 0
         for n in nodes:
-            cd = n.data[_SWA]
+            cd = n.swa
             assert cd is not None
             if cd.value is not None:
                 with_swa += 1
