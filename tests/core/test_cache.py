@@ -650,3 +650,50 @@ def test_each_components_on_device_flag_follows_its_value_and_sanity_check_holds
         cd.on_device = not cd.on_device
     cache.sanity_check()
     cache.check_pools()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize(
+    "components",
+    [(FULL, MambaSpec(size=8)), (FULL, SlidingWindowSpec(window=4), MambaSpec(size=8))],
+    ids=["mamba", "swa+mamba"],
+)
+def test_mamba_data_names_the_slot_of_its_state_and_sanity_check_holds_it(
+    components: tuple[ComponentType | ComponentSpec, ...], ps: int
+) -> None:
+    """Each node's Mamba data keeps the pool slot its ``value`` names (``-1`` without state):
+    an insert sets it, a split leaves the upper node without it, eviction clears it, and
+    ``sanity_check`` names a node where slot and value disagree."""
+    cache = build_cache(CacheConfig(components=components, page_size=ps, kv_size=256 * ps))
+    mamba = cache.pools.mamba
+    assert mamba is not None
+    comp = cache.component(ComponentType.MAMBA)
+    for n in (8, 4, 12):  # the second insert splits the first node
+        v = cache.token_to_kv_pool_allocator.alloc(n * ps)
+        slot = mamba.alloc(1)
+        res = cache.insert(InsertParams(key=RadixKey(seq(0, n, ps)), value=v, mamba_value=slot))
+        if res.mamba_exist:
+            mamba.free(slot)
+        cache.sanity_check()
+    states = [n for n in cache.tree.nodes() if n.mamba.value is not None]
+    assert len(states) == 3
+    for node in cache.tree.nodes():
+        cd = node.mamba
+        want = -1 if cd.value is None else int(cd.value.item())
+        assert cd.slot == want, (node.id, cd.slot, want)
+        assert comp.state_slot(node) == (None if want < 0 else want)
+        assert want < 0 or mamba.is_tree_owned(want)
+    assert len({n.mamba.slot for n in states}) == 3
+    victim = states[0]
+    other = states[1].mamba.slot
+    right = victim.mamba.slot
+    victim.mamba.slot = other  # behind the cache's back
+    with pytest.raises(AssertionError, match="slot"):
+        cache.sanity_check()
+    victim.mamba.slot = right
+    while cache.evict(EvictParams(num_tokens=4 * ps, mamba_num=1)).num_tokens_evicted:
+        cache.sanity_check()
+        assert all((n.mamba.slot >= 0) is (n.mamba.value is not None) for n in cache.tree.nodes())
+    assert cache.tree.num_nodes == 0
+    assert mamba.num_tree_owned() == 0
+    cache.check_pools()

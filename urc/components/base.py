@@ -154,7 +154,8 @@ class TreeComponent(HostTierHooks, RequestHooks, ABC):
         - Full: default.
         - SWA: an :class:`~urc.components.swa_data.SWAData` (window-lock ``uuid`` and
           ``restored`` stamps, both unset).
-        - Mamba: a :class:`~urc.node.PresenceData` (its lock tests ``on_device``).
+        - Mamba: a :class:`~urc.components.mamba_data.MambaData` (its lock tests
+          ``on_device``; ``slot`` names the state's pool slot).
         """
         return ComponentData()
 
@@ -574,7 +575,8 @@ class TreeComponent(HostTierHooks, RequestHooks, ABC):
 
         - Full: every device leaf in the heap, every host leaf in the host heap.
         - SWA: the LRU holds exactly the nodes with SWA.
-        - Mamba: LRU and slot map match the nodes with state; pool ownership agrees.
+        - Mamba: the LRU and the data's slots match the nodes with state; pool ownership
+          agrees.
         """
 
     def reset(self) -> None:
@@ -585,7 +587,7 @@ class TreeComponent(HostTierHooks, RequestHooks, ABC):
 
         - Full: also empties its heaps and fork queue.
         - SWA: also empties its LRU.
-        - Mamba: also empties its LRU and slot map.
+        - Mamba: also empties its LRU.
         """
         self.evictable_size = 0
         self.protected_size = 0

@@ -37,6 +37,7 @@ from urc.components.base import (
     PathValidator,
     TreeComponent,
 )
+from urc.components.mamba_data import MambaData
 from urc.components.mamba_requests import MambaRequestSlots
 from urc.errors import (
     ConfigError,
@@ -49,7 +50,6 @@ from urc.node import (
     FULL_INDEX,
     ComponentData,
     ComponentType,
-    PresenceData,
     SizeUnit,
     Tier,
     TreeNode,
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from urc.request_protocol import CachingRequest
     from urc.tree import Tree
 
-__all__ = ["MambaComponent"]
+__all__ = ["MambaComponent", "MambaData"]
 
 _M = 2  # ComponentType.MAMBA
 _MAMBA = ComponentType.MAMBA
@@ -123,8 +123,6 @@ class MambaComponent(TreeComponent):
         self.is_eagle = config.is_eagle
         self.requests = MambaRequestSlots(pool, self.page_size, self.is_eagle, self._alloc_slot)
         self.lru = LRUList()
-        # node id -> slot of its state (saves a tensor read on every evict and copy).
-        self._slot_of: dict[int, int] = {}
         # One 1-element index tensor per slot, stored as node values: views of one arange,
         # made in one ``unbind`` (a slice per insert would cost a torch call each).  Never
         # handed to callers, who might modify them in place.
@@ -138,8 +136,8 @@ class MambaComponent(TreeComponent):
         self._pending: tuple[InsertParams | None, int] = (None, -1)
 
     # ------------------------------------------------------------------ node data
-    def new_data(self) -> PresenceData:
-        return PresenceData()
+    def new_data(self) -> MambaData:
+        return MambaData()
 
     def value_len(self, data: ComponentData) -> int:
         return 0 if data.value is None else 1
@@ -151,7 +149,8 @@ class MambaComponent(TreeComponent):
 
     def state_slot(self, node: TreeNode) -> int | None:
         """The pool slot of ``node``'s state, or ``None`` (no state on device)."""
-        return self._slot_of.get(node.id)
+        slot = node.mamba.slot  # type: ignore[union-attr]
+        return None if slot < 0 else slot
 
     # ------------------------------------------------------------------ match
     def validate_match(self, params: MatchPrefixParams) -> None:
@@ -237,8 +236,8 @@ class MambaComponent(TreeComponent):
         if params.cow_mamba and best_len:
             assert req is not None  # validate_match
             node = result.last_device_node
-            src = self._slot_of.get(node.id)
-            if src is not None:
+            src = node.mamba.slot  # type: ignore[union-attr]
+            if src >= 0:
                 idx = req.mamba_pool_idx
                 if idx is None:
                     dst = self._alloc_slot(node)
@@ -294,8 +293,7 @@ class MambaComponent(TreeComponent):
         params: InsertParams,
         result: InsertResult,
     ) -> TreeNode:
-        cd = node.mamba
-        assert cd is not None
+        cd: MambaData = node.mamba  # type: ignore[assignment]  # (new_data)
         if cd.on_device:
             # The node keeps its state; the caller still owns (and frees) its slot.
             result.mamba_exist = True
@@ -312,7 +310,7 @@ class MambaComponent(TreeComponent):
         assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
         cd.value = self._values[slot]
         cd.on_device = True
-        self._slot_of[node.id] = slot
+        cd.slot = slot
         self.pool.adopt(slot)
         self.lru.insert_mru(node)
         self.evictable_size += 1
@@ -349,13 +347,14 @@ class MambaComponent(TreeComponent):
 
     def evict_component(self, node: TreeNode, tier: Tier = Tier.DEVICE) -> int:
         assert tier is Tier.DEVICE, "host tiers are evicted by the HiCache layer"
-        cd = node.mamba
-        assert cd is not None and cd.value is not None and cd.lock_ref == 0, (
+        cd: MambaData = node.mamba  # type: ignore[assignment]  # (new_data)
+        assert cd.value is not None and cd.lock_ref == 0, (
             f"evicting Mamba state of node {node.id}: {cd}"
         )
+        slot = cd.slot
         cd.value = None
         cd.on_device = False
-        slot = self._slot_of.pop(node.id)
+        cd.slot = -1
         self.lru.remove(node)
         self.pool.release_tree_slot(slot)
         self.evictable_size -= 1
@@ -374,13 +373,8 @@ class MambaComponent(TreeComponent):
         (evicted or replaced despite the backup's locks: a lock skips a state where SWA is a
         tombstone) or it already has a host copy; then the host slot is freed."""
         node = pieces[-1]
-        cd = node.mamba
-        assert cd is not None
-        if (
-            cd.value is None
-            or cd.host_value is not None
-            or self._slot_of.get(node.id) != int(source.item())
-        ):
+        cd: MambaData = node.mamba  # type: ignore[assignment]  # (new_data)
+        if cd.value is None or cd.host_value is not None or cd.slot != int(source.item()):
             tier = self.host_tier
             assert tier is not None
             tier.host_free(ComponentType.MAMBA, host)
@@ -419,8 +413,7 @@ class MambaComponent(TreeComponent):
         """The loaded slot becomes the tree's, on the bottom piece; if that piece got a
         state meanwhile (an insert adopted one) it keeps it and the slot is freed."""
         node = pieces[-1]
-        cd = node.mamba
-        assert cd is not None
+        cd: MambaData = node.mamba  # type: ignore[assignment]  # (new_data)
         slot = int(device.item())
         if cd.value is not None or node.full.value is None:
             self.pool.free_slots((slot,))
@@ -429,7 +422,7 @@ class MambaComponent(TreeComponent):
         self.pool.adopt(slot)
         cd.value = self._values[slot]
         cd.on_device = True
-        self._slot_of[node.id] = slot
+        cd.slot = slot
         self.lru.insert_mru(node)
         self.evictable_size += 1
 
@@ -539,25 +532,23 @@ class MambaComponent(TreeComponent):
         return self.pool.available_size()
 
     def check_node(self, node: TreeNode) -> None:
-        cd = node.mamba
+        cd: MambaData = node.mamba  # type: ignore[assignment]  # (new_data)
         full = node.data[FULL_INDEX]
         assert cd is not None and full is not None
         assert full.lock_ref >= cd.lock_ref, (
             f"node {node.id}: Mamba lock {cd.lock_ref} exceeds Full lock {full.lock_ref}"
         )
-        slot = self._slot_of.get(node.id)
+        slot = cd.slot
         if cd.value is None:
             assert cd.lock_ref == 0, f"node {node.id}: Mamba tombstone with lock {cd.lock_ref}"
             assert node not in self.lru, f"node {node.id} without state is in the Mamba LRU"
-            assert slot is None, f"node {node.id} without state still maps to slot {slot}"
+            assert slot == -1, f"node {node.id} without state still names slot {slot}"
             self._check_host(node, cd, full)
             return
         self._check_host(node, cd, full)
         v = cd.value
         assert v.dtype == torch.int64 and tuple(v.shape) == (1,), f"node {node.id}: {v!r}"
-        assert slot is not None and int(v.item()) == slot, (
-            f"node {node.id}: state value {v.tolist()} != recorded slot {slot}"
-        )
+        assert int(v.item()) == slot, f"node {node.id}: state value {v.tolist()} != slot {slot}"
         assert self.pool.is_tree_owned(slot), f"node {node.id}: slot {slot} not tree-owned"
         assert node in self.lru, f"node {node.id} with state is not in the Mamba LRU"
 
@@ -571,11 +562,9 @@ class MambaComponent(TreeComponent):
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
         with_state = len([n for n in nodes if _has_state(n)])
         assert len(self.lru) == with_state, f"Mamba LRU {len(self.lru)} != {with_state} states"
-        assert len(self._slot_of) == with_state, (
-            f"{len(self._slot_of)} recorded states != {with_state} nodes with state"
-        )
         # Each state slot is on exactly one node (a split never duplicates state).
-        assert len(set(self._slot_of.values())) == with_state, "a Mamba slot is on two nodes"
+        slots = {n.mamba.slot for n in nodes if _has_state(n)}  # type: ignore[union-attr]
+        assert len(slots) == with_state, "a Mamba slot is on two nodes"
         owned = self.pool.num_tree_owned()
         assert owned == with_state, f"pool has {owned} tree-owned slots, tree {with_state}"
         self.pool.check_consistency()
@@ -583,5 +572,4 @@ class MambaComponent(TreeComponent):
     def reset(self) -> None:
         super().reset()
         self.lru.clear()
-        self._slot_of.clear()
         self._pending = _NO_PENDING
