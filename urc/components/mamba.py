@@ -560,10 +560,11 @@ class MambaComponent(TreeComponent):
             assert full.host_value is not None, f"node {node.id}: Mamba on host without Full"
 
     def check_structures(self, nodes: Sequence[TreeNode]) -> None:
-        with_state = len([n for n in nodes if _has_state(n)])
+        states = [n for n in nodes if _has_state(n)]
+        with_state = len(states)
         assert len(self.lru) == with_state, f"Mamba LRU {len(self.lru)} != {with_state} states"
         # Each state slot is on exactly one node (a split never duplicates state).
-        slots = {n.mamba.slot for n in nodes if _has_state(n)}  # type: ignore[union-attr]
+        slots = {n.mamba.slot for n in states}  # type: ignore[union-attr]
         assert len(slots) == with_state, "a Mamba slot is on two nodes"
         owned = self.pool.num_tree_owned()
         assert owned == with_state, f"pool has {owned} tree-owned slots, tree {with_state}"
